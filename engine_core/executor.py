@@ -1,0 +1,114 @@
+"""Executors run SchedulerOutputs on workers. The multiprocess one starts one worker process per device.
+
+The engine never imports torch: workers are separate processes spoken to over ZMQ with msgspec, and
+the in-process executor (worker/executor.py) is handed in by whoever builds the EngineCore.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from typing import Protocol
+
+import msgspec
+import zmq
+
+from protocol.codec import worker_input_codec, worker_output_codec
+from protocol.config import WorkerConfig
+from protocol.messages import ModelInfo
+from protocol.worker_messages import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerError,
+    WorkerReady,
+    WorkerShutdown,
+)
+
+
+class Executor(Protocol):
+    model_info: ModelInfo
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited or reported an error."""
+
+
+class MultiprocExecutor:
+    """One worker process (rank 0). The engine's busy loop blocks on its reply each step."""
+
+    POLL_INTERVAL_MS = 1000
+
+    def __init__(self, config: WorkerConfig, load_timeout_s: float = 600.0) -> None:
+        self._input_codec = worker_input_codec()
+        self._output_codec = worker_output_codec()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PAIR)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._ipc_dir = tempfile.mkdtemp(prefix="engine-worker-")
+        address = f"ipc://{self._ipc_dir}/{uuid.uuid4().hex[:8]}"
+        self._socket.bind(address)
+        # NOTE: a fresh interpreter (not fork) so that torch's threads start clean in the worker.
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "worker.main", address],
+            stdin=subprocess.PIPE,
+            env=os.environ.copy(),
+        )
+        assert self._process.stdin is not None
+        self._process.stdin.write(msgspec.json.encode(config))
+        self._process.stdin.close()
+        message = self._receive(timeout_s=load_timeout_s)
+        if not isinstance(message, WorkerReady):
+            raise WorkerDiedError(f"worker sent {type(message).__name__} instead of WorkerReady")
+        self.model_info = message.model_info
+
+    def _receive(self, timeout_s: float | None = None) -> object:
+        waited_ms = 0
+        while not self._socket.poll(self.POLL_INTERVAL_MS):
+            waited_ms += self.POLL_INTERVAL_MS
+            self.check_health()
+            if timeout_s is not None and waited_ms > timeout_s * 1000:
+                raise WorkerDiedError(f"worker did not answer within {timeout_s} s")
+        message = self._output_codec.decode(self._socket.recv_multipart(copy=False))
+        if isinstance(message, WorkerError):
+            raise WorkerDiedError(f"worker failed: {message.message}")
+        return message
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._socket.send_multipart(self._input_codec.encode(scheduler_output), copy=False)
+        message = self._receive()
+        assert isinstance(message, ModelRunnerOutput)
+        return message
+
+    def check_health(self) -> None:
+        code = self._process.poll()
+        if code is not None:
+            raise WorkerDiedError(f"worker process exited with code {code}")
+
+    def shutdown(self) -> None:
+        if self._process.poll() is None:
+            try:
+                self._socket.send_multipart(self._input_codec.encode(WorkerShutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._socket.close()
+        self._context.term()
+        try:
+            for name in os.listdir(self._ipc_dir):
+                os.unlink(os.path.join(self._ipc_dir, name))
+            os.rmdir(self._ipc_dir)
+        except OSError:
+            pass

@@ -1,0 +1,103 @@
+"""Per-request block tables on top of the BlockPool, with prefix caching.
+
+Invariants (check_invariants):
+- a block's ref count equals the number of block tables holding it;
+- a request holds ceil(tokens with KV / block_size) blocks at least, never a block twice;
+- only blocks whose KV is written are indexed (cache_blocks runs after the step that wrote them).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from engine_core.block_pool import BlockPool, KVCacheBlock
+from engine_core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are indexed
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request, as blocks and a token count."""
+        if not self.enable_caching:
+            return [], 0
+        # NOTE: the last token is always recomputed so that the step produces its logits.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_tokens = len(blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_tokens
+        return blocks, num_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> list[KVCacheBlock] | None:
+        """Reserve blocks for num_new_tokens more tokens; None (and no change) if the pool is short."""
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Cached blocks on the free queue are about to be revived, so they do not count as free.
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_revived:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request) -> None:
+        """Index the request's full blocks whose KV is written (called after each step)."""
+        if not self.enable_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full > start:
+            blocks = self.req_to_blocks[request.request_id]
+            self.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
+            self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        # Tail blocks are the least likely to be shared: evict them first.
+        self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        holders: Counter[int] = Counter()
+        for blocks in self.req_to_blocks.values():
+            ids = [block.block_id for block in blocks]
+            assert len(ids) == len(set(ids)), ids
+            holders.update(ids)
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])

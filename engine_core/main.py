@@ -1,0 +1,28 @@
+"""`python -m engine_core.main`: the EngineCore process. Reads its EngineConfig as JSON on stdin."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import msgspec
+
+from engine_core.engine_core import EngineCore
+from engine_core.executor import MultiprocExecutor
+from engine_core.process import EngineCoreProc, install_signal_handlers
+from protocol.config import EngineConfig
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    if config.executor != "mp":
+        raise SystemExit(f"the engine process runs the 'mp' executor only, not {config.executor!r}")
+    executor = MultiprocExecutor(config.worker)
+    proc = EngineCoreProc(config, EngineCore(config, executor))
+    install_signal_handlers(proc)
+    proc.run()
+
+
+if __name__ == "__main__":
+    main()

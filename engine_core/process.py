@@ -1,0 +1,208 @@
+"""The EngineCore process: two IO threads around the busy loop.
+
+The input thread receives, decodes and queues frontend messages; the output thread encodes and
+routes outputs to the frontend that owns each request. The busy loop never touches a socket, so
+serialization overlaps model execution.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine_core.engine_core import EngineCore
+from engine_core.request import Request
+from protocol.codec import decode_value, encode_value, engine_codec, frontend_codec
+from protocol.config import EngineConfig
+from protocol.errors import InvalidParameterError
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineOutputs,
+    Ready,
+    Register,
+    Rejected,
+    RequestOutput,
+    UtilityCall,
+    UtilityResult,
+)
+
+logger = logging.getLogger("engine.core")
+
+# How long the output thread retries a message to a frontend whose socket is not connected yet.
+ROUTE_RETRY_S = 10.0
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, engine: EngineCore) -> None:
+        self.config = config
+        self.engine = engine
+        self.context = zmq.Context()
+        self.input_queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[str, msgspec.Struct] | None] = queue.Queue()
+        self.clients: set[str] = set()
+        self.stop_event = threading.Event()
+        self.parent_pid = os.getppid()
+        self.input_socket = self.context.socket(zmq.ROUTER)
+        self.output_socket = self.context.socket(zmq.ROUTER)
+        for sock in (self.input_socket, self.output_socket):
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+        self.output_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.input_socket.bind(config.input_address)
+        self.output_socket.bind(config.output_address)
+        self.input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
+        self.output_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
+
+    # ---- IO threads ----
+
+    def _input_loop(self) -> None:
+        codec = frontend_codec()
+        while not self.stop_event.is_set():
+            if not self.input_socket.poll(100):
+                continue
+            identity, *frames = self.input_socket.recv_multipart()
+            client_id = identity.decode()
+            try:
+                message = codec.decode(frames)
+            except msgspec.DecodeError as error:
+                logger.warning("dropping an undecodable message from %s: %s", client_id, error)
+                continue
+            if isinstance(message, Register):
+                self._register(client_id, message)
+            else:
+                self.input_queue.put((client_id, message))
+
+    def _register(self, client_id: str, message: Register) -> None:
+        if message.protocol_version != PROTOCOL_VERSION:
+            reason = f"protocol version {message.protocol_version} != engine's {PROTOCOL_VERSION}"
+            self.output_queue.put((client_id, Rejected(reason)))
+            return
+        self.clients.add(client_id)
+        logger.info("frontend %s registered", client_id)
+        self.output_queue.put((client_id, Ready(PROTOCOL_VERSION, self.engine.model_info)))
+
+    def _output_loop(self) -> None:
+        codec = engine_codec()
+        while True:
+            item = self.output_queue.get()
+            if item is None:
+                return
+            client_id, message = item
+            frames = [client_id.encode(), *codec.encode(message)]
+            deadline = time.monotonic() + ROUTE_RETRY_S
+            while True:
+                try:
+                    self.output_socket.send_multipart(frames, copy=False)
+                    break
+                except zmq.ZMQError as error:
+                    # EHOSTUNREACH: the frontend's output socket has not connected yet (or it left).
+                    if error.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
+                        logger.warning("dropping output for frontend %s: %s", client_id, error)
+                        if isinstance(message, EngineOutputs):
+                            self.input_queue.put((client_id, _ClientGone()))
+                        break
+                    time.sleep(0.01)
+
+    # ---- busy loop ----
+
+    def run(self) -> None:
+        self.input_thread.start()
+        self.output_thread.start()
+        try:
+            while not self.stop_event.is_set():
+                idle = not self.engine.has_unfinished_requests()
+                if idle and os.getppid() != self.parent_pid:
+                    logger.warning("the process that started the engine is gone; exiting")
+                    break
+                self._process_inputs(block=idle)
+                if self.engine.has_unfinished_requests():
+                    self._send(self.engine.step())
+        except Exception as error:  # fatal: tell every frontend, then exit
+            logger.exception("engine core failed")
+            for client_id in list(self.clients):
+                self.output_queue.put((client_id, EngineDead(f"engine core failed: {error}")))
+            raise
+        finally:
+            self.output_queue.put(None)
+            self.output_thread.join(timeout=5)
+            self.stop_event.set()
+            self.engine.shutdown()
+            self.input_socket.close()
+            self.output_socket.close()
+            self.context.term()
+
+    def _process_inputs(self, block: bool) -> None:
+        try:
+            client_id, message = self.input_queue.get(timeout=0.1) if block else self.input_queue.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(client_id, message)
+            try:
+                client_id, message = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, client_id: str, message: Any) -> None:
+        if isinstance(message, AddRequest):
+            try:
+                self.engine.add_request(message, client_id)
+            except (InvalidParameterError, ValueError) as error:
+                output = RequestOutput(message.request_id, [], finish_reason="abort", stop_reason=str(error))
+                self.output_queue.put((client_id, EngineOutputs([output], time.time())))
+        elif isinstance(message, AbortRequests):
+            self._send(self.engine.abort_requests(message.request_ids))
+        elif isinstance(message, UtilityCall):
+            try:
+                args = [decode_value(arg) for arg in message.args]
+                result = self.engine.call_utility(message.method, args)
+                reply = UtilityResult(message.call_id, encode_value(result))
+            except Exception as error:
+                reply = UtilityResult(message.call_id, encode_value(None), f"{type(error).__name__}: {error}")
+            self.output_queue.put((client_id, reply))
+        elif isinstance(message, _ClientGone):
+            self._drop_client(client_id)
+
+    def _drop_client(self, client_id: str) -> None:
+        """A frontend left: abort its requests so their blocks are freed."""
+        self.clients.discard(client_id)
+        owned = [r.request_id for r in self.engine.scheduler.requests.values() if r.client_id == client_id]
+        if owned:
+            logger.info("frontend %s left; aborting its %d requests", client_id, len(owned))
+            self.engine.abort_requests(owned)
+
+    def _send(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
+        if not outputs:
+            return
+        by_client: dict[str, list[RequestOutput]] = defaultdict(list)
+        for request, output in outputs:
+            by_client[request.client_id].append(output)
+        timestamp = time.time()
+        stats = self.engine.make_stats()
+        for client_id, client_outputs in by_client.items():
+            self.output_queue.put((client_id, EngineOutputs(client_outputs, timestamp, stats)))
+
+    def request_stop(self, *_: Any) -> None:
+        self.stop_event.set()
+
+
+class _ClientGone:
+    """Internal marker queued by the output thread when a frontend cannot be reached."""
+
+
+def install_signal_handlers(proc: EngineCoreProc) -> None:
+    signal.signal(signal.SIGTERM, proc.request_stop)
+    signal.signal(signal.SIGINT, proc.request_stop)

@@ -1,0 +1,129 @@
+"""One request's state inside the EngineCore.
+
+Invariants:
+- num_computed_tokens <= num_tokens; the KV of the first num_computed_tokens tokens is written.
+- status only moves forward through the finished states: once finished, a request never runs again.
+- block_hashes[i] is the chained hash of full block i of all_token_ids (prompt then output).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from engine_core.block_hash import BlockHash, hash_block_tokens
+from protocol.messages import AddRequest
+from protocol.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status > PREEMPTED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        client_id: str = "",
+        block_size: int = 16,
+        extra_keys: tuple[str, ...] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.client_id = client_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set at first schedule; -1 means not yet looked up
+        self.num_preemptions = 0
+        self.block_size = block_size
+        self.extra_keys = extra_keys
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    @classmethod
+    def from_add(cls, message: AddRequest, client_id: str, block_size: int) -> Request:
+        extra_keys = tuple(k for k in (message.lora_name, message.cache_salt) if k is not None)
+        return cls(
+            message.request_id,
+            message.prompt_token_ids,
+            message.sampling_params,
+            arrival_time=message.arrival_time,
+            priority=message.priority,
+            client_id=client_id,
+            block_size=block_size,
+            extra_keys=extra_keys,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        size = self.block_size
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        for start in range(len(self.block_hashes) * size, len(self.all_token_ids) - size + 1, size):
+            parent = hash_block_tokens(parent, self.all_token_ids[start : start + size], self.extra_keys)
+            self.block_hashes.append(parent)
+
+    def __lt__(self, other: Request) -> bool:
+        """Priority order: lower priority value first, then earlier arrival, then id."""
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, out={self.num_output_tokens})"
+        )

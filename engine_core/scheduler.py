@@ -1,0 +1,322 @@
+"""The scheduler: one token budget per step, no prefill or decode phases.
+
+Each request has num_computed_tokens chasing num_tokens (prompt + output). A step gives each
+running request, then waiting ones, as many tokens as the budget allows, so chunked prefill,
+prefix-cache hits and mixed batches are one rule. When blocks run out, the lowest-priority running
+request is preempted: its blocks are freed and it goes back to the front of the queue to be
+recomputed (it usually hits its own blocks in the prefix cache).
+
+Invariants (check_invariants):
+- scheduled tokens never exceed max_num_batched_tokens; running requests never exceed max_num_seqs;
+- every running request holds blocks for its computed tokens; waiting ones hold none;
+- a finished request is in neither queue and holds no blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from engine_core.config import SchedulerConfig
+from engine_core.kv_cache_manager import KVCacheManager, cdiv
+from engine_core.request import Request, RequestStatus
+from protocol.messages import RequestOutput, SchedulerStats
+from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+
+class WaitingQueue:
+    """FCFS (a deque) or priority (a heap ordered by Request.__lt__)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fcfs: deque[Request] = deque()
+        self._heap: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, request)
+        else:
+            self._fcfs.append(request)
+
+    def add_front(self, request: Request) -> None:
+        """Re-queue a preempted request ahead of newer arrivals."""
+        if self.policy == "priority":
+            heapq.heappush(self._heap, request)
+        else:
+            self._fcfs.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0] if self.policy == "priority" else self._fcfs[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap) if self.policy == "priority" else self._fcfs.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap.remove(request)
+            heapq.heapify(self._heap)
+        else:
+            self._fcfs.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) + len(self._fcfs)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._heap if self.policy == "priority" else self._fcfs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.finished_request_ids: list[str] = []  # since the last schedule(): workers drop their state
+        self.preempted_request_ids: list[str] = []
+        self.sent_to_worker: set[str] = set()  # requests whose state the worker holds
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens does not fit max_model_len {self.config.max_model_len}"
+            )
+        if request.num_tokens > self.config.num_kv_blocks * self.config.block_size:
+            raise ValueError(f"prompt of {request.num_tokens} tokens does not fit the KV pool")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests by id; unknown or finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self.sent_to_worker:
+            self.sent_to_worker.discard(request.request_id)
+            self.finished_request_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._prefill_cap())
+            if num_new <= 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if self.running.index(victim) < index:
+                    index -= 1
+                budget += num_scheduled.pop(victim.request_id, 0)
+                new_block_ids.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue  # the request itself was preempted; running shrank under index
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
+            budget -= num_new
+            index += 1
+
+        # NOTE: after a preemption the pool is tight; admitting new work would only thrash.
+        while not preempted and len(self.waiting) > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget, self._prefill_cap())
+            new_blocks = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        return self._make_output(num_scheduled, new_block_ids)
+
+    def _prefill_cap(self) -> int:
+        cap = self.config.long_prefill_token_threshold
+        return cap if cap > 0 else self.config.max_num_batched_tokens
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.request_id in self.sent_to_worker:
+            self.sent_to_worker.discard(request.request_id)
+            self.preempted_request_ids.append(request.request_id)
+        self.waiting.add_front(request)
+
+    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> SchedulerOutput:
+        new_requests = []
+        cached_requests = []
+        for request in self.running:
+            request_id = request.request_id
+            if request_id not in num_scheduled:
+                continue
+            if request_id in self.sent_to_worker:
+                cached_requests.append(
+                    CachedRequestData(request_id, new_block_ids[request_id], request.num_computed_tokens)
+                )
+            else:
+                new_requests.append(
+                    NewRequestData(
+                        request_id,
+                        request.prompt_token_ids,
+                        request.output_token_ids,
+                        request.sampling_params,
+                        self.kv_cache.get_block_ids(request_id),
+                        request.num_computed_tokens,
+                    )
+                )
+                self.sent_to_worker.add(request_id)
+        output = SchedulerOutput(
+            new_requests=new_requests,
+            cached_requests=cached_requests,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_request_ids=self.finished_request_ids + self.preempted_request_ids,
+            preempted_request_ids=self.preempted_request_ids,
+        )
+        self.finished_request_ids = []
+        self.preempted_request_ids = []
+        return output
+
+    # ---- after the step ----
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> list[tuple[Request, RequestOutput]]:
+        """Advance computed counts, append sampled tokens, apply engine-side stops."""
+        outputs = []
+        stopped = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # preempted or aborted since it was scheduled
+            was_prefill = request.num_computed_tokens < request.num_prompt_tokens
+            if was_prefill:
+                self.num_prompt_tokens += min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += num_tokens
+            self.kv_cache.cache_blocks(request)
+            new_token_ids = model_output.sampled_token_ids.get(request_id, [])
+            if new_token_ids:
+                request.append_output_token_ids(new_token_ids)
+                self.num_generation_tokens += len(new_token_ids)
+                self._check_stop(request)
+            prompt_logprobs = model_output.prompt_logprobs.get(request_id)
+            if new_token_ids or prompt_logprobs is not None:
+                outputs.append(
+                    (
+                        request,
+                        RequestOutput(
+                            request_id,
+                            new_token_ids,
+                            finish_reason=request.status.finish_reason,
+                            stop_reason=request.stop_reason,
+                            new_logprobs=model_output.logprobs.get(request_id),
+                            new_prompt_logprobs=prompt_logprobs,
+                            num_cached_tokens=max(request.num_cached_tokens, 0),
+                        ),
+                    )
+                )
+            if request.is_finished:
+                stopped.append(request)
+        for request in stopped:
+            self.running.remove(request)
+            self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+            request.num_tokens >= self.config.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    # ---- stats and checks ----
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def check_invariants(self, scheduler_output: SchedulerOutput | None = None) -> None:
+        self.kv_cache.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        if scheduler_output is not None:
+            assert scheduler_output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        block_size = self.config.block_size
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, request
+            num_blocks = len(self.kv_cache.req_to_blocks.get(request.request_id, []))
+            assert num_blocks >= cdiv(request.num_computed_tokens, block_size), request
+        for request in self.waiting:
+            assert not request.is_finished, request
+            assert request.request_id not in self.kv_cache.req_to_blocks, request
+        assert len(self.running) + len(self.waiting) == len(self.requests)

@@ -1,0 +1,41 @@
+"""The contract between processes. Imports only the standard library and msgspec."""
+
+from protocol.errors import EngineDeadError, InvalidParameterError, ProtocolVersionError
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineOutputs,
+    Logprobs,
+    ModelInfo,
+    Ready,
+    Register,
+    Rejected,
+    RequestOutput,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
+from protocol.sampling import SamplingParams
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AbortRequests",
+    "AddRequest",
+    "EngineDead",
+    "EngineDeadError",
+    "EngineOutputs",
+    "InvalidParameterError",
+    "Logprobs",
+    "ModelInfo",
+    "ProtocolVersionError",
+    "Ready",
+    "Register",
+    "Rejected",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerStats",
+    "UtilityCall",
+    "UtilityResult",
+]

@@ -1,0 +1,35 @@
+"""Configuration that crosses process boundaries: the launcher builds it, the engine and workers read it."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True):
+    """Everything a worker needs to load the model and size its KV cache."""
+
+    model: str  # HF folder or .gguf file
+    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
+    block_size: int = 16
+    max_model_len: int | None = None  # None: from the model config
+    kv_cache_memory_bytes: int = 1 << 30  # KV pool size when num_kv_blocks is None
+    num_kv_blocks: int | None = None  # override the pool size in blocks
+    max_num_seqs: int = 128
+    served_model_names: list[str] = []
+    attention_backend: str = "torch"
+    seed: int = 0  # seeds the generator of unseeded requests
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """The EngineCore's configuration, passed to its process as JSON."""
+
+    worker: WorkerConfig
+    max_num_seqs: int = 128  # requests running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority"
+    long_prefill_token_threshold: int = 0  # >0: cap each prefill chunk (chunked prefill below the budget)
+    input_address: str = ""  # ZMQ address the engine binds for frontend requests
+    output_address: str = ""  # ZMQ address the engine binds for outputs
+    executor: str = "mp"  # "mp": one worker process per device; "inproc": the model in the engine process

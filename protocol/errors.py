@@ -1,0 +1,18 @@
+"""Typed errors shared by every process: the HTTP edge maps each to one OpenAI error body."""
+
+
+class InvalidParameterError(ValueError):
+    """A caller passed a value outside its allowed range; `param` names the field (OpenAI `error.param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+class ProtocolVersionError(RuntimeError):
+    """A peer speaks another PROTOCOL_VERSION; raised at registration."""
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process is gone (it sent DEAD, or its process exited)."""

@@ -1,0 +1,131 @@
+"""Messages between frontends and the EngineCore. Tagged msgspec structs; field order is an ABI.
+
+Append defaulted fields only, and bump PROTOCOL_VERSION for anything else.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class Register(msgspec.Struct, tag="register", array_like=True):
+    """frontend -> engine: join. The engine answers Ready (or Rejected) on the output socket."""
+
+    protocol_version: int  # must equal the engine's PROTOCOL_VERSION
+    client_id: str  # the frontend's ZMQ identity; outputs for its requests are routed to it
+
+
+class ModelInfo(msgspec.Struct, array_like=True):
+    """What a frontend needs to know of the model the engine serves."""
+
+    model: str  # path of the folder or .gguf file the worker loaded
+    served_model_names: list[str]  # names the API accepts in `model`
+    max_model_len: int  # prompt + output tokens per request
+    block_size: int  # tokens per KV block
+    vocab_size: int  # logits width
+    eos_token_ids: list[int]  # ids that end generation unless ignore_eos
+    dtype: str  # weights and activations dtype, e.g. "bfloat16"
+    num_kv_blocks: int  # size of the KV pool
+    engine_version: str  # package version of the engine
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """engine -> frontend: registration accepted."""
+
+    protocol_version: int
+    model_info: ModelInfo
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True):
+    """engine -> frontend: registration refused (e.g. protocol version mismatch)."""
+
+    reason: str
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, kw_only=True):
+    """frontend -> engine: start generating for one request."""
+
+    request_id: str  # unique across all frontends (frontends prefix their own id)
+    prompt_token_ids: list[int]  # the tokenized prompt
+    sampling_params: SamplingParams  # with n == 1: the frontend fans n > 1 out
+    arrival_time: float  # time.time() when the frontend received it
+    priority: int = 0  # lower is served first under the priority policy
+    lora_name: str | None = None  # part of the prefix-cache key
+    cache_salt: str | None = None  # isolates prefix-cache entries between tenants
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    """frontend -> engine: stop these requests and free their blocks. Idempotent."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
+    """frontend -> engine: call a named engine method; answered by UtilityResult."""
+
+    call_id: int  # chosen by the frontend, echoed in the result
+    method: str  # e.g. "reset_prefix_cache", "get_stats"
+    args: list[msgspec.Raw] = []  # msgpack-encoded positional arguments
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
+    """engine -> frontend: the answer to a UtilityCall."""
+
+    call_id: int
+    result: msgspec.Raw  # msgpack-encoded return value (nil when the call raised)
+    error: str | None = None  # set when the call raised
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs for a run of positions. Row i: the chosen token first, then the top alternatives."""
+
+    token_ids: list[list[int]]  # [num_positions][1 + num_top]
+    logprobs: list[list[float]]  # [num_positions][1 + num_top], same order
+    ranks: list[int]  # [num_positions] rank of the chosen token (1 = most likely)
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request produced in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id that matched, if any
+    new_logprobs: Logprobs | None = None  # for new_token_ids, when asked
+    new_prompt_logprobs: Logprobs | None = None  # for the prompt positions computed this step
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """A snapshot of the engine after a step; counters are cumulative since start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (not cached)
+    num_generation_tokens: int = 0
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """engine -> frontend: this frontend's share of one step."""
+
+    outputs: list[RequestOutput]
+    timestamp: float  # time.time() after the step
+    scheduler_stats: SchedulerStats | None = None
+
+
+class EngineDead(msgspec.Struct, tag="dead", array_like=True):
+    """engine -> all frontends: sent before the engine exits on a fatal error."""
+
+    reason: str
+
+
+FrontendMessage = Register | AddRequest | AbortRequests | UtilityCall
+EngineMessage = Ready | Rejected | EngineOutputs | UtilityResult | EngineDead

@@ -1,0 +1,80 @@
+"""SamplingParams: how one request is sampled and when it stops. Validated once, at the edge."""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.errors import InvalidParameterError
+
+# NOTE: a hard cap keeps a hostile request from asking for a huge top-k gather per step.
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    """Per-request sampling and stop settings. Field order is an ABI: append defaulted fields only."""
+
+    n: int = 1  # number of completions; the frontend fans n > 1 out into n engine requests
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # 0 (or -1) disables; else keep the k most likely tokens
+    min_p: float = 0.0  # drop tokens whose probability < min_p * max probability
+    seed: int | None = None  # per-request seed: same seed, same output
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to the logit
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    stop: list[str] = []  # stop strings, matched by the frontend's detokenizer
+    stop_token_ids: list[int] = []  # extra token ids that finish the request (engine side)
+    ignore_eos: bool = False  # keep going past the model's EOS
+    logprobs: int | None = None  # sampled-token logprob plus this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidParameterError naming the first bad field."""
+        _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        _check(self.temperature >= 0.0, "temperature", f"temperature must be non-negative, got {self.temperature}.")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(self.top_k >= -1, "top_k", f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}.")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"repetition_penalty must be positive, got {self.repetition_penalty}.",
+        )
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(0 <= value <= MAX_LOGPROBS, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty.")
+        if vocab_size is not None:
+            for token_id in self.stop_token_ids:
+                _check(0 <= token_id < vocab_size, "stop_token_ids", f"token id {token_id} is out of vocabulary.")
+            for token_id, bias in (self.logit_bias or {}).items():
+                _check(0 <= token_id < vocab_size, "logit_bias", f"token id {token_id} is out of vocabulary.")
+                _check(-100.0 <= bias <= 100.0, "logit_bias", f"bias {bias} must be in [-100, 100].")
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameterError(param, message)

@@ -1,0 +1,66 @@
+"""Messages between the EngineCore and its worker processes. SchedulerOutput is a diff of the batch."""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.messages import Logprobs, ModelInfo
+from protocol.sampling import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the worker has not seen (or is resuming after preemption): sent in full."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit length at schedule time
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """A request the worker already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, tag="schedule", array_like=True):
+    """engine -> worker: the batch of one step."""
+
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    finished_request_ids: list[str]  # finished, aborted or preempted since the last step: drop their state
+    preempted_request_ids: list[str] = []  # subset of the above that will come back as new requests
+
+
+class ModelRunnerOutput(msgspec.Struct, tag="model_output", array_like=True):
+    """worker -> engine: the result of one step."""
+
+    sampled_token_ids: dict[str, list[int]]  # only requests whose prompt is fully computed sample
+    logprobs: dict[str, Logprobs] = {}
+    prompt_logprobs: dict[str, Logprobs] = {}
+
+
+class WorkerReady(msgspec.Struct, tag="worker_ready", array_like=True):
+    """worker -> engine: the model is loaded and the KV pool allocated."""
+
+    model_info: ModelInfo
+
+
+class WorkerError(msgspec.Struct, tag="worker_error", array_like=True):
+    """worker -> engine: a step or the load failed; the engine treats it as fatal."""
+
+    message: str
+
+
+class WorkerShutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """engine -> worker: exit cleanly."""
+
+
+EngineToWorker = SchedulerOutput | WorkerShutdown
+WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError

@@ -1,0 +1,46 @@
+"""The paged-attention backend contract.
+
+KV layout per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim] (2 = key, value).
+Tokens of a step are flattened: decode requests (one query token each) first, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    """One request's run of query tokens in the step."""
+
+    token_start: int  # first row of this chunk in the flattened token tensors
+    token_end: int
+    context_len: int  # tokens already in the KV cache before this chunk
+    block_ids: torch.Tensor  # [num_blocks] the request's block table (long)
+    mask: torch.Tensor | None = None  # [num_query, seq_len] bool, None when causal from position 0
+
+
+@dataclass
+class AttentionMetadata:
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are one-token decode requests
+    slot_block_ids: torch.Tensor  # [num_tokens] block of each new token's KV (long)
+    slot_offsets: torch.Tensor  # [num_tokens] offset inside that block (long)
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] (long, padded with 0)
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...

@@ -1,0 +1,55 @@
+"""Reference paged attention in plain torch: the oracle every faster backend is tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.base import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        kv_cache[metadata.slot_block_ids, 0, metadata.slot_offsets] = key
+        kv_cache[metadata.slot_block_ids, 1, metadata.slot_offsets] = value
+        output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+
+        num_decode = metadata.num_decode_tokens
+        if num_decode:
+            assert metadata.decode_block_tables is not None
+            blocks = kv_cache[metadata.decode_block_tables]  # [B, max_blocks, 2, block_size, kv_heads, head_dim]
+            num_seqs, max_blocks = blocks.shape[:2]
+            blocks = blocks.transpose(1, 2).reshape(num_seqs, 2, -1, num_kv_heads, head_dim)  # [B, 2, L, kvh, d]
+            k = blocks[:, 0].transpose(1, 2)  # [B, kv_heads, L, head_dim]
+            v = blocks[:, 1].transpose(1, 2)  # [B, kv_heads, L, head_dim]
+            q = query[:num_decode].unsqueeze(2)  # [B, num_heads, 1, head_dim]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
+            )  # [B, num_heads, 1, head_dim]
+            output[:num_decode] = out.squeeze(2)
+
+        for chunk in metadata.prefills:
+            start, end = chunk.token_start, chunk.token_end
+            q = query[start:end].transpose(0, 1)  # [num_heads, n, head_dim]
+            if chunk.context_len == 0:
+                k = key[start:end].transpose(0, 1)  # [kv_heads, n, head_dim]
+                v = value[start:end].transpose(0, 1)
+            else:
+                seq_len = chunk.context_len + end - start
+                blocks = kv_cache[chunk.block_ids]  # [num_blocks, 2, block_size, kv_heads, head_dim]
+                k = blocks[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [kvh, S, d]
+                v = blocks[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+            )  # [num_heads, n, head_dim]
+            output[start:end] = out.transpose(0, 1)
+        return output

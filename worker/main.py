@@ -1,0 +1,57 @@
+"""`python -m worker.main ADDRESS`: a worker process. Reads its WorkerConfig as JSON on stdin,
+connects a PAIR socket to the engine, answers each SchedulerOutput with a ModelRunnerOutput."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from protocol.codec import worker_input_codec, worker_output_codec
+from protocol.config import WorkerConfig
+from protocol.worker_messages import SchedulerOutput, WorkerError, WorkerReady, WorkerShutdown
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The engine owns shutdown: a Ctrl-C on the terminal reaches the whole group, and the worker
+    # must keep answering until the engine tells it to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    address = sys.argv[1]
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerConfig)
+    input_codec, output_codec = worker_input_codec(), worker_output_codec()
+    context = zmq.Context()
+    socket = context.socket(zmq.PAIR)
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(address)
+    parent = os.getppid()
+    try:
+        from worker.model_runner import ModelRunner
+
+        runner = ModelRunner(config)
+        socket.send_multipart(output_codec.encode(WorkerReady(runner.model_info())))
+        while True:
+            if not socket.poll(1000):
+                if os.getppid() != parent:  # the engine died without telling us
+                    return
+                continue
+            message = input_codec.decode(socket.recv_multipart())
+            if isinstance(message, WorkerShutdown):
+                return
+            assert isinstance(message, SchedulerOutput)
+            socket.send_multipart(output_codec.encode(runner.execute_model(message)))
+    except Exception:
+        socket.send_multipart(output_codec.encode(WorkerError(traceback.format_exc())))
+        raise
+    finally:
+        socket.close()
+        context.term()
+
+
+if __name__ == "__main__":
+    main()

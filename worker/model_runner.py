@@ -1,0 +1,266 @@
+"""The model runner: persistent batch state, inputs for one step, the model, the sampler.
+
+Each step: apply the SchedulerOutput diff, flatten the scheduled tokens (decode requests first,
+then prefill chunks), run the model over the paged KV cache, score the rows that sample (and the
+prompt positions whose logprobs were asked for), sample, and append the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.config import WorkerConfig
+from protocol.messages import Logprobs, ModelInfo
+from protocol.version import __version__
+from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
+from worker.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from worker.input_batch import InputBatch, RequestState
+from worker.model_config import ModelConfig, open_gguf
+from worker.models import build_model
+from worker.sampler import SamplingBatch, gather_logprobs, sample
+from worker.weights import iterate_weights
+
+logger = logging.getLogger("engine.worker")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
+    if name == "auto":
+        # NOTE: CPU matmuls in float16 are slow and lossy; auto picks bfloat16 for half-precision checkpoints.
+        checkpoint = model_config.torch_dtype.removeprefix("torch.")
+        return torch.bfloat16 if checkpoint in ("bfloat16", "float16") else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class StepInputs:
+    request_ids: list[str]  # in flattened order
+    rows: np.ndarray  # [R] batch rows
+    counts: np.ndarray  # [R] tokens scheduled
+    starts: np.ndarray  # [R] computed tokens before the step
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        gguf_reader = open_gguf(config.model) if config.model.endswith(".gguf") else None
+        self.model_config = ModelConfig.load(config.model, gguf_reader)
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
+        self.block_size = config.block_size
+        self.model = build_model(self.model_config, self.dtype)
+        self.model.load_weights(iterate_weights(config.model, self.model_config, gguf_reader))
+        del gguf_reader
+        self.model.init_rotary(self.max_model_len, torch.device("cpu"))
+        self.model.eval()
+        self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
+        mc = self.model_config
+        shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(mc.num_layers)]
+        self.backend = get_attention_backend(config.attention_backend)
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.eos_token_ids = mc.eos_token_ids
+        logger.info(
+            "loaded %s (%s, %s), %d KV blocks of %d tokens", config.model, mc.family, self.dtype,
+            self.num_kv_blocks, self.block_size,
+        )
+
+    def _num_blocks_for(self, num_bytes: int) -> int:
+        mc = self.model_config
+        bytes_per_block = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * mc.num_layers * self.dtype.itemsize
+        return max(num_bytes // bytes_per_block, 1)
+
+    def model_info(self) -> ModelInfo:
+        names = self.config.served_model_names or [self.config.model]
+        return ModelInfo(
+            model=self.config.model,
+            served_model_names=names,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_kv_blocks=self.num_kv_blocks,
+            engine_version=__version__,
+        )
+
+    # ---- one step ----
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput({})
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend)
+
+        ends = np.cumsum(inputs.counts)
+        sample_pos = [i for i in range(len(inputs.rows)) if inputs.starts[i] + inputs.counts[i] >= self._num_tokens(i, inputs)]
+        prompt_rows = self._prompt_logprob_rows(inputs, ends)
+        score_rows = [int(ends[i]) - 1 for i in sample_pos] + [r for _, rows, _ in prompt_rows for r in rows]
+        logits = self.model.compute_logits(hidden[score_rows]) if score_rows else None  # [n, vocab] float32
+
+        output = ModelRunnerOutput({})
+        if sample_pos:
+            assert logits is not None
+            states = [self.batch.requests[inputs.request_ids[i]] for i in sample_pos]
+            sampled = sample(logits[: len(sample_pos)], self._sampling_batch(states))
+            token_ids = sampled.token_ids.tolist()
+            for j, state in enumerate(states):
+                self.batch.append_token(state.row, token_ids[j])
+                output.sampled_token_ids[state.request_id] = [token_ids[j]]
+                k = state.sampling_params.logprobs
+                if k is not None:
+                    assert sampled.logprob_token_ids is not None and sampled.logprobs is not None
+                    assert sampled.ranks is not None
+                    output.logprobs[state.request_id] = Logprobs(
+                        [sampled.logprob_token_ids[j, : 1 + k].tolist()],
+                        [sampled.logprobs[j, : 1 + k].tolist()],
+                        [int(sampled.ranks[j])],
+                    )
+        if prompt_rows:
+            assert logits is not None
+            offset = len(sample_pos)
+            for request_id, rows, next_ids in prompt_rows:
+                part = torch.log_softmax(logits[offset : offset + len(rows)], dim=-1)
+                offset += len(rows)
+                k = self.batch.requests[request_id].sampling_params.prompt_logprobs or 0
+                ids, values, ranks = gather_logprobs(part, torch.tensor(next_ids), k)
+                output.prompt_logprobs[request_id] = Logprobs(ids.tolist(), values.tolist(), ranks.tolist())
+        for i, row in enumerate(inputs.rows):
+            self.batch.num_computed_tokens[row] = inputs.starts[i] + inputs.counts[i]
+        return output
+
+    def _num_tokens(self, i: int, inputs: StepInputs) -> int:
+        return int(self.batch.num_tokens[inputs.rows[i]])
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.batch.remove(request_id)
+        for new in scheduler_output.new_requests:
+            self.batch.add(new)
+        for cached in scheduler_output.cached_requests:
+            self.batch.update(cached)
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        scheduled = scheduler_output.num_scheduled_tokens
+        # Decode requests (one query token) first, so attention handles them as one batch.
+        request_ids = sorted(scheduled, key=lambda request_id: scheduled[request_id] != 1)
+        rows = np.array([self.batch.requests[r].row for r in request_ids], dtype=np.int64)
+        counts = np.array([scheduled[r] for r in request_ids], dtype=np.int64)
+        starts = self.batch.num_computed_tokens[rows]
+        total = int(counts.sum())
+        first = np.cumsum(counts) - counts
+        positions = np.repeat(starts, counts) + np.arange(total) - np.repeat(first, counts)  # [T]
+        row_per_token = np.repeat(rows, counts)  # [T]
+        input_ids = self.batch.token_ids[row_per_token, positions]
+        bs = self.block_size
+        slot_blocks = self.batch.block_table[row_per_token, positions // bs]
+        seq_lens = starts + counts
+
+        num_decode = int((counts == 1).sum())
+        metadata = AttentionMetadata(
+            num_decode_tokens=num_decode,
+            slot_block_ids=torch.from_numpy(slot_blocks),
+            slot_offsets=torch.from_numpy(positions % bs),
+        )
+        if num_decode:
+            max_blocks = int(-(-seq_lens[:num_decode].max() // bs))
+            tables = self.batch.block_table[rows[:num_decode], :max_blocks]
+            metadata.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables))
+            key_pos = torch.arange(max_blocks * bs)
+            lens = torch.from_numpy(seq_lens[:num_decode])
+            metadata.decode_mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        for i in range(num_decode, len(rows)):
+            start, n, context = int(first[i]), int(counts[i]), int(starts[i])
+            seq_len = context + n
+            block_ids = torch.from_numpy(self.batch.block_table[rows[i], : -(-seq_len // bs)].copy())
+            mask = None
+            if context > 0:
+                mask = torch.arange(seq_len).unsqueeze(0) <= (context + torch.arange(n)).unsqueeze(1)  # [n, S]
+            metadata.prefills.append(PrefillChunk(start, start + n, context, block_ids, mask))
+        return StepInputs(
+            request_ids, rows, counts, starts, torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
+        )
+
+    def _prompt_logprob_rows(self, inputs: StepInputs, ends: np.ndarray) -> list[tuple[str, list[int], list[int]]]:
+        """For requests asking prompt logprobs: (id, hidden rows, the prompt token each row predicts)."""
+        result = []
+        for i, request_id in enumerate(inputs.request_ids):
+            state = self.batch.requests[request_id]
+            if state.sampling_params.prompt_logprobs is None:
+                continue
+            start, n = int(inputs.starts[i]), int(inputs.counts[i])
+            last = min(start + n, state.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+            if last <= start:
+                continue
+            first_row = int(ends[i]) - n
+            rows = [first_row + p - start for p in range(start, last)]
+            next_ids = self.batch.token_ids[state.row, start + 1 : last + 1].tolist()
+            result.append((request_id, rows, next_ids))
+        return result
+
+    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+        params = [s.sampling_params for s in states]
+        vocab_size = self.model_config.vocab_size
+        outputs = [self.batch.output_token_ids(s) for s in states]
+        batch = SamplingBatch(
+            temperature=torch.tensor([0.0 if p.is_greedy else p.temperature for p in params]),
+            top_k=_optional([p.top_k for p in params], lambda v: v > 0, torch.long),
+            top_p=_optional([p.top_p for p in params], lambda v: v < 1.0, torch.float32),
+            min_p=_optional([p.min_p for p in params], lambda v: v > 0.0, torch.float32),
+            seeds=[p.seed for p in params],
+            num_output_tokens=[len(o) for o in outputs],
+            generator=self.generator,
+        )
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        batch.max_num_logprobs = max(logprob_counts) if logprob_counts else None
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+            batch.output_token_ids = _pad(outputs, vocab_size)
+            batch.prompt_token_ids = _pad([self.batch.prompt_token_ids(s) for s in states], vocab_size)
+            batch.presence_penalty = torch.tensor([p.presence_penalty for p in params])
+            batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
+            batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
+        bias = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        if bias:
+            batch.bias_rows = torch.tensor([e[0] for e in bias])
+            batch.bias_tokens = torch.tensor([e[1] for e in bias])
+            batch.bias_values = torch.tensor([e[2] for e in bias], dtype=torch.float32)
+        banned = [
+            (row, t)
+            for row, p in enumerate(params)
+            if len(outputs[row]) < p.min_tokens
+            for t in {*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)}
+        ]
+        if banned:
+            batch.banned_rows = torch.tensor([e[0] for e in banned])
+            batch.banned_tokens = torch.tensor([e[1] for e in banned])
+        return batch
+
+
+def _optional(values: list, active, dtype: torch.dtype) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    return torch.tensor(values, dtype=dtype) if any(active(v) for v in values) else None
+
+
+def _pad(sequences: list[np.ndarray], pad: int) -> torch.Tensor:
+    width = max(1, max(len(s) for s in sequences))
+    out = np.full((len(sequences), width), pad, dtype=np.int64)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = s
+    return torch.from_numpy(out)

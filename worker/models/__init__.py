@@ -1,0 +1,18 @@
+"""Model registry: a ModelConfig family -> its implementation, imported lazily."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.model_config import ModelConfig
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    if config.family in ("llama", "qwen2", "qwen3"):
+        from worker.models.llama import LlamaForCausalLM
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, dtype)
+        return model.to_empty(device="cpu")
+    raise ValueError(f"no model implementation for family {config.family!r}")

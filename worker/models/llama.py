@@ -1,0 +1,172 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama) and Qwen2/Qwen3, on paged attention.
+
+Tokens are flattened across requests: every tensor is [num_tokens, ...]; attention reads and writes
+the paged KV cache through the backend, so the model never sees padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend, AttentionMetadata
+from worker.model_config import ModelConfig
+from worker.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [num_tokens, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, metadata, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), chosen by ModelConfig flags."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=dtype
+        )
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, max_position: int, device: torch.device) -> None:
+        config = self.config
+        self.rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        assert self.rotary is not None
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        rope = self.rotary.lookup(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, metadata, backend)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] rows to score -> [n, vocab] float32 logits."""
+        hidden = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        config = self.config
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        stacked = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, config.intermediate_size),
+            "up_proj": ("gate_up_proj", config.intermediate_size, config.intermediate_size),
+        }
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            target, rows = name, None
+            for part, (merged, start, size) in stacked.items():
+                if f".{part}." in name:
+                    target, rows = name.replace(part, merged), (start, size)
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            with torch.no_grad():
+                if rows is None:
+                    param.copy_(tensor.view(param.shape))
+                else:
+                    param[rows[0] : rows[0] + rows[1]].copy_(tensor)
+            loaded.add(f"{name}")
+        expected = self._expected_checkpoint_names()
+        missing = expected - {n.removeprefix("model.") for n in loaded}
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _expected_checkpoint_names(self) -> set[str]:
+        names = set()
+        for name, _ in self.named_parameters():
+            if "qkv_proj" in name:
+                names.update(name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj"))
+            elif "gate_up_proj" in name:
+                names.update(name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj"))
+            else:
+                names.add(name)
+        return names
