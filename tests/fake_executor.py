@@ -1,0 +1,45 @@
+"""A fake executor for scheduler tests: it tracks the batch from SchedulerOutput diffs exactly as a worker
+does, and 'samples' a deterministic token whenever a request's known tokens are all computed."""
+
+from __future__ import annotations
+
+from protocol.messages import ModelInfo
+from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
+
+
+class FakeExecutor:
+    def __init__(self, num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, eos: int = 2) -> None:
+        max_model_len = min(max_model_len, num_kv_blocks * block_size)
+        self.model_info = ModelInfo("fake", ["fake"], max_model_len, block_size, 1000, [eos], "float32", num_kv_blocks, "0")
+        self.num_tokens: dict[str, int] = {}
+        self.num_computed: dict[str, int] = {}
+        self.token_for: dict[str, list[int]] = {}  # scripted outputs per request id
+        self.steps: list[SchedulerOutput] = []
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(scheduler_output)
+        for request_id in scheduler_output.finished_request_ids:
+            self.num_tokens.pop(request_id, None)
+            self.num_computed.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            assert new.request_id not in self.num_tokens, "a request was sent twice without being dropped"
+            self.num_tokens[new.request_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            self.num_computed[new.request_id] = new.num_computed_tokens
+        for cached in scheduler_output.cached_requests:
+            assert self.num_computed[cached.request_id] == cached.num_computed_tokens
+        sampled = {}
+        for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            self.num_computed[request_id] += count
+            assert self.num_computed[request_id] <= self.num_tokens[request_id]
+            if self.num_computed[request_id] == self.num_tokens[request_id]:
+                script = self.token_for.get(request_id, [])
+                position = self.num_tokens[request_id]
+                sampled[request_id] = [script.pop(0) if script else 10 + position % 50]
+                self.num_tokens[request_id] += 1
+        return ModelRunnerOutput(sampled)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,127 @@
+"""Our greedy output equals HF transformers' token for token, on tiny random Llama, Qwen2 and Qwen3 models
+(float32), with prefix caching on and off, 16-token chunks, and a pool small enough to force preemption.
+
+These run the EngineCore with the in-process executor (real scheduler, real worker code, no processes).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_core.engine_core import EngineCore
+from protocol.config import EngineConfig, WorkerConfig
+from protocol.messages import AddRequest
+from protocol.sampling import SamplingParams
+from tests.hf_oracle import compare_greedy, hf_greedy
+from worker.executor import InprocExecutor
+
+MAX_NEW_TOKENS = 24
+
+
+def build_tiny(family: str, folder: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[family])
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1e6))
+        with torch.no_grad():  # random non-zero biases, so a missing bias would show
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, rope_theta=1e6))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1, 0.3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.normal_(1, 0.3)
+    model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_model(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    folder = str(tmp_path_factory.mktemp(request.param))
+    build_tiny(request.param, folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rng = random.Random(7)
+    shared = [rng.randrange(512) for _ in range(40)]
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 70))] for _ in range(6)]
+    prompts += [shared + [1, 2, 3], shared + [4, 5]]  # a shared 40-token prefix
+    oracle = [hf_greedy(hf, p, MAX_NEW_TOKENS, None) for p in prompts]
+    return folder, prompts, oracle
+
+
+def run_engine(folder: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[list[int]], EngineCore]:  # type: ignore[no-untyped-def]
+    worker_kwargs = {k: engine_kwargs.pop(k) for k in ("num_kv_blocks", "max_model_len") if k in engine_kwargs}
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, **worker_kwargs)
+    core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, arrival_time=i))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for _, output in core.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+        core.scheduler.check_invariants()
+    assert core.scheduler.kv_cache.pool.num_free_blocks == core.scheduler.config.num_kv_blocks
+    return [tokens[str(i)] for i in range(len(prompts))], core
+
+
+CONFIGS = {
+    "prefix_caching": dict(enable_prefix_caching=True),
+    "no_prefix_caching": dict(enable_prefix_caching=False),
+    "chunk_16": dict(max_num_batched_tokens=16),
+    "tiny_pool_preemption": dict(num_kv_blocks=10, max_model_len=160, max_num_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_greedy_matches_hf(tiny_model, config_name: str) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = tiny_model
+    outputs, core = run_engine(folder, prompts, **dict(CONFIGS[config_name]))
+    for ours, expected in zip(outputs, oracle, strict=True):
+        compare_greedy(ours, expected)
+    if config_name == "tiny_pool_preemption":
+        assert core.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    if config_name == "chunk_16":
+        assert core.scheduler.config.max_num_batched_tokens == 16
+
+
+def test_shared_prefix_hits_cache_and_still_matches(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = tiny_model
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16)
+    core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    cached = {}
+    for index in (6, 7):  # one after the other: the second finds the first's prefix blocks
+        core.add_request(AddRequest(request_id=str(index), prompt_token_ids=prompts[index], sampling_params=params, arrival_time=0))
+        tokens = []
+        while core.has_unfinished_requests():
+            for _, output in core.step():
+                tokens.extend(output.new_token_ids)
+                cached[index] = output.num_cached_tokens
+        compare_greedy(tokens, oracle[index])
+    assert cached[6] == 0 and cached[7] == 32  # two full 16-token blocks of the 40-token shared prefix

@@ -1,0 +1,123 @@
+"""Codec round trips and the wire ABI (golden bytes: field order must not change silently)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol import PROTOCOL_VERSION, InvalidParameterError, SamplingParams
+from protocol.codec import TYPE_BYTES, engine_codec, frontend_codec, worker_input_codec, worker_output_codec
+from protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineOutputs,
+    Logprobs,
+    ModelInfo,
+    Ready,
+    Register,
+    RequestOutput,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
+from protocol.codec import encode_value
+from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+INFO = ModelInfo("m", ["m"], 2048, 16, 100, [2], "float32", 64, "0.1.0")
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Register(PROTOCOL_VERSION, "fe-1"),
+        AddRequest(
+            request_id="r1",
+            prompt_token_ids=[1, 2, 3],
+            sampling_params=SamplingParams(temperature=0.5, stop=["x"], logit_bias={5: -1.0}),
+            arrival_time=12.5,
+            priority=-1,
+            cache_salt="s",
+        ),
+        AbortRequests(["a", "b"]),
+        UtilityCall(1, "get_stats", [encode_value(3)]),
+    ],
+)
+def test_frontend_messages_round_trip(message: msgspec.Struct) -> None:
+    codec = frontend_codec()
+    frames = codec.encode(message)
+    assert frames[0] == TYPE_BYTES[type(message).__struct_config__.tag]
+    assert codec.decode(frames) == message
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Ready(PROTOCOL_VERSION, INFO),
+        EngineOutputs(
+            [
+                RequestOutput("r1", [7], "stop", 7, Logprobs([[7, 8]], [[-0.1, -2.0]], [1]), None, 16),
+                RequestOutput("r2", []),
+            ],
+            3.0,
+            SchedulerStats(num_running=1, kv_cache_usage=0.5),
+        ),
+        UtilityResult(1, encode_value({"a": 1})),
+        EngineDead("boom"),
+    ],
+)
+def test_engine_messages_round_trip(message: msgspec.Struct) -> None:
+    codec = engine_codec()
+    assert codec.decode(codec.encode(message)) == message
+
+
+def test_worker_messages_round_trip() -> None:
+    output = SchedulerOutput(
+        new_requests=[NewRequestData("a", [1, 2], [], SamplingParams(), [0, 1], 0)],
+        cached_requests=[CachedRequestData("b", [3], 17)],
+        num_scheduled_tokens={"a": 2, "b": 1},
+        total_num_scheduled_tokens=3,
+        finished_request_ids=["c"],
+    )
+    codec = worker_input_codec()
+    assert codec.decode(codec.encode(output)) == output
+    result = ModelRunnerOutput({"a": [5]}, {"a": Logprobs([[5]], [[-0.5]], [1])})
+    out_codec = worker_output_codec()
+    assert out_codec.decode(out_codec.encode(result)) == result
+
+
+def test_add_request_golden_bytes() -> None:
+    """The ADD frame is an ABI: changing field order or tags breaks attached frontends and harnesses."""
+    message = AddRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=4),
+        arrival_time=1.0,
+    )
+    body = frontend_codec().encode(message)[1]
+    assert body.hex() == (
+        "98a3616464a172920102dc001401cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
+        "cb0000000000000000cb0000000000000000cb3ff0000000000000c004009090c2c0c0c2c3c3"
+        "cb3ff000000000000000c0c0"
+    )
+
+
+def test_output_golden_bytes() -> None:
+    body = engine_codec().encode(EngineOutputs([RequestOutput("r", [9], "length")], 2.0, None))[1]
+    assert body.hex() == "94a76f75747075747391" "97a1729109a66c656e677468c0c0c000" "cb4000000000000000c0"
+
+
+def test_sampling_params_validation_names_the_parameter() -> None:
+    with pytest.raises(InvalidParameterError) as error:
+        SamplingParams(temperature=-1).validate()
+    assert error.value.param == "temperature"
+    with pytest.raises(InvalidParameterError) as error:
+        SamplingParams(top_p=0).validate()
+    assert error.value.param == "top_p"
+    with pytest.raises(InvalidParameterError) as error:
+        SamplingParams(logit_bias={1000: 1.0}).validate(vocab_size=100)
+    assert error.value.param == "logit_bias"
+    with pytest.raises(InvalidParameterError) as error:
+        SamplingParams(max_tokens=2, min_tokens=3).validate()
+    assert error.value.param == "min_tokens"
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=5).validate(vocab_size=100)

@@ -1,0 +1,223 @@
+"""Scheduler and KV cache manager against a fake executor: numbers only, no torch."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_core.block_pool import BlockPool
+from engine_core.engine_core import EngineCore
+from engine_core.request import RequestStatus
+from protocol.config import EngineConfig, WorkerConfig
+from protocol.messages import AddRequest
+from protocol.sampling import SamplingParams
+from tests.fake_executor import FakeExecutor
+
+
+def make_core(num_kv_blocks: int = 64, block_size: int = 4, **kwargs) -> tuple[EngineCore, FakeExecutor]:  # type: ignore[no-untyped-def]
+    executor = FakeExecutor(num_kv_blocks=num_kv_blocks, block_size=block_size)
+    config = EngineConfig(worker=WorkerConfig(model="fake"), **kwargs)
+    return EngineCore(config, executor), executor
+
+
+def add(core: EngineCore, request_id: str, prompt: list[int], **params) -> None:  # type: ignore[no-untyped-def]
+    params.setdefault("ignore_eos", True)
+    core.add_request(
+        AddRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(**params),
+            arrival_time=float(len(core.scheduler.requests)),
+            priority=params.pop("priority", 0) if "priority" in params else 0,
+        )
+    )
+
+
+def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            break
+        for _, output in core.step():
+            outputs.setdefault(output.request_id, []).append(output)
+        core.scheduler.check_invariants()
+    assert not core.has_unfinished_requests()
+    return outputs
+
+
+def test_block_pool_lru_and_lazy_eviction() -> None:
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks([a, b], [b"h1", b"h2"], 0, 2)
+    pool.free_blocks([b, a])  # tail first: b is evicted before a
+    assert pool.num_free_blocks == 4
+    assert pool.get_cached_block(b"h1") is a  # still cached while free
+    new = pool.get_new_blocks(3)  # two untouched blocks, then b (evicted lazily)
+    assert b in new and a not in new
+    assert pool.get_cached_block(b"h2") is None and pool.get_cached_block(b"h1") is a
+    pool.touch([a])
+    assert a.ref_cnt == 1 and pool.num_free_blocks == 0
+    pool.check_invariants()
+
+
+def test_chunked_prefill_respects_budget_and_finishes() -> None:
+    core, executor = make_core(max_num_batched_tokens=16)
+    add(core, "a", list(range(40)), max_tokens=3)
+    add(core, "b", list(range(100, 110)), max_tokens=3)
+    outputs = run_to_completion(core)
+    assert all(step.total_num_scheduled_tokens <= 16 for step in executor.steps)
+    assert [len(o.new_token_ids) for o in outputs["a"]] == [1, 1, 1]
+    assert outputs["a"][-1].finish_reason == "length"
+    assert core.scheduler.kv_cache.pool.num_free_blocks == 64
+
+
+def test_mixed_batch_decodes_with_prefill_chunks() -> None:
+    core, executor = make_core(max_num_batched_tokens=8)
+    add(core, "a", [1, 2, 3], max_tokens=5)
+    core.step()
+    add(core, "b", list(range(20)), max_tokens=2)
+    core.step()
+    step = executor.steps[-1]
+    assert step.num_scheduled_tokens == {"a": 1, "b": 7}
+    run_to_completion(core)
+
+
+def test_eos_stop_tokens_min_tokens() -> None:
+    core, executor = make_core()
+    add(core, "eos", [1, 2], ignore_eos=False, max_tokens=10)
+    executor.token_for["eos"] = [5, 2, 6]
+    add(core, "stop_id", [1, 2], stop_token_ids=[6], max_tokens=10)
+    executor.token_for["stop_id"] = [5, 6]
+    add(core, "ignore", [1, 2], max_tokens=3)
+    executor.token_for["ignore"] = [2, 2, 2, 2]
+    outputs = run_to_completion(core)
+    assert [o.new_token_ids[0] for o in outputs["eos"]] == [5, 2]
+    assert outputs["eos"][-1].finish_reason == "stop" and outputs["eos"][-1].stop_reason is None
+    assert outputs["stop_id"][-1].finish_reason == "stop" and outputs["stop_id"][-1].stop_reason == 6
+    assert len(outputs["ignore"]) == 3 and outputs["ignore"][-1].finish_reason == "length"
+
+
+def test_max_model_len_caps_output() -> None:
+    core, executor = make_core()
+    executor.model_info.max_model_len = 10
+    core2 = EngineCore(EngineConfig(worker=WorkerConfig(model="fake")), executor)
+    add(core2, "a", list(range(8)), max_tokens=100)
+    outputs = run_to_completion(core2)
+    assert len(outputs["a"]) == 2 and outputs["a"][-1].finish_reason == "length"
+
+
+def test_prefix_cache_hit_reports_cached_tokens() -> None:
+    core, _ = make_core()
+    prefix = list(range(50, 70))
+    add(core, "a", prefix + [1], max_tokens=1)
+    run_to_completion(core)
+    add(core, "b", prefix + [2, 3], max_tokens=1)
+    outputs = run_to_completion(core)
+    assert outputs["b"][-1].num_cached_tokens == 20
+    stats = core.make_stats()
+    assert stats.prefix_cache_hits == 20
+
+
+def test_prefix_caching_off_never_hits() -> None:
+    core, _ = make_core(enable_prefix_caching=False)
+    add(core, "a", list(range(20)), max_tokens=1)
+    run_to_completion(core)
+    add(core, "b", list(range(20)), max_tokens=1)
+    outputs = run_to_completion(core)
+    assert outputs["b"][-1].num_cached_tokens == 0
+
+
+def test_preemption_when_blocks_run_out() -> None:
+    core, executor = make_core(num_kv_blocks=8, block_size=4)
+    for i in range(3):
+        add(core, f"r{i}", list(range(i * 10, i * 10 + 6)), max_tokens=12)
+    outputs = run_to_completion(core)
+    assert core.scheduler.num_preemptions > 0
+    for i in range(3):
+        tokens = [t for o in outputs[f"r{i}"] for t in o.new_token_ids]
+        assert len(tokens) == 12
+    assert any(step.preempted_request_ids for step in executor.steps)
+    assert core.scheduler.kv_cache.pool.num_free_blocks == 8
+
+
+def test_priority_policy_runs_urgent_first_and_preempts_lowest() -> None:
+    core, executor = make_core(num_kv_blocks=6, block_size=4, scheduling_policy="priority", max_num_seqs=1)
+    core.add_request(AddRequest(request_id="low", prompt_token_ids=[1] * 5, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=0.0, priority=5))
+    core.add_request(AddRequest(request_id="high", prompt_token_ids=[2] * 5, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=1.0, priority=-5))
+    core.step()
+    assert list(executor.steps[0].num_scheduled_tokens) == ["high"]
+    run_to_completion(core)
+
+
+def test_abort_frees_blocks_and_is_idempotent() -> None:
+    core, executor = make_core()
+    add(core, "a", list(range(30)), max_tokens=50)
+    add(core, "w", list(range(5)), max_tokens=50)
+    core.step()
+    aborted = core.abort_requests(["a", "a", "unknown", "w"])
+    assert [o.finish_reason for _, o in aborted] == ["abort", "abort"]
+    assert core.scheduler.kv_cache.pool.num_free_blocks == 64
+    core.step()  # tells the worker to drop "a"
+    assert "a" in executor.steps[-1].finished_request_ids or not core.has_unfinished_requests()
+    core.scheduler.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(6, 24),
+    budget=st.integers(4, 64),
+    caching=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority"]),
+)
+def test_random_workload_keeps_invariants_and_leaks_nothing(
+    seed: int, num_blocks: int, budget: int, caching: bool, policy: str
+) -> None:
+    rng = random.Random(seed)
+    core, executor = make_core(
+        num_kv_blocks=num_blocks,
+        block_size=4,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        scheduling_policy=policy,
+        max_num_seqs=rng.randint(1, 8),
+    )
+    shared = [rng.randrange(100) for _ in range(8)]
+    live: list[str] = []
+    for step in range(200):
+        if rng.random() < 0.3 and len(core.scheduler.requests) < 12:
+            request_id = f"r{step}"
+            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(100) for _ in range(rng.randint(1, 12))]
+            core.add_request(
+                AddRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling_params=SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=rng.random() < 0.5),
+                    arrival_time=float(step),
+                    priority=rng.randint(-2, 2),
+                )
+            )
+            executor.token_for[request_id] = [rng.choice([2, 5, 7]) for _ in range(12)]
+            live.append(request_id)
+        if live and rng.random() < 0.05:
+            core.abort_requests([rng.choice(live)])
+        scheduler_output_count = len(executor.steps)
+        core.step()
+        core.scheduler.check_invariants(executor.steps[-1] if len(executor.steps) > scheduler_output_count else None)
+    for _ in range(2000):
+        if not core.has_unfinished_requests():
+            break
+        core.step()
+        core.scheduler.check_invariants()
+    assert not core.has_unfinished_requests()
+    assert core.scheduler.kv_cache.pool.num_free_blocks == num_blocks
+    assert all(block.ref_cnt == 0 for block in core.scheduler.kv_cache.pool.blocks)
+    for request in list(core.scheduler.requests.values()):
+        assert request.status.is_finished  # pragma: no cover
+
+
+def test_request_status_order() -> None:
+    assert not RequestStatus.PREEMPTED.is_finished
+    assert RequestStatus.FINISHED_ABORTED.is_finished and RequestStatus.FINISHED_ABORTED.finish_reason == "abort"
