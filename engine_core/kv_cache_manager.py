@@ -35,7 +35,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, as blocks and a token count."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # NOTE: prompt logprobs need the logits of every prompt position, so nothing may be skipped.
             return [], 0
         # NOTE: the last token is always recomputed so that the step produces its logits.
         max_blocks = (request.num_tokens - 1) // self.block_size
