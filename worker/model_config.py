@@ -143,5 +143,6 @@ def _from_gguf(path: str, reader: Any) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         eos_token_ids=[] if eos is None else [int(eos)],
-        torch_dtype="float32",
+        # NOTE: GGUF weights are dequantized; "auto" serves them in bfloat16 like the models they came from.
+        torch_dtype="bfloat16",
     )

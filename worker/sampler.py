@@ -80,7 +80,9 @@ def gather_logprobs(
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Logit bias, min_tokens bans, repetition/presence/frequency penalties; returns a new tensor."""
+    """Logit bias, min_tokens bans, repetition/presence/frequency penalties; never modifies its input."""
+    if batch.bias_rows is None and batch.repetition_penalty is None and batch.banned_rows is None:
+        return logits
     logits = logits.clone()
     num_rows, vocab_size = logits.shape
     if batch.bias_rows is not None:

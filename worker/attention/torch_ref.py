@@ -26,11 +26,12 @@ class TorchAttentionBackend:
         num_decode = metadata.num_decode_tokens
         if num_decode:
             assert metadata.decode_block_tables is not None
-            blocks = kv_cache[metadata.decode_block_tables]  # [B, max_blocks, 2, block_size, kv_heads, head_dim]
-            num_seqs, max_blocks = blocks.shape[:2]
-            blocks = blocks.transpose(1, 2).reshape(num_seqs, 2, -1, num_kv_heads, head_dim)  # [B, 2, L, kvh, d]
-            k = blocks[:, 0].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-            v = blocks[:, 1].transpose(1, 2)  # [B, kv_heads, L, head_dim]
+            tables = metadata.decode_block_tables  # [B, max_blocks]
+            num_seqs, max_blocks = tables.shape
+            length = max_blocks * kv_cache.shape[2]
+            # One gather per cache half; the result is contiguous, so the view to [B, L, ...] is free.
+            k = kv_cache[:, 0][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
+            v = kv_cache[:, 1][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
             q = query[:num_decode].unsqueeze(2)  # [B, num_heads, 1, head_dim]
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True

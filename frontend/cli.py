@@ -1,0 +1,103 @@
+"""The `engine` command. Today: `engine generate` (offline, through the real engine processes).
+
+`engine serve`, `engine chat` and `engine complete` arrive with the OpenAI-compatible server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from protocol.version import __version__
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size in GiB")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides the above)")
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prefixes"
+    )
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from frontend.llm import LLM
+    from protocol.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        n=args.n,
+        stop=args.stop or [],
+    )
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        if args.chat:
+            results = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            results = llm.generate(args.prompt, params)
+    for result in results:
+        for output in result.outputs:
+            if args.json:
+                print(json.dumps({"prompt": result.prompt, "index": output.index, "text": output.text,
+                                  "finish_reason": output.finish_reason, "num_tokens": len(output.token_ids)}))
+            else:
+                print(output.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine", description="An OpenAI-compatible LLM inference server.")
+    parser.add_argument("--version", action="version", version=f"engine {__version__}")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
+    add_engine_args(generate)
+    generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--n", type=int, default=1)
+    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--sampling-seed", type=int, default=None)
+    generate.add_argument("--json", action="store_true", help="one JSON object per completion")
+    generate.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
