@@ -85,7 +85,7 @@ def test_chat_prompts_batched_match_hf(llm, oracle) -> None:  # type: ignore[no-
     [
         dict(enable_prefix_caching=False),
         dict(max_num_batched_tokens=16),
-        dict(num_kv_blocks=24, max_model_len=384, max_num_batched_tokens=256),
+        dict(num_kv_blocks=12, max_model_len=192, max_num_batched_tokens=256),
     ],
     ids=["no_prefix_caching", "chunk_16", "tiny_pool_preemption"],
 )
@@ -97,7 +97,7 @@ def test_engine_configurations_match_hf(smollm2_gguf, oracle, engine_kwargs) -> 
         stats = llm.get_stats()
         assert llm.check_invariants()
     check_all(results, prompts, runs)
-    if engine_kwargs.get("num_kv_blocks") == 24:
+    if engine_kwargs.get("num_kv_blocks") == 12:
         assert stats["num_preemptions"] > 0, stats
     if not engine_kwargs.get("enable_prefix_caching", True):
         assert stats["prefix_cache_hits"] == 0
