@@ -24,7 +24,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     num_threads: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto", "torch" or "cpu"
     tokenizer_cache_dir: str | None = field(default_factory=default_cache_dir)
     startup_timeout_s: float = 600.0
 

@@ -16,7 +16,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None  # override the pool size in blocks
     max_num_seqs: int = 128
     served_model_names: list[str] = []
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto", "torch" or "cpu"
     seed: int = 0  # seeds the generator of unseeded requests
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
 

@@ -187,6 +187,7 @@ class ModelRunner:
             key_pos = torch.arange(max_blocks * bs)
             lens = torch.from_numpy(seq_lens[:num_decode])
             metadata.decode_mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            metadata.decode_seq_lens = lens
         for i in range(num_decode, len(rows)):
             start, n, context = int(first[i]), int(counts[i]), int(starts[i])
             seq_len = context + n

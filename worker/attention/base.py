@@ -30,6 +30,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_tokens] offset inside that block (long)
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] (long, padded with 0)
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor | None = None  # [num_decode] tokens in the cache, the new one included
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 

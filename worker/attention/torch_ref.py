@@ -9,6 +9,8 @@ from worker.attention.base import AttentionMetadata
 
 
 class TorchAttentionBackend:
+    name = "torch"
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -18,26 +20,44 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
         kv_cache[metadata.slot_block_ids, 0, metadata.slot_offsets] = key
         kv_cache[metadata.slot_block_ids, 1, metadata.slot_offsets] = value
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-
         num_decode = metadata.num_decode_tokens
         if num_decode:
-            assert metadata.decode_block_tables is not None
-            tables = metadata.decode_block_tables  # [B, max_blocks]
-            num_seqs, max_blocks = tables.shape
-            length = max_blocks * kv_cache.shape[2]
-            # One gather per cache half; the result is contiguous, so the view to [B, L, ...] is free.
-            k = kv_cache[:, 0][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
-            v = kv_cache[:, 1][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-            q = query[:num_decode].unsqueeze(2)  # [B, num_heads, 1, head_dim]
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
-            )  # [B, num_heads, 1, head_dim]
-            output[:num_decode] = out.squeeze(2)
+            output[:num_decode] = self.decode(query[:num_decode], kv_cache, metadata, scale)
+        self.prefill(query, key, value, kv_cache, metadata, scale, output)
+        return output
 
+    def decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """query: [num_decode, num_heads, head_dim], one token per sequence -> same shape."""
+        assert metadata.decode_block_tables is not None
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        tables = metadata.decode_block_tables  # [B, max_blocks]
+        num_seqs, max_blocks = tables.shape
+        length = max_blocks * kv_cache.shape[2]
+        # One gather per cache half; the result is contiguous, so the view to [B, L, ...] is free.
+        k = kv_cache[:, 0][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
+        v = kv_cache[:, 1][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2), k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
+        )  # [B, num_heads, 1, head_dim]
+        return out.squeeze(2)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        """Each prefill chunk attends to its cached context and, causally, to itself; writes into output."""
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
         for chunk in metadata.prefills:
             start, end = chunk.token_start, chunk.token_end
             q = query[start:end].transpose(0, 1)  # [num_heads, n, head_dim]
@@ -49,8 +69,8 @@ class TorchAttentionBackend:
                 blocks = kv_cache[chunk.block_ids]  # [num_blocks, 2, block_size, kv_heads, head_dim]
                 k = blocks[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [kvh, S, d]
                 v = blocks[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+            # NOTE: 4-d inputs: CPU SDPA takes its flash kernel only for [batch, heads, seq, dim].
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
-            )  # [num_heads, n, head_dim]
+                q[None], k[None], v[None], attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+            )[0]  # [num_heads, n, head_dim]
             output[start:end] = out.transpose(0, 1)
-        return output

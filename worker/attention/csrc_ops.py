@@ -1,0 +1,37 @@
+"""Builds and loads the csrc CPU kernels (torch C++ extension); None when no compiler is at hand.
+
+`python -m worker.attention.csrc_ops` builds ahead of time (`make install` runs it); otherwise the
+first worker to need the kernels builds them (about a minute) into torch's extension cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import sys
+from typing import Any
+
+logger = logging.getLogger("engine.worker")
+
+SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
+FLAGS = ["-O3", "-march=native", "-ffast-math"]
+
+
+def load_cpu_ops(verbose: bool = False) -> Any | None:
+    if not SOURCE.exists():
+        logger.warning("csrc kernels not found at %s; using the torch attention path", SOURCE)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="engine_cpu_ops", sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=verbose)
+    except Exception as error:  # no compiler, missing headers: fall back, loudly
+        logger.warning("could not build the csrc CPU kernels (%s); using the torch attention path", error)
+        return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    ops = load_cpu_ops(verbose="-v" in sys.argv)
+    print("csrc CPU kernels:", "ready" if ops is not None else "unavailable (torch fallback)")
+    sys.exit(0)
