@@ -17,7 +17,9 @@ import time
 import torch
 
 
-def make_prompts(num_prompts: int, mean_len: int, vocab_low: int, vocab_high: int, seed: int) -> list[list[int]]:
+def make_prompts(
+    num_prompts: int, mean_len: int, vocab_low: int, vocab_high: int, seed: int
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [
         [rng.randrange(vocab_low, vocab_high) for _ in range(rng.randint(mean_len - 10, mean_len + 10))]
@@ -37,7 +39,12 @@ def run_ours(model: str, prompts: list[list[int]], output_len: int, dtype: str) 
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         elapsed = time.perf_counter() - start
     num_output = sum(len(r.outputs[0].token_ids) for r in results)
-    return {"output_tokens": num_output, "seconds": elapsed, "tokens_per_s": num_output / elapsed, "load_s": load_s}
+    return {
+        "output_tokens": num_output,
+        "seconds": elapsed,
+        "tokens_per_s": num_output / elapsed,
+        "load_s": load_s,
+    }
 
 
 def run_hf(model: str, prompts: list[list[int]], output_len: int, dtype: str, batch_size: int) -> dict:
@@ -69,8 +76,12 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, dtype: str, ba
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--output-len", type=int, default=128)
@@ -86,14 +97,24 @@ def main() -> None:
 
     model = resolve_model(args.model)
     prompts = make_prompts(args.num_prompts, args.prompt_len, 1000, 40000, args.seed)
-    result: dict = {"model": model, "num_prompts": len(prompts), "output_len": args.output_len, "dtype": args.dtype}
+    result: dict = {
+        "model": model,
+        "num_prompts": len(prompts),
+        "output_len": args.output_len,
+        "dtype": args.dtype,
+    }
     result["ours"] = run_ours(model, prompts, args.output_len, args.dtype)
-    print(f"ours: {result['ours']['tokens_per_s']:.1f} output tokens/s ({result['ours']['seconds']:.1f} s)", flush=True)
+    print(
+        f"ours: {result['ours']['tokens_per_s']:.1f} output tokens/s ({result['ours']['seconds']:.1f} s)",
+        flush=True,
+    )
     if not args.skip_hf:
         hf_prompts = prompts[: args.hf_prompts] if args.hf_prompts else prompts
         result["hf"] = run_hf(model, hf_prompts, args.output_len, args.dtype, args.hf_batch_size)
         result["ratio"] = result["ours"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
-        print(f"hf transformers generate (batch {args.hf_batch_size}): {result['hf']['tokens_per_s']:.1f} output tokens/s")
+        print(
+            f"hf transformers generate (batch {args.hf_batch_size}): {result['hf']['tokens_per_s']:.1f} output tokens/s"
+        )
         print(f"ratio ours/hf: {result['ratio']:.2f}x")
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:

@@ -12,7 +12,9 @@ import struct
 BlockHash = bytes
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: list[int], extra_keys: tuple[str, ...] = ()) -> BlockHash:
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: list[int], extra_keys: tuple[str, ...] = ()
+) -> BlockHash:
     digest = hashlib.sha256(parent or b"root")
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     for key in extra_keys:

@@ -66,7 +66,9 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int) -> None:
+    def cache_full_blocks(
+        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int
+    ) -> None:
         """Index blocks[start:end] under their hashes; a hash already indexed keeps its first block."""
         for block, block_hash in zip(blocks[start:end], block_hashes[start:end], strict=True):
             if block.block_hash is not None or block_hash in self.cached_blocks:

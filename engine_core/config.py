@@ -17,7 +17,13 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # >0: cap a prefill chunk below the budget
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+            "num_kv_blocks",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.policy not in ("fcfs", "priority"):

@@ -57,7 +57,9 @@ class KVCacheManager:
         """Reserve blocks for num_new_tokens more tokens; None (and no change) if the pool is short."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_needed = (
+            cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        )
         # Cached blocks on the free queue are about to be revived, so they do not count as free.
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:

@@ -156,7 +156,12 @@ class Scheduler:
             index += 1
 
         # NOTE: after a preemption the pool is tight; admitting new work would only thrash.
-        while not preempted and len(self.waiting) > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            not preempted
+            and len(self.waiting) > 0
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting.peek()
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget, self._prefill_cap())
@@ -195,7 +200,9 @@ class Scheduler:
             self.preempted_request_ids.append(request.request_id)
         self.waiting.add_front(request)
 
-    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> SchedulerOutput:
+    def _make_output(
+        self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]
+    ) -> SchedulerOutput:
         new_requests = []
         cached_requests = []
         for request in self.running:
@@ -244,7 +251,9 @@ class Scheduler:
                 continue  # preempted or aborted since it was scheduled
             was_prefill = request.num_computed_tokens < request.num_prompt_tokens
             if was_prefill:
-                self.num_prompt_tokens += min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+                self.num_prompt_tokens += min(
+                    num_tokens, request.num_prompt_tokens - request.num_computed_tokens
+                )
             request.num_computed_tokens += num_tokens
             self.kv_cache.cache_blocks(request)
             new_token_ids = model_output.sampled_token_ids.get(request_id, [])

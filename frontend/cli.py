@@ -14,16 +14,26 @@ from protocol.version import __version__
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size in GiB")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides the above)")
     parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV of shared prefixes"
+        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides the above)"
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV of shared prefixes",
     )
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
@@ -65,8 +75,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for result in results:
         for output in result.outputs:
             if args.json:
-                print(json.dumps({"prompt": result.prompt, "index": output.index, "text": output.text,
-                                  "finish_reason": output.finish_reason, "num_tokens": len(output.token_ids)}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": result.prompt,
+                            "index": output.index,
+                            "text": output.text,
+                            "finish_reason": output.finish_reason,
+                            "num_tokens": len(output.token_ids),
+                        }
+                    )
+                )
             else:
                 print(output.text)
     return 0
@@ -80,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     add_engine_args(generate)
     generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
+    )
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
@@ -95,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return int(args.func(args))
 
 

@@ -53,7 +53,9 @@ class LLM:
         try:
             self.tokenizer = load_tokenizer(self.model, self.args.tokenizer_cache_dir)
             self.client = EngineClient(config.input_address, config.output_address)
-            self.model_info: ModelInfo = self.client.register(self.args.startup_timeout_s, self.engine.is_alive)
+            self.model_info: ModelInfo = self.client.register(
+                self.args.startup_timeout_s, self.engine.is_alive
+            )
         except BaseException:
             self.engine.shutdown()
             raise
@@ -143,7 +145,10 @@ class LLM:
         return None, list(prompt)
 
     def _run(
-        self, prompts: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], priorities: list[int]
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params_list: list[SamplingParams],
+        priorities: list[int],
     ) -> list[RequestResult]:
         info = self.model_info
         children: dict[str, _Child] = {}
@@ -163,10 +168,14 @@ class LLM:
             results.append(result)
             for index in range(params.n):
                 child_params = _child_params(params, index)
-                output = CompletionOutput(index, "", [], None, logprobs=[] if params.logprobs is not None else None)
+                output = CompletionOutput(
+                    index, "", [], None, logprobs=[] if params.logprobs is not None else None
+                )
                 result.outputs.append(output)
                 child_id = f"{result.request_id}-{index}"
-                children[child_id] = _Child(result, output, IncrementalDetokenizer(self.tokenizer, params), params)
+                children[child_id] = _Child(
+                    result, output, IncrementalDetokenizer(self.tokenizer, params), params
+                )
                 self.client.add_request(
                     AddRequest(
                         request_id=child_id,

@@ -41,9 +41,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidParameterError naming the first bad field."""
         _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
-        _check(self.temperature >= 0.0, "temperature", f"temperature must be non-negative, got {self.temperature}.")
+        _check(
+            self.temperature >= 0.0,
+            "temperature",
+            f"temperature must be non-negative, got {self.temperature}.",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        _check(self.top_k >= -1, "top_k", f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}.")
+        _check(
+            self.top_k >= -1,
+            "top_k",
+            f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}.",
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -54,7 +62,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             f"repetition_penalty must be positive, got {self.repetition_penalty}.",
         )
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+            _check(
+                self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}."
+            )
         _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}.")
         if self.max_tokens is not None:
             _check(
@@ -65,11 +75,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(0 <= value <= MAX_LOGPROBS, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+                _check(
+                    0 <= value <= MAX_LOGPROBS, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}."
+                )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty.")
         if vocab_size is not None:
             for token_id in self.stop_token_ids:
-                _check(0 <= token_id < vocab_size, "stop_token_ids", f"token id {token_id} is out of vocabulary.")
+                _check(
+                    0 <= token_id < vocab_size, "stop_token_ids", f"token id {token_id} is out of vocabulary."
+                )
             for token_id, bias in (self.logit_bias or {}).items():
                 _check(0 <= token_id < vocab_size, "logit_bias", f"token id {token_id} is out of vocabulary.")
                 _check(-100.0 <= bias <= 100.0, "logit_bias", f"bias {bias} must be in [-100, 100].")

@@ -8,9 +8,13 @@ from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 
 
 class FakeExecutor:
-    def __init__(self, num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, eos: int = 2) -> None:
+    def __init__(
+        self, num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, eos: int = 2
+    ) -> None:
         max_model_len = min(max_model_len, num_kv_blocks * block_size)
-        self.model_info = ModelInfo("fake", ["fake"], max_model_len, block_size, 1000, [eos], "float32", num_kv_blocks, "0")
+        self.model_info = ModelInfo(
+            "fake", ["fake"], max_model_len, block_size, 1000, [eos], "float32", num_kv_blocks, "0"
+        )
         self.num_tokens: dict[str, int] = {}
         self.num_computed: dict[str, int] = {}
         self.token_for: dict[str, list[int]] = {}  # scripted outputs per request id

@@ -41,7 +41,9 @@ def oracle(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     prompts = []
     for question in QUESTIONS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     runs = [hf_greedy(model, ids, MAX_NEW_TOKENS, eos_token_id=2) for ids in prompts]
     return prompts, runs, model
@@ -119,7 +121,9 @@ def test_shared_prefix_reports_cached_tokens_and_matches_hf(llm, oracle) -> None
     assert second.num_cached_tokens > 0
     assert second.num_cached_tokens % 16 == 0
     for result in (first, second):
-        compare_greedy(result.outputs[0].token_ids, hf_greedy(model, result.prompt_token_ids, MAX_NEW_TOKENS, 2))
+        compare_greedy(
+            result.outputs[0].token_ids, hf_greedy(model, result.prompt_token_ids, MAX_NEW_TOKENS, 2)
+        )
 
 
 def test_seeded_sampling_is_reproducible(llm) -> None:  # type: ignore[no-untyped-def]
@@ -131,7 +135,13 @@ def test_seeded_sampling_is_reproducible(llm) -> None:  # type: ignore[no-untype
 
     first = run(1234)
     # Same seed, same text, even when other requests share the batch.
-    crowded = llm.generate([prompt] * 3, [SamplingParams(temperature=1.0, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in (1234, 5, 6)])
+    crowded = llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(temperature=1.0, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True)
+            for s in (1234, 5, 6)
+        ],
+    )
     assert crowded[0].outputs[0].text == first
     assert run(1234) == first
     assert len({run(1), run(2), run(3)}) > 1

@@ -22,7 +22,14 @@ MAX_NEW_TOKENS = 24
 
 
 def build_tiny(family: str, folder: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(
         vocab_size=512,
@@ -75,12 +82,16 @@ def tiny_model(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def run_engine(folder: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[list[int]], EngineCore]:  # type: ignore[no-untyped-def]
-    worker_kwargs = {k: engine_kwargs.pop(k) for k in ("num_kv_blocks", "max_model_len") if k in engine_kwargs}
+    worker_kwargs = {
+        k: engine_kwargs.pop(k) for k in ("num_kv_blocks", "max_model_len") if k in engine_kwargs
+    }
     worker = WorkerConfig(model=folder, dtype="float32", block_size=16, **worker_kwargs)
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        core.add_request(AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, arrival_time=i))
+        core.add_request(
+            AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, arrival_time=i)
+        )
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while core.has_unfinished_requests():
         for _, output in core.step():
@@ -117,7 +128,11 @@ def test_shared_prefix_hits_cache_and_still_matches(tiny_model) -> None:  # type
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     cached = {}
     for index in (6, 7):  # one after the other: the second finds the first's prefix blocks
-        core.add_request(AddRequest(request_id=str(index), prompt_token_ids=prompts[index], sampling_params=params, arrival_time=0))
+        core.add_request(
+            AddRequest(
+                request_id=str(index), prompt_token_ids=prompts[index], sampling_params=params, arrival_time=0
+            )
+        )
         tokens = []
         while core.has_unfinished_requests():
             for _, output in core.step():

@@ -16,7 +16,12 @@ def tokenizer(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-d
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello, world! How are you?", "naïve café — 東京 🚀 ünïcödé", "  leading spaces\n\nand\ttabs", "emoji 👩‍👩‍👧 family"],
+    [
+        "Hello, world! How are you?",
+        "naïve café — 東京 🚀 ünïcödé",
+        "  leading spaces\n\nand\ttabs",
+        "emoji 👩‍👩‍👧 family",
+    ],
 )
 def test_incremental_text_equals_full_decode(tokenizer, text: str) -> None:  # type: ignore[no-untyped-def]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

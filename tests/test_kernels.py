@@ -26,13 +26,17 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
     "num_heads,num_kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16), (16, 4, 64, 32)],
 )
-def test_paged_decode_attention_matches_reference(ops, dtype, num_heads, num_kv_heads, head_dim, block_size) -> None:  # type: ignore[no-untyped-def]
+def test_paged_decode_attention_matches_reference(
+    ops, dtype, num_heads, num_kv_heads, head_dim, block_size
+) -> None:  # type: ignore[no-untyped-def]
     generator = torch.Generator().manual_seed(num_heads * head_dim + block_size)
     num_blocks, num_seqs = 128, 7
     cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     seq_lens = torch.tensor([1, 2, block_size, block_size + 1, 3 * block_size - 1, 97, 5 * block_size])
     max_blocks = int((seq_lens.max() + block_size - 1) // block_size)
-    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * max_blocks].view(
+        num_seqs, max_blocks
+    )
     query = torch.randn(num_seqs, num_heads, head_dim, generator=generator).to(dtype)
     key_pos = torch.arange(max_blocks * block_size)
     metadata = AttentionMetadata(

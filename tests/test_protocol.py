@@ -6,7 +6,14 @@ import msgspec
 import pytest
 
 from protocol import PROTOCOL_VERSION, InvalidParameterError, SamplingParams
-from protocol.codec import TYPE_BYTES, engine_codec, frontend_codec, worker_input_codec, worker_output_codec
+from protocol.codec import (
+    TYPE_BYTES,
+    encode_value,
+    engine_codec,
+    frontend_codec,
+    worker_input_codec,
+    worker_output_codec,
+)
 from protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -21,7 +28,6 @@ from protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
-from protocol.codec import encode_value
 from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 INFO = ModelInfo("m", ["m"], 2048, 16, 100, [2], "float32", 64, "0.1.0")
@@ -104,7 +110,7 @@ def test_add_request_golden_bytes() -> None:
 
 def test_output_golden_bytes() -> None:
     body = engine_codec().encode(EngineOutputs([RequestOutput("r", [9], "length")], 2.0, None))[1]
-    assert body.hex() == "94a76f75747075747391" "97a1729109a66c656e677468c0c0c000" "cb4000000000000000c0"
+    assert body.hex() == "94a76f7574707574739197a1729109a66c656e677468c0c0c000cb4000000000000000c0"
 
 
 def test_sampling_params_validation_names_the_parameter() -> None:

@@ -144,8 +144,24 @@ def test_preemption_when_blocks_run_out() -> None:
 
 def test_priority_policy_runs_urgent_first_and_preempts_lowest() -> None:
     core, executor = make_core(num_kv_blocks=6, block_size=4, scheduling_policy="priority", max_num_seqs=1)
-    core.add_request(AddRequest(request_id="low", prompt_token_ids=[1] * 5, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=0.0, priority=5))
-    core.add_request(AddRequest(request_id="high", prompt_token_ids=[2] * 5, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=1.0, priority=-5))
+    core.add_request(
+        AddRequest(
+            request_id="low",
+            prompt_token_ids=[1] * 5,
+            sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+            arrival_time=0.0,
+            priority=5,
+        )
+    )
+    core.add_request(
+        AddRequest(
+            request_id="high",
+            prompt_token_ids=[2] * 5,
+            sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+            arrival_time=1.0,
+            priority=-5,
+        )
+    )
     core.step()
     assert list(executor.steps[0].num_scheduled_tokens) == ["high"]
     run_to_completion(core)
@@ -189,12 +205,16 @@ def test_random_workload_keeps_invariants_and_leaks_nothing(
     for step in range(200):
         if rng.random() < 0.3 and len(core.scheduler.requests) < 12:
             request_id = f"r{step}"
-            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(100) for _ in range(rng.randint(1, 12))]
+            prompt = (shared if rng.random() < 0.5 else []) + [
+                rng.randrange(100) for _ in range(rng.randint(1, 12))
+            ]
             core.add_request(
                 AddRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt,
-                    sampling_params=SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=rng.random() < 0.5),
+                    sampling_params=SamplingParams(
+                        max_tokens=rng.randint(1, 10), ignore_eos=rng.random() < 0.5
+                    ),
                     arrival_time=float(step),
                     priority=rng.randint(-2, 2),
                 )
@@ -205,7 +225,9 @@ def test_random_workload_keeps_invariants_and_leaks_nothing(
             core.abort_requests([rng.choice(live)])
         scheduler_output_count = len(executor.steps)
         core.step()
-        core.scheduler.check_invariants(executor.steps[-1] if len(executor.steps) > scheduler_output_count else None)
+        core.scheduler.check_invariants(
+            executor.steps[-1] if len(executor.steps) > scheduler_output_count else None
+        )
     for _ in range(2000):
         if not core.has_unfinished_requests():
             break
@@ -220,4 +242,6 @@ def test_random_workload_keeps_invariants_and_leaks_nothing(
 
 def test_request_status_order() -> None:
     assert not RequestStatus.PREEMPTED.is_finished
-    assert RequestStatus.FINISHED_ABORTED.is_finished and RequestStatus.FINISHED_ABORTED.finish_reason == "abort"
+    assert (
+        RequestStatus.FINISHED_ABORTED.is_finished and RequestStatus.FINISHED_ABORTED.finish_reason == "abort"
+    )

@@ -121,7 +121,9 @@ def _from_gguf(path: str, reader: Any) -> ModelConfig:
     arch = get("general.architecture")
     family = GGUF_ARCHITECTURES.get(arch)
     if family is None:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
     hidden_size = get(f"{arch}.embedding_length")
     num_heads = get(f"{arch}.attention.head_count")
     tensor_names = {t.name for t in reader.tensors}

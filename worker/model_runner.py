@@ -77,13 +77,19 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
         logger.info(
-            "loaded %s (%s, %s), %d KV blocks of %d tokens", config.model, mc.family, self.dtype,
-            self.num_kv_blocks, self.block_size,
+            "loaded %s (%s, %s), %d KV blocks of %d tokens",
+            config.model,
+            mc.family,
+            self.dtype,
+            self.num_kv_blocks,
+            self.block_size,
         )
 
     def _num_blocks_for(self, num_bytes: int) -> int:
         mc = self.model_config
-        bytes_per_block = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * mc.num_layers * self.dtype.itemsize
+        bytes_per_block = (
+            2 * self.block_size * mc.num_kv_heads * mc.head_dim * mc.num_layers * self.dtype.itemsize
+        )
         return max(num_bytes // bytes_per_block, 1)
 
     def model_info(self) -> ModelInfo:
@@ -111,7 +117,11 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend)
 
         ends = np.cumsum(inputs.counts)
-        sample_pos = [i for i in range(len(inputs.rows)) if inputs.starts[i] + inputs.counts[i] >= self._num_tokens(i, inputs)]
+        sample_pos = [
+            i
+            for i in range(len(inputs.rows))
+            if inputs.starts[i] + inputs.counts[i] >= self._num_tokens(i, inputs)
+        ]
         prompt_rows = self._prompt_logprob_rows(inputs, ends)
         score_rows = [int(ends[i]) - 1 for i in sample_pos] + [r for _, rows, _ in prompt_rows for r in rows]
         logits = self.model.compute_logits(hidden[score_rows]) if score_rows else None  # [n, vocab] float32
@@ -194,13 +204,23 @@ class ModelRunner:
             block_ids = torch.from_numpy(self.batch.block_table[rows[i], : -(-seq_len // bs)].copy())
             mask = None
             if context > 0:
-                mask = torch.arange(seq_len).unsqueeze(0) <= (context + torch.arange(n)).unsqueeze(1)  # [n, S]
+                mask = torch.arange(seq_len).unsqueeze(0) <= (context + torch.arange(n)).unsqueeze(
+                    1
+                )  # [n, S]
             metadata.prefills.append(PrefillChunk(start, start + n, context, block_ids, mask))
         return StepInputs(
-            request_ids, rows, counts, starts, torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
+            request_ids,
+            rows,
+            counts,
+            starts,
+            torch.from_numpy(input_ids),
+            torch.from_numpy(positions),
+            metadata,
         )
 
-    def _prompt_logprob_rows(self, inputs: StepInputs, ends: np.ndarray) -> list[tuple[str, list[int], list[int]]]:
+    def _prompt_logprob_rows(
+        self, inputs: StepInputs, ends: np.ndarray
+    ) -> list[tuple[str, list[int], list[int]]]:
         """For requests asking prompt logprobs: (id, hidden rows, the prompt token each row predicts)."""
         result = []
         for i, request_id in enumerate(inputs.request_ids):

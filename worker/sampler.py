@@ -89,7 +89,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.index_put_((batch.bias_rows, batch.bias_tokens), batch.bias_values, accumulate=True)
     if batch.repetition_penalty is not None:
         assert batch.prompt_token_ids is not None and batch.output_token_ids is not None
-        seen = _token_mask(batch.prompt_token_ids, vocab_size) | _token_mask(batch.output_token_ids, vocab_size)
+        seen = _token_mask(batch.prompt_token_ids, vocab_size) | _token_mask(
+            batch.output_token_ids, vocab_size
+        )
         penalty = batch.repetition_penalty.unsqueeze(1)  # [B, 1]
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
@@ -140,7 +142,9 @@ def _mix_seed(seed: int, position: int) -> int:
     return ((seed & 0xFFFFFFFF) * _SEED_MIX + position) % (1 << 63)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     if top_k is None and top_p is None:
         return logits
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [B, vocab]

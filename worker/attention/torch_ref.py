@@ -39,7 +39,9 @@ class TorchAttentionBackend:
         num_seqs, max_blocks = tables.shape
         length = max_blocks * kv_cache.shape[2]
         # One gather per cache half; the result is contiguous, so the view to [B, L, ...] is free.
-        k = kv_cache[:, 0][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
+        k = (
+            kv_cache[:, 0][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+        )  # [B, kvh, L, d]
         v = kv_cache[:, 1][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2), k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
@@ -71,6 +73,12 @@ class TorchAttentionBackend:
                 v = blocks[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
             # NOTE: 4-d inputs: CPU SDPA takes its flash kernel only for [batch, heads, seq, dim].
             out = F.scaled_dot_product_attention(
-                q[None], k[None], v[None], attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+                q[None],
+                k[None],
+                v[None],
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=scale,
+                enable_gqa=True,
             )[0]  # [num_heads, n, head_dim]
             output[start:end] = out.transpose(0, 1)

@@ -27,7 +27,12 @@ class RotaryEmbedding:
     """cos/sin tables for every position, computed once in float32 (rotate-half convention)."""
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None, device: torch.device
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device,
     ) -> None:
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         attention_factor = 1.0

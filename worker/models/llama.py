@@ -27,7 +27,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype)
+        self.qkv_proj = nn.Linear(
+            hidden, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
+        )
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
@@ -58,7 +60,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
+        )
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,14 +99,18 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=dtype
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         )
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         config = self.config
-        self.rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling, device)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling, device
+        )
 
     def forward(
         self,
