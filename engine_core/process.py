@@ -42,6 +42,9 @@ logger = logging.getLogger("engine.core")
 
 # How long the output thread retries a message to a frontend whose socket is not connected yet.
 ROUTE_RETRY_S = 10.0
+# Silence after which every frontend gets a stats-only EngineOutputs: fresh gauges when idle, and a
+# heartbeat that lets frontends tell a dead engine (no DEAD frame after SIGKILL) from an idle one.
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 class EngineCoreProc:
@@ -96,25 +99,43 @@ class EngineCoreProc:
 
     def _output_loop(self) -> None:
         codec = engine_codec()
+        last_sent: dict[str, float] = {}
         while True:
-            item = self.output_queue.get()
-            if item is None:
+            try:
+                item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S / 4)
+                if item is None:
+                    return
+                client_id, message = item
+                self._route(codec, client_id, message)
+                last_sent[client_id] = time.monotonic()
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            silent = [c for c in list(self.clients) if now - last_sent.get(c, 0.0) > HEARTBEAT_INTERVAL_S]
+            if silent:
+                stats = self.engine.make_stats()  # NOTE: a racy read of counters, fine for gauges
+                for silent_id in silent:
+                    self._route(codec, silent_id, EngineOutputs([], time.time(), stats))
+                    last_sent[silent_id] = now
+
+    def _route(self, codec: Any, client_id: str, message: msgspec.Struct) -> None:
+        frames = [client_id.encode(), *codec.encode(message)]
+        deadline = time.monotonic() + ROUTE_RETRY_S
+        while True:
+            try:
+                self.output_socket.send_multipart(frames, copy=False)
                 return
-            client_id, message = item
-            frames = [client_id.encode(), *codec.encode(message)]
-            deadline = time.monotonic() + ROUTE_RETRY_S
-            while True:
-                try:
-                    self.output_socket.send_multipart(frames, copy=False)
-                    break
-                except zmq.ZMQError as error:
-                    # EHOSTUNREACH: the frontend's output socket has not connected yet (or it left).
-                    if error.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
-                        logger.warning("dropping output for frontend %s: %s", client_id, error)
-                        if isinstance(message, EngineOutputs):
-                            self.input_queue.put((client_id, _ClientGone()))
-                        break
-                    time.sleep(0.01)
+            except zmq.ZMQError as error:
+                # EHOSTUNREACH: the frontend's output socket has not connected yet (worth a retry while
+                # it registers), or it left (its requests get aborted).
+                handshake = isinstance(message, (Ready, Rejected))
+                if error.errno != zmq.EHOSTUNREACH or not handshake or time.monotonic() > deadline:
+                    logger.warning("dropping output for frontend %s: %s", client_id, error)
+                    if client_id in self.clients:
+                        self.clients.discard(client_id)
+                        self.input_queue.put((client_id, _ClientGone()))
+                    return
+                time.sleep(0.01)
 
     # ---- busy loop ----
 

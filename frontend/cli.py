@@ -1,7 +1,4 @@
-"""The `engine` command. Today: `engine generate` (offline, through the real engine processes).
-
-`engine serve`, `engine chat` and `engine complete` arrive with the OpenAI-compatible server.
-"""
+"""The `engine` command: `engine serve` (the OpenAI-compatible server) and `engine generate` (offline)."""
 
 from __future__ import annotations
 
@@ -9,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 from protocol.version import __version__
 
@@ -91,11 +89,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from frontend.launcher import serve
+
+    return serve(args, engine_kwargs(args))
+
+
+def add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP + SSE)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-server-count", type=int, default=1, help="API-server processes sharing the port"
+    )
+    serve.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names the API accepts as `model`"
+    )
+    serve.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` (or set ENGINE_API_KEY)"
+    )
+    serve.add_argument("--allowed-origins", action="append", default=None, help="CORS origin (repeatable)")
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    serve.add_argument(
+        "--engine-address", default=None, help="where the engine binds: tcp://HOST:PORT or ipc://PATH"
+    )
+    serve.add_argument(
+        "--headless", action="store_true", help="run the engine and workers only (needs --engine-address)"
+    )
+    serve.add_argument(
+        "--attach", default=None, help="run API servers only, joining the engine at this address"
+    )
+    serve.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description="An OpenAI-compatible LLM inference server.")
     parser.add_argument("--version", action="version", version=f"engine {__version__}")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(commands)
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     add_engine_args(generate)
     generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from frontend.model_files import default_cache_dir, resolve_model
+from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
 from protocol.config import EngineConfig, WorkerConfig
 
 
@@ -49,7 +49,8 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_kv_blocks=self.num_kv_blocks,
             max_num_seqs=self.max_num_seqs,
-            served_model_names=self.served_model_name or [model],
+            # vLLM's default: the model as the user named it; the bundled model by its own name.
+            served_model_names=self.served_model_name or [self.model or DEFAULT_MODEL_NAME],
             attention_backend=self.attention_backend,
             seed=self.seed,
             num_threads=self.num_threads,

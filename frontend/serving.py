@@ -1,0 +1,210 @@
+"""OpenAI chat and completions on top of the AsyncEngineClient: validation, n > 1 fan-out, stop
+strings, streaming and non-streaming responses, aborts on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from frontend.async_client import AsyncEngineClient
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.openai_format import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, sse, usage
+from frontend.openai_models import ChatCompletionRequest, OpenAIError, SamplingFields
+from protocol.errors import EngineDeadError, InvalidParameterError
+from protocol.messages import AddRequest, ModelInfo, RequestOutput
+from protocol.sampling import MAX_LOGPROBS, SamplingParams
+
+
+@dataclass
+class Choice:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """What one engine output added to one choice."""
+
+    choice: Choice
+    text: str
+    output: RequestOutput
+
+
+class OpenAIServing:
+    def __init__(
+        self, client: AsyncEngineClient, tokenizer: Any, model_info: ModelInfo, chat_template: str | None
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.chat_template = chat_template
+        self.token_text = TokenText(tokenizer)
+
+    # ---- shared validation ----
+
+    def model_name(self, requested: str | None) -> str:
+        names = self.model_info.served_model_names
+        if requested is None or requested in names:
+            return requested or names[0]
+        raise OpenAIError(
+            f"The model `{requested}` does not exist.",
+            status=404,
+            type="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+    def sampling_params(
+        self, request: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        limit = self.model_info.max_model_len
+        if max_tokens is not None and max_tokens < 1:
+            raise OpenAIError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        if num_prompt_tokens + (max_tokens or 0) > limit or num_prompt_tokens >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + (max_tokens or 0)} tokens ({num_prompt_tokens} in the messages, "
+                f"{max_tokens or 0} in the completion). Please reduce the length of the messages or completion.",
+                param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        try:
+            bias = {int(k): float(v) for k, v in (request.logit_bias or {}).items()}
+        except ValueError as error:
+            raise OpenAIError("logit_bias keys must be token ids.", param="logit_bias") from error
+        params = SamplingParams(
+            n=request.n,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            min_p=request.min_p or 0.0,
+            seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty or 1.0,
+            logit_bias=bias or None,
+            max_tokens=max_tokens if max_tokens is not None else limit - num_prompt_tokens,
+            min_tokens=request.min_tokens,
+            stop=stop,
+            stop_token_ids=request.stop_token_ids or [],
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+        try:
+            params.validate(self.model_info.vocab_size)
+        except InvalidParameterError as error:
+            raise OpenAIError(error.message, param=error.param) from error
+        return params
+
+    # ---- generation ----
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int
+    ) -> AsyncIterator[Delta]:
+        """Run the n choices of one prompt; yield each piece of new text as it comes."""
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        choices: dict[str, Choice] = {}
+        for index in range(params.n):
+            child_id = f"{request_id}-{index}"
+            seed = None if params.seed is None else params.seed + index
+            child_params = msgspec.structs.replace(params, n=1, seed=seed)
+            choices[child_id] = Choice(index, IncrementalDetokenizer(self.tokenizer, params))
+            await self.client.add_request(
+                AddRequest(
+                    request_id=child_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=child_params,
+                    arrival_time=time.time(),
+                    priority=priority,
+                ),
+                queue,
+            )
+        open_ids = set(choices)
+        try:
+            while open_ids:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                choice = choices.get(item.request_id)
+                if choice is None or item.request_id not in open_ids:
+                    continue
+                if (
+                    item.finish_reason == "abort"
+                    and isinstance(item.stop_reason, str)
+                    and not item.new_token_ids
+                ):
+                    raise OpenAIError(f"The engine rejected the request: {item.stop_reason}", param="prompt")
+                finished = item.finish_reason is not None
+                text = choice.detokenizer.update(item.new_token_ids, finished)
+                choice.token_ids.extend(item.new_token_ids)
+                if choice.detokenizer.stop_matched is not None:
+                    choice.finish_reason, choice.stop_reason = "stop", choice.detokenizer.stop_matched
+                    if not finished:
+                        await self.client.abort([item.request_id])
+                    finished = True
+                elif finished:
+                    choice.finish_reason, choice.stop_reason = item.finish_reason, item.stop_reason
+                    if choice.finish_reason == "abort":
+                        raise EngineDeadError("the engine aborted the request")
+                choice.text += text
+                if finished:
+                    open_ids.discard(item.request_id)
+                    self.client.release(item.request_id)
+                yield Delta(choice, text, item)
+        finally:
+            if open_ids:
+                await self.client.abort(sorted(open_ids))
+
+
+def new_id(prefix: str, header_id: str | None) -> str:
+    return f"{prefix}-{header_id or uuid.uuid4().hex}"
+
+
+def engine_error(error: Exception) -> OpenAIError:
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(
+            f"The engine is not available: {error}",
+            status=503,
+            type="service_unavailable_error",
+            code="engine_dead",
+        )
+    if isinstance(error, InvalidParameterError):
+        return OpenAIError(error.message, param=error.param)
+    return OpenAIError(f"Internal error: {type(error).__name__}", status=500, type="internal_error")
+
+
+def clamp_top(value: int | None, param: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise OpenAIError(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}.", param=param)
+    return value
+
+
+__all__ = [
+    "SSE_DONE",
+    "Choice",
+    "Delta",
+    "OpenAIServing",
+    "chat_logprobs",
+    "clamp_top",
+    "completion_logprobs",
+    "engine_error",
+    "new_id",
+    "sse",
+    "usage",
+]
