@@ -149,7 +149,7 @@ def build_app(deps: AppDeps) -> FastAPI:
             {
                 "server_index": config.server_index,
                 "server_load": deps.client.num_open_requests,
-                "engine": None if stats is None else msgspec.to_builtins(stats),
+                "engine": None if stats is None else {f: getattr(stats, f) for f in stats.__struct_fields__},
             }
         )
 

@@ -1,0 +1,276 @@
+"""End to end: a real `engine serve` (engine, worker, two API servers) on loopback, driven by the
+official `openai` client and by raw HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+MODEL = "smollm2"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf: str):  # type: ignore[no-untyped-def]
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "frontend.cli",
+        "serve",
+        smollm2_gguf,
+        "--port",
+        str(port),
+        "--api-server-count",
+        "2",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        MODEL,
+        "--api-key",
+        API_KEY,
+    ]
+    process = subprocess.Popen(command)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: httpx.get(f"{base}/health", timeout=2).status_code == 200, 180, "the server to be healthy"
+        )
+        yield {"base": base, "process": process}
+    finally:
+        tree = psutil.Process(process.pid).children(recursive=True)
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        for leftover in alive:
+            leftover.kill()
+        assert not alive, f"processes outlived `engine serve`: {alive}"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=f"{server['base']}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_non_stream_and_stream_agree(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"
+    assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens > 0
+    assert response.usage.prompt_tokens_details.cached_tokens >= 0
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+
+
+def test_http_greedy_equals_offline_api(client: openai.OpenAI, smollm2_gguf: str) -> None:
+    from frontend import LLM, SamplingParams
+
+    prompts = ["The three primary colors are", "def fibonacci(n):", "Paris is"]
+    http = [
+        client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=16).choices[0].text
+        for p in prompts
+    ]
+    with LLM(smollm2_gguf, dtype="float32", max_model_len=1024) as llm:
+        offline = [
+            r.outputs[0].text for r in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        ]
+    assert http == offline
+
+
+def test_completions_n_stop_logprobs_echo(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        n=2,
+        temperature=0.9,
+        seed=3,
+        max_tokens=30,
+        stop=["."],
+        logprobs=2,
+        echo=True,
+    )
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice in response.choices:
+        assert choice.text.startswith("Once upon a time")
+        assert "." not in choice.text
+        assert choice.logprobs is not None and len(choice.logprobs.tokens) == len(
+            choice.logprobs.token_logprobs
+        )
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    stream = list(
+        client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5, temperature=0, stream=True)
+    )
+    assert stream[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+
+
+@pytest.mark.parametrize(
+    "body,status,param,code",
+    [
+        ({"messages": QUESTION, "temperature": -1}, 400, "temperature", None),
+        ({"messages": QUESTION, "top_p": 2}, 400, "top_p", None),
+        ({"messages": QUESTION, "max_tokens": 5000}, 400, "messages", "context_length_exceeded"),
+        ({"messages": QUESTION, "model": "nope"}, 404, "model", "model_not_found"),
+        ({"messages": "not a list"}, 400, "messages", None),
+        ({"messages": []}, 400, "messages", None),
+    ],
+)
+def test_errors_are_openai_shaped(server, body, status, param, code) -> None:  # type: ignore[no-untyped-def]
+    response = httpx.post(f"{server['base']}/v1/chat/completions", json=body, headers=auth(), timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["param"] == param and error["code"] == code and error["type"]
+
+
+def test_context_length_message(server) -> None:  # type: ignore[no-untyped-def]
+    response = httpx.post(
+        f"{server['base']}/v1/completions",
+        json={"prompt": [5] * 1000, "max_tokens": 100},
+        headers=auth(),
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith(
+        "This model's maximum context length is 1024 tokens. However, you requested 1100 tokens (1000 in the messages, 100 in the completion)."
+    )
+
+
+def test_api_key_required(server) -> None:  # type: ignore[no-untyped-def]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(
+            f"{server['base']}/v1/chat/completions", json={"messages": QUESTION}, headers=headers
+        )
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server['base']}/health").status_code == 200
+
+
+def test_both_api_servers_answer(server) -> None:  # type: ignore[no-untyped-def]
+    seen = set()
+    for _ in range(40):
+        with httpx.Client() as fresh:  # a new connection each time: the kernel picks an acceptor
+            response = fresh.get(f"{server['base']}/load", headers=auth())
+            seen.add(response.headers["x-engine-server"])
+        if seen == {"0", "1"}:
+            break
+    assert seen == {"0", "1"}
+
+
+def test_tokenize_detokenize(server) -> None:  # type: ignore[no-untyped-def]
+    tokens = httpx.post(f"{server['base']}/tokenize", json={"prompt": "Hello world"}, headers=auth()).json()[
+        "tokens"
+    ]
+    text = httpx.post(f"{server['base']}/detokenize", json={"tokens": tokens}, headers=auth()).json()[
+        "prompt"
+    ]
+    assert text == "Hello world"
+
+
+def engine_stats(server) -> dict:  # type: ignore[no-untyped-def]
+    return httpx.get(f"{server['base']}/load", headers=auth()).json()["engine"]
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    with httpx.Client(timeout=60) as raw:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with raw.stream("POST", f"{server['base']}/v1/completions", json=body, headers=auth()) as response:
+            for count, _ in enumerate(response.iter_lines()):
+                if count > 5:
+                    break  # leaving the block closes the connection mid-stream
+    # 900 tokens take far longer than this to generate: only an abort frees the blocks in time.
+    wait_until(
+        lambda: engine_stats(server)["num_running"] == 0 and engine_stats(server)["kv_cache_usage"] == 0.0,
+        8,
+        "the aborted request's blocks to be freed",
+    )
+
+
+def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    """Last in the module: it kills the engine."""
+    engine = next(
+        p
+        for p in psutil.Process(server["process"].pid).children()
+        if "engine_core.main" in " ".join(p.cmdline())
+    )
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Count to a thousand:",
+        max_tokens=900,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    os.kill(engine.pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    wait_until(lambda: httpx.get(f"{server['base']}/health").status_code == 503, 30, "/health to report 503")
+    with pytest.raises(openai.APIStatusError) as error:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
+    assert error.value.status_code == 503
