@@ -36,7 +36,7 @@ OPEN_PATHS = {"/health", "/ping", "/version"}
 class ServerConfig(msgspec.Struct, kw_only=True):
     """What the launcher tells each API server."""
 
-    model: str  # path, for the tokenizer
+    model: str  # path, for the tokenizer; "" takes the model the engine reports
     input_address: str
     output_address: str
     server_index: int = 0
@@ -198,8 +198,10 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
     client = AsyncEngineClient(
         config.input_address, config.output_address, f"api{config.server_index}-{os.getpid()}"
     )
-    tokenizer = await asyncio.to_thread(load_tokenizer, config.model, config.tokenizer_cache_dir)
     model_info = await client.register(config.register_timeout_s)
+    tokenizer = await asyncio.to_thread(
+        load_tokenizer, config.model or model_info.model, config.tokenizer_cache_dir
+    )
     serving = OpenAIServing(client, tokenizer, model_info, config.chat_template)
     app = build_app(AppDeps(config, client, serving))
     uv_config = uvicorn.Config(

@@ -73,13 +73,18 @@ class AsyncEngineClient:
 
     async def register(self, timeout_s: float) -> ModelInfo:
         await self._send(Register(PROTOCOL_VERSION, self.client_id))
-        if not await self._output.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"the engine did not answer registration within {timeout_s} s")
-        message = self._decoder.decode(await self._output.recv_multipart())
-        if isinstance(message, Rejected):
-            raise ProtocolVersionError(message.reason)
-        if not isinstance(message, Ready):
-            raise EngineDeadError(f"unexpected {type(message).__name__} during registration")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            remaining_ms = int((deadline - asyncio.get_running_loop().time()) * 1000)
+            if remaining_ms <= 0 or not await self._output.poll(remaining_ms):
+                raise TimeoutError(f"the engine did not answer registration within {timeout_s} s")
+            message = self._decoder.decode(await self._output.recv_multipart())
+            if isinstance(message, Rejected):
+                raise ProtocolVersionError(message.reason)
+            if isinstance(message, EngineDead):
+                raise EngineDeadError(message.reason)
+            if isinstance(message, Ready):
+                break  # anything else (a heartbeat that overtook the Ready) is ignored
         self.model_info = message.model_info
         loop = asyncio.get_running_loop()
         self.last_message_at = loop.time()

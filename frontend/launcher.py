@@ -109,7 +109,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     attach = args.attach
     if attach:
         input_address, output_address = engine_addresses(attach)
-        model = resolve_model(args.model)
+        model = resolve_model(args.model) if args.model else ""  # "": the tokenizer of the engine's model
     else:
         engine_args = EngineArgs(
             model=args.model, served_model_name=args.served_model_name or [], **engine_kwargs
