@@ -1,4 +1,5 @@
-"""The `engine` command: `engine serve` (the OpenAI-compatible server) and `engine generate` (offline)."""
+"""The `engine` command: `serve` (the OpenAI-compatible server), `chat` and `complete` (clients of a
+running server), `generate` (offline)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
+    from frontend.cli_clients import add_client_parsers
+
+    add_client_parsers(commands)
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     add_engine_args(generate)
     generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")

@@ -251,6 +251,41 @@ def test_client_disconnect_mid_stream_frees_blocks(server, client: openai.OpenAI
     )
 
 
+def test_engine_chat_and_complete_clients(server) -> None:  # type: ignore[no-untyped-def]
+    common = [
+        "--url",
+        f"{server['base']}/v1",
+        "--api-key",
+        API_KEY,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "20",
+    ]
+    chat = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "chat", *common],
+        input="What is the capital of France?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert "Paris" in chat.stdout
+    complete = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "complete", *common, "-q", "The capital of France is"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert complete.returncode == 0 and complete.stdout.strip(), complete.stderr
+
+
+def test_request_id_is_echoed(server) -> None:  # type: ignore[no-untyped-def]
+    response = httpx.get(f"{server['base']}/v1/models", headers={**auth(), "X-Request-Id": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    assert httpx.get(f"{server['base']}/v1/models", headers=auth()).headers["x-request-id"]
+
+
 def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     """Last in the module: it kills the engine."""
     engine = next(
