@@ -61,36 +61,52 @@ def error_response(error: OpenAIError) -> Response:
     )
 
 
+class EdgeMiddleware:
+    """API key (constant-time compare), X-Request-Id echo, and which API server answered.
+
+    Pure ASGI rather than BaseHTTPMiddleware, which hides client disconnects from the handlers.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, server_index: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.server_header = str(server_index).encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id") or os.urandom(8).hex().encode()
+        extra = [(b"x-request-id", request_id), (b"x-engine-server", self.server_header)]
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *extra]
+            await send(message)
+
+        if self.expected is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                error = OpenAIError(
+                    "Incorrect or missing API key.",
+                    status=401,
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+                await error_response(error)(scope, receive, send_with_headers)
+                return
+        await self.app(scope, receive, send_with_headers)
+
+
 def build_app(deps: AppDeps) -> FastAPI:
     app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None)
     app.state.deps = deps
     config = deps.config
+    app.add_middleware(EdgeMiddleware, api_key=config.api_key, server_index=config.server_index)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
         )
-
-    @app.middleware("http")
-    async def edge(request: Request, call_next: Any) -> Response:
-        request_id = request.headers.get("x-request-id") or os.urandom(8).hex()
-        if config.api_key and request.url.path not in OPEN_PATHS and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                response = error_response(
-                    OpenAIError(
-                        "Incorrect or missing API key.",
-                        status=401,
-                        type="authentication_error",
-                        code="invalid_api_key",
-                    )
-                )
-                response.headers["x-request-id"] = request_id
-                return response
-        response = await call_next(request)
-        response.headers["x-request-id"] = request_id
-        response.headers["x-engine-server"] = str(config.server_index)
-        return response
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, error: OpenAIError) -> Response:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -34,6 +36,29 @@ def json_response(body: Any, headers: dict[str, str] | None = None) -> Response:
     import msgspec
 
     return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
+
+
+async def until_disconnected(request: Request, work: Any) -> Any:
+    """Await `work` (a non-streaming generation); if the client goes away first, cancel it, which
+    aborts its engine requests (their blocks are freed)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise OpenAIError("The client disconnected.", status=499, type="client_closed_request")
+    except OpenAIError:
+        raise
+    except Exception as error:
+        raise engine_error(error) from error
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
@@ -86,7 +111,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
         )
     choices: dict[int, Any] = {}
     cached = 0
-    try:
+
+    async def collect() -> None:
+        nonlocal cached
         async for delta in stream:
             choices[delta.choice.index] = delta.choice
             cached = delta.output.num_cached_tokens
@@ -94,8 +121,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
                 delta.choice.logprobs.extend(
                     chat_logprobs(delta.output.new_logprobs, top or 0, serving.token_text)
                 )
-    except Exception as error:
-        raise engine_error(error) from error
+
+    await until_disconnected(request, collect())
     num_completion = sum(len(c.token_ids) for c in choices.values())
     return json_response(
         {
@@ -226,38 +253,48 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
             _completion_stream(serving, body, prompts, params_list, request_id, model, created, top),
             media_type="text/event-stream",
         )
-    choices = []
-    total_prompt, total_completion, cached = 0, 0, 0
-    try:
-        for p, ((text, ids), params) in enumerate(zip(prompts, params_list, strict=True)):
-            done: dict[int, Any] = {}
-            logprobs: dict[int, Any] = {}
-            cached_now = 0
-            async for delta in serving.generate(f"{request_id}-{p}", ids, params, body.priority):
-                done[delta.choice.index] = delta.choice
-                if top is not None and delta.output.new_logprobs is not None:
-                    part = completion_logprobs(delta.output.new_logprobs, top, serving.token_text, 0)
-                    logprobs[delta.choice.index] = merge_completion_logprobs(
-                        logprobs.get(delta.choice.index), part
-                    )
-                if delta.choice.finish_reason is not None:
-                    cached_now = delta.output.num_cached_tokens
-            total_prompt += len(ids)
-            cached += cached_now
-            for c in sorted(done.values(), key=lambda c: c.index):
-                total_completion += len(c.token_ids)
-                prefix = (text or "") if body.echo else ""
-                choices.append(
-                    {
-                        "index": p * body.n + c.index,
-                        "text": prefix + c.text,
-                        "logprobs": logprobs.get(c.index),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
+
+    async def collect(
+        p: int, text: str | None, ids: list[int], params: Any
+    ) -> tuple[list[dict[str, Any]], int]:
+        done: dict[int, Any] = {}
+        logprobs: dict[int, Any] = {}
+        cached = 0
+        async for delta in serving.generate(f"{request_id}-{p}", ids, params, body.priority):
+            done[delta.choice.index] = delta.choice
+            cached = delta.output.num_cached_tokens
+            if top is not None and delta.output.new_logprobs is not None:
+                part = completion_logprobs(delta.output.new_logprobs, top, serving.token_text, 0)
+                logprobs[delta.choice.index] = merge_completion_logprobs(
+                    logprobs.get(delta.choice.index), part
                 )
-    except Exception as error:
-        raise engine_error(error) from error
+        prefix = (text or "") if body.echo else ""
+        return [
+            {
+                "index": p * body.n + c.index,
+                "text": prefix + c.text,
+                "logprobs": logprobs.get(c.index),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "num_tokens": len(c.token_ids),
+            }
+            for c in sorted(done.values(), key=lambda c: c.index)
+        ], cached
+
+    # Every prompt of the request runs at once, so the engine batches them.
+    results = await until_disconnected(
+        request,
+        asyncio.gather(
+            *(
+                collect(p, text, ids, params)
+                for p, ((text, ids), params) in enumerate(zip(prompts, params_list, strict=True))
+            )
+        ),
+    )
+    choices = [choice for per_prompt, _ in results for choice in per_prompt]
+    total_prompt = sum(len(ids) for _, ids in prompts)
+    total_completion = sum(choice.pop("num_tokens") for choice in choices)
+    cached = sum(c for _, c in results)
     return json_response(
         {
             "id": request_id,

@@ -251,6 +251,33 @@ def test_client_disconnect_mid_stream_frees_blocks(server, client: openai.OpenAI
     )
 
 
+def test_client_disconnect_before_a_non_streamed_answer_frees_blocks(server) -> None:  # type: ignore[no-untyped-def]
+    body = {"prompt": ["Tell me a long story.", "And another one."], "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server['base']}/v1/completions", json=body, headers=auth(), timeout=2.0)
+    wait_until(
+        lambda: engine_stats(server)["num_running"] == 0 and engine_stats(server)["kv_cache_usage"] == 0.0,
+        8,
+        "the abandoned request's blocks to be freed",
+    )
+
+
+def test_multi_prompt_completion_batches_and_orders(client: openai.OpenAI) -> None:
+    prompts = ["One, two, three,", "A, B, C,"]
+    response = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=6, n=2)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text == response.choices[1].text  # greedy: n copies agree
+    singles = [
+        client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=6).choices[0].text
+        for p in prompts
+    ]
+    assert [response.choices[0].text, response.choices[2].text] == singles
+    assert (
+        response.usage.completion_tokens == sum(1 for _ in range(4)) * 6
+        or response.usage.completion_tokens <= 24
+    )
+
+
 def test_engine_chat_and_complete_clients(server) -> None:  # type: ignore[no-untyped-def]
     common = [
         "--url",
