@@ -14,8 +14,10 @@ from protocol.config import EngineConfig
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if config.executor != "mp":
         raise SystemExit(f"the engine process runs the 'mp' executor only, not {config.executor!r}")
     executor = MultiprocExecutor(config.worker)

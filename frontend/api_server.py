@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from frontend.async_client import AsyncEngineClient
-from frontend.model_files import load_tokenizer
+from frontend.model_files import load_generation_defaults, load_tokenizer
 from frontend.openai_models import DetokenizeRequest, OpenAIError, TokenizeRequest
 from frontend.routes_openai import json_response, router
 from frontend.serving import OpenAIServing
@@ -46,6 +46,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     tokenizer_cache_dir: str | None = None
     log_level: str = "warning"
     register_timeout_s: float = 600.0
+    generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a folder
 
 
 @dataclass
@@ -218,7 +219,10 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
     tokenizer = await asyncio.to_thread(
         load_tokenizer, config.model or model_info.model, config.tokenizer_cache_dir
     )
-    serving = OpenAIServing(client, tokenizer, model_info, config.chat_template)
+    defaults = load_generation_defaults(config.model or model_info.model, config.generation_config)
+    if defaults:
+        logger.info("sampling defaults from the generation config: %s", defaults)
+    serving = OpenAIServing(client, tokenizer, model_info, config.chat_template, defaults)
     app = build_app(AppDeps(config, client, serving))
     uv_config = uvicorn.Config(
         app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=30

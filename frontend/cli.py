@@ -36,6 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -50,6 +51,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
+        log_level=args.log_level,
     )
 
 
@@ -121,13 +123,17 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument(
         "--attach", default=None, help="run API servers only, joining the engine at this address"
     )
+    serve.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for unset request fields: 'auto' (the model's generation_config.json), 'vllm' (none), or a folder",
+    )
     serve.set_defaults(func=cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description="An OpenAI-compatible LLM inference server.")
     parser.add_argument("--version", action="version", version=f"engine {__version__}")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
     from frontend.cli_clients import add_client_parsers
@@ -153,9 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    level = getattr(args, "log_level", "warning")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args))
 
 

@@ -27,6 +27,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # "auto", "torch" or "cpu"
     tokenizer_cache_dir: str | None = field(default_factory=default_cache_dir)
     startup_timeout_s: float = 600.0
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -54,6 +55,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             seed=self.seed,
             num_threads=self.num_threads,
+            log_level=self.log_level,
         )
         return EngineConfig(
             worker=worker,
@@ -62,4 +64,5 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            log_level=self.log_level,
         )

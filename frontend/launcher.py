@@ -145,6 +145,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 allowed_origins=args.allowed_origins or [],
                 tokenizer_cache_dir=os.path.join(os.path.expanduser("~"), ".cache", "engine"),
                 log_level=args.log_level,
+                generation_config=args.generation_config,
             ),
         )
     sock.close()  # the API servers hold it now

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 from typing import Any
@@ -76,3 +77,28 @@ def load_tokenizer(model: str, cache_dir: str | None) -> Any | None:
 
 def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "engine")
+
+
+# generation_config.json key -> the request field it defaults
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def load_generation_defaults(model: str, source: str) -> dict[str, Any]:
+    """Sampling defaults for requests that leave them unset, as vLLM's --generation-config:
+    "auto" reads the model folder's generation_config.json, "vllm" uses none, else a folder to read."""
+    if source == "vllm":
+        return {}
+    folder = model if source == "auto" else source
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {ours: data[theirs] for theirs, ours in GENERATION_KEYS.items() if data.get(theirs) is not None}

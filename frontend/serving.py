@@ -43,13 +43,19 @@ class Delta:
 
 class OpenAIServing:
     def __init__(
-        self, client: AsyncEngineClient, tokenizer: Any, model_info: ModelInfo, chat_template: str | None
+        self,
+        client: AsyncEngineClient,
+        tokenizer: Any,
+        model_info: ModelInfo,
+        chat_template: str | None,
+        defaults: dict[str, Any] | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.chat_template = chat_template
         self.token_text = TokenText(tokenizer)
+        self.defaults = defaults or {}  # generation-config values for fields a request leaves unset
 
     # ---- shared validation ----
 
@@ -69,6 +75,8 @@ class OpenAIServing:
         self, request: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         limit = self.model_info.max_model_len
+        if max_tokens is None and "max_tokens" in self.defaults:
+            max_tokens = min(int(self.defaults["max_tokens"]), max(limit - num_prompt_tokens, 1))
         if max_tokens is not None and max_tokens < 1:
             raise OpenAIError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
         if num_prompt_tokens + (max_tokens or 0) > limit or num_prompt_tokens >= limit:
@@ -86,14 +94,14 @@ class OpenAIServing:
             raise OpenAIError("logit_bias keys must be token ids.", param="logit_bias") from error
         params = SamplingParams(
             n=request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=request.top_k or 0,
-            min_p=request.min_p or 0.0,
+            temperature=self._field(request.temperature, "temperature", 1.0),
+            top_p=self._field(request.top_p, "top_p", 1.0),
+            top_k=self._field(request.top_k, "top_k", 0),
+            min_p=self._field(request.min_p, "min_p", 0.0),
             seed=request.seed,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty or 1.0,
+            repetition_penalty=self._field(request.repetition_penalty, "repetition_penalty", 1.0),
             logit_bias=bias or None,
             max_tokens=max_tokens if max_tokens is not None else limit - num_prompt_tokens,
             min_tokens=request.min_tokens,
@@ -109,6 +117,10 @@ class OpenAIServing:
         except InvalidParameterError as error:
             raise OpenAIError(error.message, param=error.param) from error
         return params
+
+    def _field(self, value: Any, name: str, fallback: Any) -> Any:
+        """The request's value, else the generation config's, else the OpenAI default."""
+        return value if value is not None else self.defaults.get(name, fallback)
 
     # ---- generation ----
 

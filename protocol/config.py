@@ -19,6 +19,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     attention_backend: str = "auto"  # "auto", "torch" or "cpu"
     seed: int = 0  # seeds the generator of unseeded requests
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    log_level: str = "info"
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -33,3 +34,4 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     input_address: str = ""  # ZMQ address the engine binds for frontend requests
     output_address: str = ""  # ZMQ address the engine binds for outputs
     executor: str = "mp"  # "mp": one worker process per device; "inproc": the model in the engine process
+    log_level: str = "info"

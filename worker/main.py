@@ -18,12 +18,14 @@ from protocol.worker_messages import SchedulerOutput, WorkerError, WorkerReady, 
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The engine owns shutdown: a Ctrl-C on the terminal reaches the whole group, and the worker
     # must keep answering until the engine tells it to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     address = sys.argv[1]
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerConfig)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     input_codec, output_codec = worker_input_codec(), worker_output_codec()
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)
