@@ -278,6 +278,59 @@ def test_multi_prompt_completion_batches_and_orders(client: openai.OpenAI) -> No
     )
 
 
+def test_chat_content_parts_continue_final_message_and_n_streams(client: openai.OpenAI) -> None:
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the capital "},
+                {"type": "text", "text": "of France?"},
+            ],
+        }
+    ]
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
+    from_parts = client.chat.completions.create(model=MODEL, messages=parts, temperature=0, max_tokens=12)
+    assert from_parts.choices[0].message.content == plain.choices[0].message.content
+    prefix = "The capital of France is"
+    continued = client.chat.completions.create(
+        model=MODEL,
+        messages=[*QUESTION, {"role": "assistant", "content": prefix}],
+        temperature=0,
+        max_tokens=5,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert "Paris" in continued.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, n=2, temperature=0.8, seed=1, max_tokens=10, stream=True
+    )
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and all(texts.values())
+
+
+def test_stop_string_never_streams(client: openai.OpenAI) -> None:
+    text = (
+        client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=30)
+        .choices[0]
+        .text
+    )
+    stop = text.strip()[:3]
+    assert stop
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=30, stop=[stop], stream=True
+        )
+        if c.choices
+    )
+    assert stop not in streamed and text.startswith(streamed)
+
+
 def test_engine_chat_and_complete_clients(server) -> None:  # type: ignore[no-untyped-def]
     common = [
         "--url",
