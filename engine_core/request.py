@@ -9,6 +9,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import time
 
 from engine_core.block_hash import BlockHash, hash_block_tokens
 from protocol.messages import AddRequest
@@ -71,6 +72,17 @@ class Request:
         self.extra_keys = extra_keys
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
+        # engine clock (time.monotonic): for the queue/prefill/decode histograms
+        self.received_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    def timings(self) -> tuple[float, float, float]:
+        """(queue, prefill, decode) seconds so far."""
+        now = time.monotonic()
+        scheduled = self.first_scheduled_time or now
+        first_token = self.first_token_time or now
+        return scheduled - self.received_time, first_token - scheduled, now - first_token
 
     @classmethod
     def from_add(cls, message: AddRequest, client_id: str, block_size: int) -> Request:

@@ -15,6 +15,7 @@ Invariants (check_invariants):
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 
 from engine_core.config import SchedulerConfig
@@ -171,6 +172,7 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -258,25 +260,25 @@ class Scheduler:
             self.kv_cache.cache_blocks(request)
             new_token_ids = model_output.sampled_token_ids.get(request_id, [])
             if new_token_ids:
+                if request.first_token_time is None:
+                    request.first_token_time = time.monotonic()
                 request.append_output_token_ids(new_token_ids)
                 self.num_generation_tokens += len(new_token_ids)
                 self._check_stop(request)
             prompt_logprobs = model_output.prompt_logprobs.get(request_id)
             if new_token_ids or prompt_logprobs is not None:
-                outputs.append(
-                    (
-                        request,
-                        RequestOutput(
-                            request_id,
-                            new_token_ids,
-                            finish_reason=request.status.finish_reason,
-                            stop_reason=request.stop_reason,
-                            new_logprobs=model_output.logprobs.get(request_id),
-                            new_prompt_logprobs=prompt_logprobs,
-                            num_cached_tokens=max(request.num_cached_tokens, 0),
-                        ),
-                    )
+                output = RequestOutput(
+                    request_id,
+                    new_token_ids,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=model_output.logprobs.get(request_id),
+                    new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
+                if request.is_finished:
+                    output.queue_time_s, output.prefill_time_s, output.decode_time_s = request.timings()
+                outputs.append((request, output))
             if request.is_finished:
                 stopped.append(request)
         for request in stopped:

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from frontend.async_client import AsyncEngineClient
+from frontend.metrics import UNMETERED_PATHS, EngineStatsCollector, Metrics, render
 from frontend.model_files import load_generation_defaults, load_tokenizer
 from frontend.openai_models import DetokenizeRequest, OpenAIError, TokenizeRequest
 from frontend.routes_openai import json_response, router
@@ -30,7 +33,7 @@ from protocol.version import __version__
 
 logger = logging.getLogger("engine.api")
 
-OPEN_PATHS = {"/health", "/ping", "/version"}
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
 
 
 class ServerConfig(msgspec.Struct, kw_only=True):
@@ -54,6 +57,7 @@ class AppDeps:
     config: ServerConfig
     client: AsyncEngineClient
     serving: OpenAIServing
+    metrics: Metrics | None = None
 
 
 def error_response(error: OpenAIError) -> Response:
@@ -68,8 +72,11 @@ class EdgeMiddleware:
     Pure ASGI rather than BaseHTTPMiddleware, which hides client disconnects from the handlers.
     """
 
-    def __init__(self, app: Any, api_key: str | None, server_index: int) -> None:
+    def __init__(
+        self, app: Any, api_key: str | None, server_index: int, metrics: Metrics | None = None
+    ) -> None:
         self.app = app
+        self.metrics = metrics
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.server_header = str(server_index).encode()
 
@@ -81,9 +88,13 @@ class EdgeMiddleware:
         request_id = headers.get(b"x-request-id") or os.urandom(8).hex().encode()
         extra = [(b"x-request-id", request_id), (b"x-engine-server", self.server_header)]
 
+        status = [500]
+        started = time.monotonic()
+
         async def send_with_headers(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), *extra]
+                status[0] = message["status"]
             await send(message)
 
         if self.expected is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
@@ -96,14 +107,25 @@ class EdgeMiddleware:
                 )
                 await error_response(error)(scope, receive, send_with_headers)
                 return
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            path = scope["path"]
+            if self.metrics is not None and path not in UNMETERED_PATHS:
+                self.metrics.http_requests.labels(scope["method"], path, str(status[0])).inc()
+                self.metrics.http_latency.labels(scope["method"], path).observe(time.monotonic() - started)
 
 
 def build_app(deps: AppDeps) -> FastAPI:
     app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None)
     app.state.deps = deps
     config = deps.config
-    app.add_middleware(EdgeMiddleware, api_key=config.api_key, server_index=config.server_index)
+    app.add_middleware(
+        EdgeMiddleware, api_key=config.api_key, server_index=config.server_index, metrics=deps.metrics
+    )
+    stats_collector = EngineStatsCollector(
+        lambda: deps.client.last_stats, deps.serving.model_info.served_model_names[0]
+    )
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
@@ -154,6 +176,10 @@ def build_app(deps: AppDeps) -> FastAPI:
     @app.get("/ping")
     async def ping() -> Response:
         return await health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(stats_collector), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> Response:
@@ -222,8 +248,9 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
     defaults = load_generation_defaults(config.model or model_info.model, config.generation_config)
     if defaults:
         logger.info("sampling defaults from the generation config: %s", defaults)
-    serving = OpenAIServing(client, tokenizer, model_info, config.chat_template, defaults)
-    app = build_app(AppDeps(config, client, serving))
+    metrics = Metrics(model_info)
+    serving = OpenAIServing(client, tokenizer, model_info, config.chat_template, defaults, metrics)
+    app = build_app(AppDeps(config, client, serving, metrics))
     uv_config = uvicorn.Config(
         app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=30
     )

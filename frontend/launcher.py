@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -49,6 +51,7 @@ class Supervisor:
         self.engine: EngineProcess | None = None
         self.api_servers: list[subprocess.Popen[bytes]] = []
         self.stopping = False
+        self.metrics_dir: str | None = None  # ours to remove at exit
 
     def start_api_server(self, sock: socket.socket, config: ServerConfig) -> None:
         process = subprocess.Popen(
@@ -96,6 +99,8 @@ class Supervisor:
                 process.wait()
         if self.engine is not None:
             self.engine.shutdown()
+        if self.metrics_dir is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
         return 0
 
 
@@ -126,6 +131,10 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         print(f"engine: headless; the engine listens on {input_address} and {output_address}", flush=True)
         return supervisor.run()
     sock = bind_http_socket(args.host, args.port)
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Every API server writes its metrics here; /metrics on any of them sums the files.
+        supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
     chat_template = None
     if args.chat_template:
         chat_template = (

@@ -14,6 +14,7 @@ import msgspec
 
 from frontend.async_client import AsyncEngineClient
 from frontend.detokenizer import IncrementalDetokenizer
+from frontend.metrics import Metrics, RequestTiming
 from frontend.openai_format import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, sse, usage
 from frontend.openai_models import ChatCompletionRequest, OpenAIError, SamplingFields
 from protocol.errors import EngineDeadError, InvalidParameterError
@@ -49,6 +50,7 @@ class OpenAIServing:
         model_info: ModelInfo,
         chat_template: str | None,
         defaults: dict[str, Any] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -56,6 +58,7 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.token_text = TokenText(tokenizer)
         self.defaults = defaults or {}  # generation-config values for fields a request leaves unset
+        self.metrics = metrics
 
     # ---- shared validation ----
 
@@ -146,6 +149,7 @@ class OpenAIServing:
                 queue,
             )
         open_ids = set(choices)
+        timings = {child_id: RequestTiming(time.monotonic()) for child_id in choices}
         try:
             while open_ids:
                 item = await queue.get()
@@ -163,6 +167,10 @@ class OpenAIServing:
                 finished = item.finish_reason is not None
                 text = choice.detokenizer.update(item.new_token_ids, finished)
                 choice.token_ids.extend(item.new_token_ids)
+                if self.metrics is not None:
+                    self.metrics.observe_token(
+                        timings[item.request_id], time.monotonic(), len(item.new_token_ids)
+                    )
                 if choice.detokenizer.stop_matched is not None:
                     choice.finish_reason, choice.stop_reason = "stop", choice.detokenizer.stop_matched
                     if not finished:
@@ -176,6 +184,15 @@ class OpenAIServing:
                 if finished:
                     open_ids.discard(item.request_id)
                     self.client.release(item.request_id)
+                    if self.metrics is not None and choice.finish_reason is not None:
+                        self.metrics.observe_finished(
+                            timings[item.request_id],
+                            item,
+                            choice.finish_reason,
+                            len(prompt_ids),
+                            len(choice.token_ids),
+                            time.monotonic(),
+                        )
                 yield Delta(choice, text, item)
         finally:
             if open_ids:

@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RequestOutput gained queue/prefill/decode times
 
 
 class Register(msgspec.Struct, tag="register", array_like=True):
@@ -98,6 +98,9 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: Logprobs | None = None  # for new_token_ids, when asked
     new_prompt_logprobs: Logprobs | None = None  # for the prompt positions computed this step
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_time_s: float = 0.0  # set when finished: received by the engine -> first scheduled
+    prefill_time_s: float = 0.0  # set when finished: first scheduled -> first token
+    decode_time_s: float = 0.0  # set when finished: first token -> last token
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

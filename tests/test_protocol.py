@@ -110,7 +110,10 @@ def test_add_request_golden_bytes() -> None:
 
 def test_output_golden_bytes() -> None:
     body = engine_codec().encode(EngineOutputs([RequestOutput("r", [9], "length")], 2.0, None))[1]
-    assert body.hex() == "94a76f7574707574739197a1729109a66c656e677468c0c0c000cb4000000000000000c0"
+    assert body.hex() == (
+        "94a76f757470757473919aa1729109a66c656e677468c0c0c000"
+        "cb0000000000000000cb0000000000000000cb0000000000000000cb4000000000000000c0"
+    )
 
 
 def test_sampling_params_validation_names_the_parameter() -> None:

@@ -331,6 +331,99 @@ def test_stop_string_never_streams(client: openai.OpenAI) -> None:
     assert stop not in streamed and text.startswith(streamed)
 
 
+def scrape(server) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Sample name (with labels) -> value, from whichever API server answers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client() as fresh:
+        text = fresh.get(f"{server['base']}/metrics").text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[f"{sample.name}{{{labels}}}"] = (
+                values.get(f"{sample.name}{{{labels}}}", 0.0) + sample.value
+            )
+    return values
+
+
+def total(values: dict[str, float], name: str) -> float:
+    return sum(v for k, v in values.items() if k.split("{")[0] == name)
+
+
+def test_metrics_sum_over_both_api_servers(server) -> None:  # type: ignore[no-untyped-def]
+    before = scrape(server)
+    prompt_tokens, count, servers = 0, 0, set()
+    for i in range(8):
+        with httpx.Client(timeout=60) as fresh:  # new connections, so both API servers take some
+            response = fresh.post(
+                f"{server['base']}/v1/completions",
+                json={"prompt": f"Request number {i} says", "max_tokens": 4, "temperature": 0},
+                headers=auth(),
+            )
+        servers.add(response.headers["x-engine-server"])
+        prompt_tokens += response.json()["usage"]["prompt_tokens"]
+        count += 1
+    for _ in range(4):  # every API server reports the same sums
+        after = scrape(server)
+        assert (
+            total(after, "engine:prompt_tokens_total") - total(before, "engine:prompt_tokens_total")
+            == prompt_tokens
+        )
+        assert (
+            total(after, "engine:request_success_total") - total(before, "engine:request_success_total")
+            == count
+        )
+        assert (
+            total(after, "engine:generation_tokens_total") - total(before, "engine:generation_tokens_total")
+            == 4 * count
+        )
+        assert (
+            total(after, "engine:time_to_first_token_seconds_count")
+            - total(before, "engine:time_to_first_token_seconds_count")
+            == count
+        )
+    assert len(servers) >= 1
+    wait_until(
+        lambda: (
+            total(scrape(server), "engine:num_requests_running") == 0
+            and total(scrape(server), "engine:num_requests_waiting") == 0
+        ),
+        10,
+        "idle gauges",
+    )
+    hits = total(scrape(server), "engine:prefix_cache_hits_total")
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    for _ in range(2):
+        httpx.post(
+            f"{server['base']}/v1/completions",
+            json={"prompt": long_prompt, "max_tokens": 1},
+            headers=auth(),
+            timeout=60,
+        )
+    wait_until(
+        lambda: total(scrape(server), "engine:prefix_cache_hits_total") > hits,
+        10,
+        "a prefix-cache hit in the counters",
+    )
+    names = {k.split("{")[0] for k in scrape(server)}
+    for expected in (
+        "engine:kv_cache_usage_perc",
+        "engine:prefix_cache_queries_total",
+        "engine:num_preemptions_total",
+        "engine:e2e_request_latency_seconds_bucket",
+        "engine:inter_token_latency_seconds_count",
+        "engine:request_queue_time_seconds_sum",
+        "engine:request_prefill_time_seconds_sum",
+        "engine:request_decode_time_seconds_sum",
+        "engine:request_prompt_tokens_count",
+        "engine:request_generation_tokens_count",
+        "engine:engine_info",
+        "engine:http_requests_total",
+    ):
+        assert expected in names, expected
+
+
 def test_engine_chat_and_complete_clients(server) -> None:  # type: ignore[no-untyped-def]
     common = [
         "--url",
