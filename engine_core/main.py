@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import msgspec
@@ -11,13 +10,12 @@ from engine_core.engine_core import EngineCore
 from engine_core.executor import MultiprocExecutor
 from engine_core.process import EngineCoreProc, install_signal_handlers
 from protocol.config import EngineConfig
+from protocol.log_format import configure_logging
 
 
 def main() -> None:
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     if config.executor != "mp":
         raise SystemExit(f"the engine process runs the 'mp' executor only, not {config.executor!r}")
     executor = MultiprocExecutor(config.worker)

@@ -57,6 +57,8 @@ class EngineCoreProc:
         self.clients: set[str] = set()
         self.stop_event = threading.Event()
         self.parent_pid = os.getppid()
+        self._last_log_time = time.monotonic()
+        self._last_log_stats = engine.make_stats()
         self.input_socket = self.context.socket(zmq.ROUTER)
         self.output_socket = self.context.socket(zmq.ROUTER)
         for sock in (self.input_socket, self.output_socket):
@@ -144,6 +146,7 @@ class EngineCoreProc:
         self.output_thread.start()
         try:
             while not self.stop_event.is_set():
+                self._maybe_log_stats()
                 idle = not self.engine.has_unfinished_requests()
                 if idle and os.getppid() != self.parent_pid:
                     logger.warning("the process that started the engine is gone; exiting")
@@ -164,6 +167,33 @@ class EngineCoreProc:
             self.input_socket.close()
             self.output_socket.close()
             self.context.term()
+
+    def _maybe_log_stats(self) -> None:
+        """Every stats_log_interval_s with activity: one line of throughput and pressure."""
+        interval = self.config.stats_log_interval_s
+        now = time.monotonic()
+        if interval <= 0 or now - self._last_log_time < interval:
+            return
+        stats = self.engine.make_stats()
+        last = self._last_log_stats
+        elapsed = now - self._last_log_time
+        self._last_log_time, self._last_log_stats = now, stats
+        prompt = stats.num_prompt_tokens - last.num_prompt_tokens
+        generated = stats.num_generation_tokens - last.num_generation_tokens
+        if not (prompt or generated or stats.num_running or stats.num_waiting):
+            return
+        queries = stats.prefix_cache_queries - last.prefix_cache_queries
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        logger.info(
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, waiting: %d, "
+            "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            prompt / elapsed,
+            generated / elapsed,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_cache_usage,
+            100 * hits / queries if queries else 0.0,
+        )
 
     def _process_inputs(self, block: bool) -> None:
         try:

@@ -29,6 +29,7 @@ from frontend.model_files import load_generation_defaults, load_tokenizer
 from frontend.openai_models import DetokenizeRequest, OpenAIError, TokenizeRequest
 from frontend.routes_openai import json_response, router
 from frontend.serving import OpenAIServing
+from protocol.log_format import configure_logging
 from protocol.version import __version__
 
 logger = logging.getLogger("engine.api")
@@ -50,6 +51,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     log_level: str = "warning"
     register_timeout_s: float = 600.0
     generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a folder
+    log_format: str = "text"
+    log_requests: bool = True  # per-request lines at debug level
 
 
 @dataclass
@@ -250,6 +253,7 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
         logger.info("sampling defaults from the generation config: %s", defaults)
     metrics = Metrics(model_info)
     serving = OpenAIServing(client, tokenizer, model_info, config.chat_template, defaults, metrics)
+    serving.log_requests = config.log_requests
     app = build_app(AppDeps(config, client, serving, metrics))
     uv_config = uvicorn.Config(
         app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=30
@@ -264,9 +268,7 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
 
 def main() -> None:
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     sock = socket.socket(fileno=int(sys.argv[1]))
     import uvloop
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any
 
+from protocol.log_format import configure_logging
 from protocol.version import __version__
 
 
@@ -37,6 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="json: one JSON object a line"
+    )
+    parser.add_argument(
+        "--stats-log-interval", type=float, default=10.0, help="seconds between engine summary lines (0: off)"
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -52,6 +58,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         log_level=args.log_level,
+        log_format=args.log_format,
+        stats_log_interval_s=args.stats_log_interval,
     )
 
 
@@ -128,6 +136,7 @@ def add_serve_parser(commands: Any) -> None:
         default="auto",
         help="sampling defaults for unset request fields: 'auto' (the model's generation_config.json), 'vllm' (none), or a folder",
     )
+    serve.add_argument("--disable-log-requests", action="store_true", help="no per-request debug log lines")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -159,8 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = getattr(args, "log_level", "warning")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     return int(args.func(args))
 
 

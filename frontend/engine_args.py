@@ -28,6 +28,8 @@ class EngineArgs:
     tokenizer_cache_dir: str | None = field(default_factory=default_cache_dir)
     startup_timeout_s: float = 600.0
     log_level: str = "info"
+    log_format: str = "text"
+    stats_log_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -56,6 +58,7 @@ class EngineArgs:
             seed=self.seed,
             num_threads=self.num_threads,
             log_level=self.log_level,
+            log_format=self.log_format,
         )
         return EngineConfig(
             worker=worker,
@@ -65,4 +68,6 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             log_level=self.log_level,
+            log_format=self.log_format,
+            stats_log_interval_s=self.stats_log_interval_s,
         )

@@ -20,6 +20,7 @@ import msgspec
 from frontend.api_server import ServerConfig
 from frontend.engine_args import EngineArgs
 from frontend.engine_process import EngineProcess
+from protocol.log_format import configure_logging
 
 logger = logging.getLogger("engine.launcher")
 
@@ -107,9 +108,7 @@ class Supervisor:
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     from frontend.model_files import resolve_model
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     supervisor = Supervisor()
     attach = args.attach
     if attach:
@@ -155,6 +154,8 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 tokenizer_cache_dir=os.path.join(os.path.expanduser("~"), ".cache", "engine"),
                 log_level=args.log_level,
                 generation_config=args.generation_config,
+                log_format=args.log_format,
+                log_requests=not args.disable_log_requests,
             ),
         )
     sock.close()  # the API servers hold it now

@@ -4,6 +4,7 @@ strings, streaming and non-streaming responses, aborts on disconnect."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +21,8 @@ from frontend.openai_models import ChatCompletionRequest, OpenAIError, SamplingF
 from protocol.errors import EngineDeadError, InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
+
+logger = logging.getLogger("engine.requests")
 
 
 @dataclass
@@ -59,6 +62,7 @@ class OpenAIServing:
         self.token_text = TokenText(tokenizer)
         self.defaults = defaults or {}  # generation-config values for fields a request leaves unset
         self.metrics = metrics
+        self.log_requests = True
 
     # ---- shared validation ----
 
@@ -131,6 +135,18 @@ class OpenAIServing:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int
     ) -> AsyncIterator[Delta]:
         """Run the n choices of one prompt; yield each piece of new text as it comes."""
+        if self.log_requests and logger.isEnabledFor(logging.DEBUG):
+            shown = self.tokenizer.decode(prompt_ids[:64]) if self.tokenizer is not None else prompt_ids[:64]
+            logger.debug(
+                "request %s: %d prompt tokens %r%s, n=%d, max_tokens=%s, temperature=%s",
+                request_id,
+                len(prompt_ids),
+                shown,
+                "..." if len(prompt_ids) > 64 else "",
+                params.n,
+                params.max_tokens,
+                params.temperature,
+            )
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         choices: dict[str, Choice] = {}
         for index in range(params.n):

@@ -20,6 +20,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     seed: int = 0  # seeds the generator of unseeded requests
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     log_level: str = "info"
+    log_format: str = "text"  # or "json"
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -35,3 +36,5 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     output_address: str = ""  # ZMQ address the engine binds for outputs
     executor: str = "mp"  # "mp": one worker process per device; "inproc": the model in the engine process
     log_level: str = "info"
+    log_format: str = "text"  # or "json"
+    stats_log_interval_s: float = 10.0  # the periodic one-line engine summary; 0 turns it off

@@ -16,6 +16,8 @@ from tests.test_serve_e2e import free_port, wait_until
 from tests.test_serve_topologies import stop
 
 pytestmark = pytest.mark.slow
+SECRET = "sk-secret-never-logged"
+H = {"Authorization": f"Bearer {SECRET}"}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,9 @@ def base(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def test_generation_config_defaults_apply_when_the_request_is_silent(base: str) -> None:
-    first = httpx.post(f"{base}/v1/completions", json={"prompt": [1, 2, 3, 4]}, timeout=60).json()
+    first = httpx.post(
+        headers=H, url=f"{base}/v1/completions", json={"prompt": [1, 2, 3, 4]}, timeout=60
+    ).json()
     second = httpx.post(
         f"{base}/v1/completions", json={"prompt": [1, 2, 3, 4], "model": "other-name"}, timeout=60
     ).json()
@@ -68,10 +72,15 @@ def test_generation_config_defaults_apply_when_the_request_is_silent(base: str) 
 
 
 def test_served_names_and_no_tokenizer_errors(base: str) -> None:
-    assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["tiny", "other-name"]
-    chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert [m["id"] for m in httpx.get(f"{base}/v1/models", headers=H).json()["data"]] == [
+        "tiny",
+        "other-name",
+    ]
+    chat = httpx.post(
+        headers=H, url=f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
-    text = httpx.post(f"{base}/v1/completions", json={"prompt": "hello"})
+    text = httpx.post(headers=H, url=f"{base}/v1/completions", json={"prompt": "hello"})
     assert text.status_code == 400 and text.json()["error"]["param"] == "prompt"
-    oov = httpx.post(f"{base}/v1/completions", json={"prompt": [1, 99999]})
+    oov = httpx.post(headers=H, url=f"{base}/v1/completions", json={"prompt": [1, 99999]})
     assert oov.status_code == 400 and oov.json()["error"]["param"] == "prompt"

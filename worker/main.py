@@ -3,7 +3,6 @@ connects a PAIR socket to the engine, answers each SchedulerOutput with a ModelR
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -14,6 +13,7 @@ import zmq
 
 from protocol.codec import worker_input_codec, worker_output_codec
 from protocol.config import WorkerConfig
+from protocol.log_format import configure_logging
 from protocol.worker_messages import SchedulerOutput, WorkerError, WorkerReady, WorkerShutdown
 
 
@@ -23,9 +23,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     address = sys.argv[1]
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerConfig)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     input_codec, output_codec = worker_input_codec(), worker_output_codec()
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)
