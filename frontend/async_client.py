@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from frontend.engine_client import connect_dealers
 from protocol.codec import decode_value, encode_value, engine_codec, frontend_codec
 from protocol.errors import EngineDeadError, ProtocolVersionError
 from protocol.messages import (
@@ -44,16 +45,9 @@ class AsyncEngineClient:
         self._codec = frontend_codec()
         self._decoder = engine_codec()
         self._context = zmq.asyncio.Context()
-        identity = self.client_id.encode()
-        self._output = self._context.socket(zmq.DEALER)
-        self._input = self._context.socket(zmq.DEALER)
-        for sock in (self._output, self._input):
-            sock.setsockopt(zmq.IDENTITY, identity)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-        self._output.connect(output_address)
-        self._input.connect(input_address)
+        self._input, self._output = connect_dealers(
+            self._context, self.client_id, input_address, output_address
+        )
         self.model_info: ModelInfo | None = None
         self.dead_reason: str | None = None
         self.last_stats: SchedulerStats | None = None

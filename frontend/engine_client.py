@@ -29,23 +29,33 @@ from protocol.messages import (
 )
 
 
+def connect_dealers(
+    context: zmq.Context, client_id: str, input_address: str, output_address: str
+) -> tuple[Any, Any]:
+    """A frontend's (input, output) DEALER sockets, both carrying its identity, never dropping."""
+    identity = client_id.encode()
+    output_socket = context.socket(zmq.DEALER)
+    input_socket = context.socket(zmq.DEALER)
+    for sock in (output_socket, input_socket):
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+    # Output first, so the engine can route the Ready reply as soon as it sees the Register.
+    output_socket.connect(output_address)
+    input_socket.connect(input_address)
+    return input_socket, output_socket
+
+
 class EngineClient:
     def __init__(self, input_address: str, output_address: str, client_id: str | None = None) -> None:
         self.client_id = client_id or f"fe-{uuid.uuid4().hex[:12]}"
         self._codec = frontend_codec()
         self._decoder = engine_codec()
         self._context = zmq.Context()
-        identity = self.client_id.encode()
-        self.output_socket = self._context.socket(zmq.DEALER)
-        self.input_socket = self._context.socket(zmq.DEALER)
-        for sock in (self.output_socket, self.input_socket):
-            sock.setsockopt(zmq.IDENTITY, identity)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-        # Output first, so the engine can route the Ready reply as soon as it sees the Register.
-        self.output_socket.connect(output_address)
-        self.input_socket.connect(input_address)
+        self.input_socket, self.output_socket = connect_dealers(
+            self._context, self.client_id, input_address, output_address
+        )
         self.model_info: ModelInfo | None = None
         self._next_call_id = 0
         self.pending: list[EngineMessage] = []  # messages received while waiting for something else

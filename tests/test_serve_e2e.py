@@ -406,7 +406,15 @@ def test_metrics_sum_over_both_api_servers(server) -> None:  # type: ignore[no-u
         10,
         "a prefix-cache hit in the counters",
     )
-    names = {k.split("{")[0] for k in scrape(server)}
+    final = scrape(server)
+    metered_paths = {k for k in final if k.startswith("engine:http_requests_total")}
+    assert any("path=/v1/completions" in k for k in metered_paths)
+    assert not any(
+        f"path={p}," in k
+        for k in metered_paths
+        for p in ("/metrics", "/health", "/ping", "/load", "/version")
+    )
+    names = {k.split("{")[0] for k in final}
     for expected in (
         "engine:kv_cache_usage_perc",
         "engine:prefix_cache_queries_total",
