@@ -36,7 +36,7 @@ from protocol.messages import (
 
 logger = logging.getLogger("engine.frontend")
 
-HEARTBEAT_TIMEOUT_S = 5.0
+HEARTBEAT_TIMEOUT_S = 10.0  # the engine speaks every second; ten missed beats mean it is gone
 
 
 class AsyncEngineClient:
@@ -91,7 +91,8 @@ class AsyncEngineClient:
         loop = asyncio.get_running_loop()
         while self.dead_reason is None:
             await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 4)
-            if loop.time() - self.last_message_at > HEARTBEAT_TIMEOUT_S:
+            # NOTE: a message already waiting in the socket means our own loop was slow, not the engine.
+            if loop.time() - self.last_message_at > HEARTBEAT_TIMEOUT_S and not await self._output.poll(0):
                 self.mark_dead(f"no message from the engine for {HEARTBEAT_TIMEOUT_S:.0f} s")
 
     async def add_request(

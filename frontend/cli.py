@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from frontend.cli_clients import add_client_parsers
 
     add_client_parsers(commands)
+    from frontend.bench_serve import add_bench_parser
+
+    add_bench_parser(commands)
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     add_engine_args(generate)
     generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")

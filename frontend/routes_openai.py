@@ -42,23 +42,30 @@ async def until_disconnected(request: Request, work: Any) -> Any:
     """Await `work` (a non-streaming generation); if the client goes away first, cancel it, which
     aborts its engine requests (their blocks are freed)."""
     task = asyncio.ensure_future(work)
+    # NOTE: the body is already read, so the next ASGI message is the disconnect (as in Starlette's
+    # StreamingResponse); Request.is_disconnected() uses a cancel scope that can leak cancellations.
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise OpenAIError("The client disconnected.", status=499, type="client_closed_request")
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise OpenAIError("The client disconnected.", status=499, type="client_closed_request")
+        return task.result()
     except OpenAIError:
         raise
     except Exception as error:
         raise engine_error(error) from error
     finally:
-        if not task.done():
-            task.cancel()
+        for pending in (task, disconnect):
+            if not pending.done():
+                pending.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:

@@ -231,7 +231,8 @@ def engine_error(error: Exception) -> OpenAIError:
         )
     if isinstance(error, InvalidParameterError):
         return OpenAIError(error.message, param=error.param)
-    return OpenAIError(f"Internal error: {type(error).__name__}", status=500, type="internal_error")
+    logger.error("internal error while serving a request", exc_info=error)
+    return OpenAIError(f"Internal error: {type(error).__name__}: {error}", status=500, type="internal_error")
 
 
 def clamp_top(value: int | None, param: str) -> int | None:

@@ -467,6 +467,50 @@ def test_request_id_is_echoed(server) -> None:  # type: ignore[no-untyped-def]
     assert httpx.get(f"{server['base']}/v1/models", headers=auth()).headers["x-request-id"]
 
 
+def test_bench_serve_reports_every_request(server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for extra in (
+        ["--max-concurrency", "3"],
+        ["--request-rate", "20", "--burstiness", "0.5", "--endpoint", "chat"],
+    ):
+        out = tmp_path / "bench.json"
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "frontend.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                server["base"],
+                "--api-key",
+                API_KEY,
+                "--num-prompts",
+                "6",
+                "--input-len",
+                "20",
+                "--output-len",
+                "8",
+                "--ignore-eos",
+                "--quiet",
+                "--output-json",
+                str(out),
+                "--goodput",
+                "ttft:60000",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert run.returncode in (0, 1), run.stderr
+        summary = __import__("json").loads(out.read_text())["summary"]
+        assert summary["completed"] == 6 and summary["failed"] == 0, summary["errors"]
+        assert summary["total_output_tokens"] == 48
+        assert summary["ttft_s"]["p50"] > 0 and summary["e2el_s"]["p99"] >= summary["e2el_s"]["p50"]
+        assert summary["goodput"] > 0
+        assert "Output token throughput" in run.stdout
+
+
 def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     """Last in the module: it kills the engine."""
     engine = next(
@@ -486,7 +530,7 @@ def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -
     with pytest.raises(openai.APIError):
         for _ in stream:
             pass
-    wait_until(lambda: httpx.get(f"{server['base']}/health").status_code == 503, 30, "/health to report 503")
+    wait_until(lambda: httpx.get(f"{server['base']}/health").status_code == 503, 40, "/health to report 503")
     with pytest.raises(openai.APIStatusError) as error:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
     assert error.value.status_code == 503

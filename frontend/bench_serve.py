@@ -1,0 +1,291 @@
+"""`engine bench serve`: load any OpenAI-compatible server (ours, vLLM, llama.cpp) and report latency
+and throughput: requests/s, output and total tokens/s, TTFT, TPOT, ITL and E2E (mean, p50, p90, p99),
+goodput against SLOs, failures. Streaming requests; random, ShareGPT or shared-prefix prompts; a
+Poisson request rate (with burstiness) or a fixed concurrency."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue"
+).split()
+
+
+@dataclass
+class BenchRequest:
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def random_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
+    def length(mean: int) -> int:
+        low = max(1, int(mean * (1 - args.range_ratio)))
+        return rng.randint(low, max(low, int(mean * (1 + args.range_ratio))))
+
+    requests = []
+    shared = args.prefix_len if args.dataset == "shared-prefix" else 0
+    prefix_ids = [rng.randrange(1000, 20000) for _ in range(shared)]
+    prefix_text = " ".join(rng.choice(WORDS) for _ in range(shared))
+    for _ in range(args.num_prompts):
+        n = length(args.input_len)
+        if args.endpoint == "chat":  # text; a word is about one token
+            text = " ".join([prefix_text, *(rng.choice(WORDS) for _ in range(n))]).strip()
+            requests.append(BenchRequest(text, shared + n, length(args.output_len)))
+        else:  # token ids: exact lengths, no tokenizer needed
+            ids = prefix_ids + [rng.randrange(1000, 20000) for _ in range(n)]
+            requests.append(BenchRequest(ids, len(ids), length(args.output_len)))
+    return requests
+
+
+def sharegpt_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
+    with open(args.dataset_path) as f:
+        data = json.load(f)
+    pairs = []
+    for entry in data:
+        turns = entry.get("conversations") or entry.get("conversation") or []
+        if len(turns) >= 2:
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    rng.shuffle(pairs)
+    return [
+        BenchRequest(prompt, max(1, len(prompt.split())), args.output_len or max(1, len(answer.split())))
+        for prompt, answer in pairs[: args.num_prompts]
+    ]
+
+
+async def send(client: Any, args: argparse.Namespace, request: BenchRequest) -> Result:
+    body: dict[str, Any] = {
+        "model": args.model,
+        "max_tokens": request.output_len,
+        "stream": True,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = request.prompt
+        path = "/v1/completions"
+    result = Result(ok=False, prompt_len=request.prompt_len)
+    start = time.perf_counter()
+    last = start
+    chunks = 0
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = str(event["error"].get("message"))
+                    return result
+                if event.get("usage") and not event.get("choices"):
+                    result.output_tokens = event["usage"].get("completion_tokens", chunks)
+                    continue
+                choice = (event.get("choices") or [{}])[0]
+                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft_s = now - start
+                else:
+                    result.itls_s.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as error:  # a benchmark records failures, it does not stop on them
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.e2e_s = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = True
+    return result
+
+
+async def run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[list[Result], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
+    async with httpx.AsyncClient(
+        base_url=args.base_url.rstrip("/"), headers=headers, timeout=args.timeout, limits=limits
+    ) as client:
+        for request in requests[: args.warmup]:
+            await send(client, args, request)
+        semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+        rng = random.Random(args.seed + 1)
+        progress = _progress(len(requests), args.quiet)
+
+        async def one(request: BenchRequest) -> Result:
+            async with semaphore:
+                result = await send(client, args, request)
+            progress.update(1)
+            return result
+
+        tasks = []
+        start = time.perf_counter()
+        for request in requests:
+            tasks.append(asyncio.create_task(one(request)))
+            if args.request_rate != float("inf"):
+                # Gamma inter-arrival times: burstiness 1 is Poisson, lower is burstier.
+                theta = 1.0 / (args.request_rate * args.burstiness)
+                await asyncio.sleep(rng.gammavariate(args.burstiness, theta))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        progress.close()
+    return list(results), duration
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", disable=quiet)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"mean": statistics.fmean(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def summarize(args: argparse.Namespace, results: list[Result], duration: float) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    input_tokens = sum(r.prompt_len for r in done)
+    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    slo = {k: float(v) / 1000 for k, v in (item.split(":") for item in args.goodput or [])}
+    good = [
+        r
+        for r in done
+        if r.ttft_s <= slo.get("ttft", float("inf"))
+        and (
+            r.output_tokens <= 1
+            or (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) <= slo.get("tpot", float("inf"))
+        )
+        and r.e2e_s <= slo.get("e2el", float("inf"))
+    ]
+    return {
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "dataset": args.dataset,
+        "num_prompts": len(results),
+        "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate,
+        "duration_s": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "request_throughput": len(done) / duration if duration else 0.0,
+        "output_throughput": output_tokens / duration if duration else 0.0,
+        "total_token_throughput": (input_tokens + output_tokens) / duration if duration else 0.0,
+        "goodput": len(good) / duration if duration and slo else None,
+        "ttft_s": percentiles([r.ttft_s for r in done]),
+        "tpot_s": percentiles(tpots),
+        "itl_s": percentiles([x for r in done for x in r.itls_s]),
+        "e2el_s": percentiles([r.e2e_s for r in done]),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+    }
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [
+        f"{'Successful requests:':<36}{summary['completed']}",
+        f"{'Failed requests:':<36}{summary['failed']}",
+        f"{'Benchmark duration (s):':<36}{summary['duration_s']:.2f}",
+        f"{'Request throughput (req/s):':<36}{summary['request_throughput']:.2f}",
+        f"{'Output token throughput (tok/s):':<36}{summary['output_throughput']:.2f}",
+        f"{'Total token throughput (tok/s):':<36}{summary['total_token_throughput']:.2f}",
+    ]
+    if summary["goodput"] is not None:
+        lines.append(f"{'Goodput (req/s):':<36}{summary['goodput']:.2f}")
+    for key, title in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2el_s", "E2E")):
+        stats = summary[key]
+        lines.append(
+            f"{title + ' (ms) mean/p50/p90/p99:':<36}"
+            + " / ".join(f"{1000 * stats[q]:.1f}" for q in ("mean", "p50", "p90", "p99"))
+        )
+    return "\n".join(lines)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    requests = sharegpt_requests(args, rng) if args.dataset == "sharegpt" else random_requests(args, rng)
+    if not args.model:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        args.model = httpx.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers).json()["data"][0][
+            "id"
+        ]
+    results, duration = asyncio.run(run(args, requests))
+    summary = summarize(args, results, duration)
+    print(table(summary))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"summary": summary, "requests": [asdict(r) for r in results]}, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def add_bench_parser(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    serve = kinds.add_parser("serve", help="load an OpenAI-compatible server and report latency/throughput")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    serve.add_argument("--model", default=None, help="default: the server's first model")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--dataset", choices=["random", "sharegpt", "shared-prefix"], default="random")
+    serve.add_argument("--dataset-path", default=None, help="a ShareGPT-format JSON file")
+    serve.add_argument("--num-prompts", type=int, default=64)
+    serve.add_argument("--input-len", type=int, default=100)
+    serve.add_argument("--output-len", type=int, default=128)
+    serve.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn in mean*(1±ratio)")
+    serve.add_argument("--prefix-len", type=int, default=512, help="shared-prefix dataset: tokens shared")
+    serve.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)"
+    )
+    serve.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals; <1 burstier")
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--ignore-eos", action="store_true")
+    serve.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) first")
+    serve.add_argument(
+        "--goodput", nargs="*", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000"
+    )
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--timeout", type=float, default=600.0)
+    serve.add_argument("--output-json", default=None)
+    serve.add_argument("--quiet", action="store_true", help="no progress bar")
+    serve.set_defaults(func=cmd_bench_serve)
