@@ -13,8 +13,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_args import EngineArgs
 from frontend.engine_client import EngineClient
@@ -167,7 +165,6 @@ class LLM:
             result = RequestResult(f"{self.client.client_id}-{next(self._counter)}", text, ids)
             results.append(result)
             for index in range(params.n):
-                child_params = _child_params(params, index)
                 output = CompletionOutput(
                     index, "", [], None, logprobs=[] if params.logprobs is not None else None
                 )
@@ -180,7 +177,7 @@ class LLM:
                     AddRequest(
                         request_id=child_id,
                         prompt_token_ids=ids,
-                        sampling_params=child_params,
+                        sampling_params=params.for_choice(index),
                         arrival_time=time.time(),
                         priority=priority,
                     )
@@ -240,12 +237,6 @@ class LLM:
                 output.stop_reason = out.stop_reason
             return True
         return False
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion `index` of an n > 1 request: its own engine request, its own seed."""
-    seed = None if params.seed is None else params.seed + index
-    return msgspec.structs.replace(params, n=1, seed=seed)
 
 
 def _logprob_dicts(logprobs: Logprobs) -> list[dict[int, Logprob]]:

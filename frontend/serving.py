@@ -11,8 +11,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from frontend.async_client import AsyncEngineClient
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.metrics import Metrics, RequestTiming
@@ -151,14 +149,12 @@ class OpenAIServing:
         choices: dict[str, Choice] = {}
         for index in range(params.n):
             child_id = f"{request_id}-{index}"
-            seed = None if params.seed is None else params.seed + index
-            child_params = msgspec.structs.replace(params, n=1, seed=seed)
             choices[child_id] = Choice(index, IncrementalDetokenizer(self.tokenizer, params))
             await self.client.add_request(
                 AddRequest(
                     request_id=child_id,
                     prompt_token_ids=prompt_ids,
-                    sampling_params=child_params,
+                    sampling_params=params.for_choice(index),
                     arrival_time=time.time(),
                     priority=priority,
                 ),

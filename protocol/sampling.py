@@ -34,6 +34,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """Completion `index` of an n > 1 request: its own engine request (n = 1), its own seed."""
+        seed = None if self.seed is None else self.seed + index
+        return msgspec.structs.replace(self, n=1, seed=seed)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5

@@ -5,38 +5,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import psutil
 import pytest
 
+from tests.serve_helpers import free_port, stop, wait_until
+
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key-123"
 MODEL = "smollm2"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except (httpx.HTTPError, OSError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +51,7 @@ def server(smollm2_gguf: str):  # type: ignore[no-untyped-def]
         )
         yield {"base": base, "process": process}
     finally:
-        tree = psutil.Process(process.pid).children(recursive=True)
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        for leftover in alive:
-            leftover.kill()
-        assert not alive, f"processes outlived `engine serve`: {alive}"
+        stop(process)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ import sys
 import httpx
 import pytest
 
+from tests.serve_helpers import free_port, stop, wait_until
 from tests.test_correctness_tiny import build_tiny
-from tests.test_serve_e2e import free_port, wait_until
-from tests.test_serve_topologies import stop
 
 pytestmark = pytest.mark.slow
 SECRET = "sk-secret-never-logged"

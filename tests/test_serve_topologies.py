@@ -3,34 +3,19 @@ attached frontends. Real processes on loopback."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 
 import httpx
-import psutil
 import pytest
 
-from tests.test_serve_e2e import free_port, wait_until
+from tests.serve_helpers import free_port, stop, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def start(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", *args])
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    tree = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    _, alive = psutil.wait_procs(tree, timeout=30)
-    for leftover in alive:
-        leftover.kill()
-    assert not alive, f"processes outlived their launcher: {alive}"
 
 
 def healthy(port: int) -> bool:
