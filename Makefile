@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test test-fast lint typecheck bench serve
+.PHONY: install test test-fast lint typecheck bench bench-peers serve
 
 install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA build), then the package and the default model
 	$(PIP) install torch==2.13.0
@@ -24,6 +24,10 @@ typecheck:
 
 bench:  ## offline throughput: ours vs HF transformers generate, same prompts, same run
 	$(PYTHON) -m benchmarks.offline_throughput
+
+bench-peers:  ## ours vs vLLM (CPU) vs llama.cpp, same model, dtype and workloads; peers built under ~/.cache/engine/peers
+	$(PIP) install -q -e '.[bench]'
+	$(PYTHON) -m benchmarks.peers
 
 serve:
 	engine serve

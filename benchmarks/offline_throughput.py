@@ -16,33 +16,21 @@ import time
 
 import torch
 
-
-def make_prompts(
-    num_prompts: int, mean_len: int, vocab_low: int, vocab_high: int, seed: int
-) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [
-        [rng.randrange(vocab_low, vocab_high) for _ in range(rng.randint(mean_len - 10, mean_len + 10))]
-        for _ in range(num_prompts)
-    ]
+from frontend.bench_offline import random_prompts
 
 
 def run_ours(model: str, prompts: list[list[int]], output_len: int, dtype: str) -> dict:
-    from frontend import LLM, SamplingParams
+    from frontend import LLM
+    from frontend.bench_offline import throughput
 
     start = time.perf_counter()
     with LLM(model, dtype=dtype, max_model_len=1024) as llm:
         load_s = time.perf_counter() - start
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4))  # warm-up
-        start = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        elapsed = time.perf_counter() - start
-    num_output = sum(len(r.outputs[0].token_ids) for r in results)
+        report = throughput(llm, prompts, output_len)
     return {
-        "output_tokens": num_output,
-        "seconds": elapsed,
-        "tokens_per_s": num_output / elapsed,
+        "output_tokens": report["total_output_tokens"],
+        "seconds": report["elapsed_s"],
+        "tokens_per_s": report["output_tokens_per_s"],
         "load_s": load_s,
     }
 
@@ -96,7 +84,7 @@ def main() -> None:
     from frontend.model_files import resolve_model
 
     model = resolve_model(args.model)
-    prompts = make_prompts(args.num_prompts, args.prompt_len, 1000, 40000, args.seed)
+    prompts = random_prompts(args.num_prompts, args.prompt_len, 0.1, random.Random(args.seed))
     result: dict = {
         "model": model,
         "num_prompts": len(prompts),

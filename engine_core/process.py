@@ -59,6 +59,7 @@ class EngineCoreProc:
         self.parent_pid = os.getppid()
         self._last_log_time = time.monotonic()
         self._last_log_stats = engine.make_stats()
+        self.latest_stats = self._last_log_stats  # the busy loop's latest; the output thread sends it
         self.input_socket = self.context.socket(zmq.ROUTER)
         self.output_socket = self.context.socket(zmq.ROUTER)
         for sock in (self.input_socket, self.output_socket):
@@ -115,7 +116,7 @@ class EngineCoreProc:
             now = time.monotonic()
             silent = [c for c in list(self.clients) if now - last_sent.get(c, 0.0) > HEARTBEAT_INTERVAL_S]
             if silent:
-                stats = self.engine.make_stats()  # NOTE: a racy read of counters, fine for gauges
+                stats = self.latest_stats  # made by the busy loop: never read the scheduler from here
                 for silent_id in silent:
                     self._route(codec, silent_id, EngineOutputs([], time.time(), stats))
                     last_sent[silent_id] = now
@@ -148,12 +149,15 @@ class EngineCoreProc:
             while not self.stop_event.is_set():
                 self._maybe_log_stats()
                 idle = not self.engine.has_unfinished_requests()
+                if idle:
+                    self.engine.executor.check_health()  # a worker that died while idle fails us now
                 if idle and os.getppid() != self.parent_pid:
                     logger.warning("the process that started the engine is gone; exiting")
                     break
                 self._process_inputs(block=idle)
-                if self.engine.has_unfinished_requests():
-                    self._send(self.engine.step())
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                self.latest_stats = self.engine.make_stats()
+                self._send(outputs)
         except Exception as error:  # fatal: tell every frontend, then exit
             logger.exception("engine core failed")
             for client_id in list(self.clients):
@@ -242,7 +246,7 @@ class EngineCoreProc:
         for request, output in outputs:
             by_client[request.client_id].append(output)
         timestamp = time.time()
-        stats = self.engine.make_stats()
+        stats = self.latest_stats
         for client_id, client_outputs in by_client.items():
             self.output_queue.put((client_id, EngineOutputs(client_outputs, timestamp, stats)))
 

@@ -80,6 +80,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_steps = 0
 
     # ---- requests in and out ----
 
@@ -245,6 +246,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> list[tuple[Request, RequestOutput]]:
         """Advance computed counts, append sampled tokens, apply engine-side stops."""
+        self.num_steps += 1
         outputs = []
         stopped = []
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -315,6 +317,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
+            num_steps=self.num_steps,
         )
 
     def check_invariants(self, scheduler_output: SchedulerOutput | None = None) -> None:

@@ -37,6 +37,7 @@ from protocol.messages import (
 logger = logging.getLogger("engine.frontend")
 
 HEARTBEAT_TIMEOUT_S = 10.0  # the engine speaks every second; ten missed beats mean it is gone
+SHUTDOWN_REASON = "server_shutdown"  # stop_reason of requests aborted by a draining API server
 
 
 class AsyncEngineClient:
@@ -56,6 +57,8 @@ class AsyncEngineClient:
         self._call_ids = itertools.count(1)
         self._reader: asyncio.Task[None] | None = None
         self.last_message_at = 0.0  # loop time of the last message from the engine
+        self.last_progress_at = 0.0  # loop time the engine's step count last moved (or it was idle)
+        self.added_since_stats = 0  # requests sent since the last stats: not yet in num_waiting
 
     @property
     def is_dead(self) -> bool:
@@ -103,6 +106,7 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason)
         queue = queue if queue is not None else asyncio.Queue()
         self._queues[request.request_id] = queue
+        self.added_since_stats += 1
         await self._send(request)
         return queue
 
@@ -147,7 +151,7 @@ class AsyncEngineClient:
             message = self._decoder.decode(frames)
             if isinstance(message, EngineOutputs):
                 if message.scheduler_stats is not None:
-                    self.last_stats = message.scheduler_stats
+                    self._update_stats(message.scheduler_stats)
                 for output in message.outputs:
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
@@ -161,6 +165,32 @@ class AsyncEngineClient:
                         future.set_result(decode_value(message.result))
             elif isinstance(message, EngineDead):
                 self.mark_dead(message.reason)
+
+    def _update_stats(self, stats: SchedulerStats) -> None:
+        previous = self.last_stats
+        idle = stats.num_running + stats.num_waiting == 0
+        if previous is None or idle or stats.num_steps != previous.num_steps:
+            self.last_progress_at = asyncio.get_running_loop().time()
+        self.last_stats = stats
+        self.added_since_stats = 0
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has held open requests without finishing a step (0 when it moves)."""
+        stats = self.last_stats
+        if stats is None or stats.num_running + stats.num_waiting == 0:
+            return 0.0
+        return asyncio.get_running_loop().time() - self.last_progress_at
+
+    async def abort_all(self, reason: str) -> int:
+        """End every open request now: each gets a final abort output (stop_reason `reason`), and the
+        engine frees their blocks. Returns how many there were."""
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            self._queues[request_id].put_nowait(
+                RequestOutput(request_id, [], finish_reason="abort", stop_reason=reason)
+            )
+        await self.abort(request_ids)
+        return len(request_ids)
 
     async def _send(self, message: Any) -> None:
         await self._input.send_multipart(self._codec.encode(message))

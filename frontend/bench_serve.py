@@ -11,6 +11,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -129,38 +130,49 @@ async def send(client: Any, args: argparse.Namespace, request: BenchRequest) -> 
     return result
 
 
+async def drive(
+    args: argparse.Namespace,
+    requests: list[BenchRequest],
+    send_one: Callable[[BenchRequest], Awaitable[Result]],
+) -> tuple[list[Result], float]:
+    """Warm up, then send every request at the given rate or concurrency; (results, seconds)."""
+    for request in requests[: args.warmup]:
+        await send_one(request)
+    semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+    rng = random.Random(args.seed + 1)
+    progress = _progress(len(requests), args.quiet)
+
+    async def one(request: BenchRequest) -> Result:
+        async with semaphore:
+            result = await send_one(request)
+        progress.update(1)
+        return result
+
+    tasks = []
+    start = time.perf_counter()
+    for request in requests:
+        tasks.append(asyncio.create_task(one(request)))
+        if args.request_rate != float("inf"):
+            # Gamma inter-arrival times: burstiness 1 is Poisson, lower is burstier.
+            theta = 1.0 / (args.request_rate * args.burstiness)
+            await asyncio.sleep(rng.gammavariate(args.burstiness, theta))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    progress.close()
+    return list(results), duration
+
+
 async def run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[list[Result], float]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
+    # NOTE: no keep-alive: some servers (llama.cpp's) close a kept-alive connection after a few
+    # requests, racing the client's next request on it; a loopback connect costs well under a ms.
+    limits = httpx.Limits(max_connections=args.max_concurrency or 1000, max_keepalive_connections=0)
     async with httpx.AsyncClient(
         base_url=args.base_url.rstrip("/"), headers=headers, timeout=args.timeout, limits=limits
     ) as client:
-        for request in requests[: args.warmup]:
-            await send(client, args, request)
-        semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
-        rng = random.Random(args.seed + 1)
-        progress = _progress(len(requests), args.quiet)
-
-        async def one(request: BenchRequest) -> Result:
-            async with semaphore:
-                result = await send(client, args, request)
-            progress.update(1)
-            return result
-
-        tasks = []
-        start = time.perf_counter()
-        for request in requests:
-            tasks.append(asyncio.create_task(one(request)))
-            if args.request_rate != float("inf"):
-                # Gamma inter-arrival times: burstiness 1 is Poisson, lower is burstier.
-                theta = 1.0 / (args.request_rate * args.burstiness)
-                await asyncio.sleep(rng.gammavariate(args.burstiness, theta))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        progress.close()
-    return list(results), duration
+        return await drive(args, requests, lambda request: send(client, args, request))
 
 
 def _progress(total: int, quiet: bool) -> Any:
@@ -180,7 +192,9 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-def summarize(args: argparse.Namespace, results: list[Result], duration: float) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, results: list[Result], duration: float, target: str
+) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     input_tokens = sum(r.prompt_len for r in done)
@@ -197,8 +211,8 @@ def summarize(args: argparse.Namespace, results: list[Result], duration: float) 
         and r.e2e_s <= slo.get("e2el", float("inf"))
     ]
     return {
-        "base_url": args.base_url,
-        "endpoint": args.endpoint,
+        "target": target,
+        "endpoint": getattr(args, "endpoint", "engine"),
         "dataset": args.dataset,
         "num_prompts": len(results),
         "max_concurrency": args.max_concurrency,
@@ -251,7 +265,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             "id"
         ]
     results, duration = asyncio.run(run(args, requests))
-    summary = summarize(args, results, duration)
+    summary = summarize(args, results, duration, args.base_url)
     print(table(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -259,33 +273,43 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
+def add_workload_args(parser: argparse.ArgumentParser, datasets: tuple[str, ...]) -> None:
+    """The load shared by `bench serve` and `bench engine`: what is sent, and how fast."""
+    parser.add_argument("--dataset", choices=datasets, default="random")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn in mean*(1±ratio)")
+    parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix dataset: tokens shared")
+    parser.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)"
+    )
+    parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals; <1 burstier")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) first")
+    parser.add_argument(
+        "--goodput", nargs="*", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (change it to defeat prefix caches)")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def add_bench_parser(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="benchmarks")
+    bench = commands.add_parser("bench", help="benchmarks: serve, engine, throughput, latency")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server and report latency/throughput")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     serve.add_argument("--model", default=None, help="default: the server's first model")
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--dataset", choices=["random", "sharegpt", "shared-prefix"], default="random")
     serve.add_argument("--dataset-path", default=None, help="a ShareGPT-format JSON file")
-    serve.add_argument("--num-prompts", type=int, default=64)
-    serve.add_argument("--input-len", type=int, default=100)
-    serve.add_argument("--output-len", type=int, default=128)
-    serve.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn in mean*(1±ratio)")
-    serve.add_argument("--prefix-len", type=int, default=512, help="shared-prefix dataset: tokens shared")
-    serve.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)"
-    )
-    serve.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals; <1 burstier")
-    serve.add_argument("--max-concurrency", type=int, default=None)
-    serve.add_argument("--ignore-eos", action="store_true")
-    serve.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) first")
-    serve.add_argument(
-        "--goodput", nargs="*", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000"
-    )
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--timeout", type=float, default=600.0)
-    serve.add_argument("--output-json", default=None)
-    serve.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_workload_args(serve, ("random", "sharegpt", "shared-prefix"))
     serve.set_defaults(func=cmd_bench_serve)
+    from frontend.bench_engine import add_engine_bench_parser
+    from frontend.bench_offline import add_offline_bench_parsers
+
+    add_engine_bench_parser(kinds)
+    add_offline_bench_parsers(kinds)

@@ -118,7 +118,44 @@ def add_serve_parser(commands: Any) -> None:
         "--served-model-name", nargs="+", default=None, help="names the API accepts as `model`"
     )
     serve.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` (or set ENGINE_API_KEY)"
+        "--api-key",
+        action="append",
+        default=None,
+        help="require `Authorization: Bearer KEY` (repeatable; also ENGINE_API_KEY, comma-separated)",
+    )
+    serve.add_argument("--api-key-file", default=None, help="a file of API keys, one a line")
+    serve.add_argument(
+        "--max-request-body-mb", type=float, default=16.0, help="larger request bodies get 413"
+    )
+    serve.add_argument(
+        "--max-queued-requests", type=int, default=0, help="503 when this many wait in the engine (0: no limit)"
+    )
+    serve.add_argument(
+        "--max-queued-tokens", type=int, default=0, help="503 when this many prompt tokens wait (0: no limit)"
+    )
+    serve.add_argument(
+        "--max-inflight-requests", type=int, default=0, help="429 when one API server has this many open"
+    )
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="SIGTERM: seconds open requests may finish"
+    )
+    serve.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=120.0,
+        help="/health is 503 when requests are open and the engine made no step for this long",
+    )
+    serve.add_argument(
+        "--engine-connect-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an API server waits for the engine to answer (model loading included)",
+    )
+    serve.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+    serve.add_argument(
+        "--allow-remote-engine",
+        action="store_true",
+        help="let --engine-address bind a TCP address other than loopback (the engine has no auth)",
     )
     serve.add_argument("--allowed-origins", action="append", default=None, help="CORS origin (repeatable)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")

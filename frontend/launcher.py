@@ -37,6 +37,30 @@ def engine_addresses(address: str) -> tuple[str, str]:
     raise SystemExit(f"engine addresses are tcp://HOST:PORT or ipc://PATH, got {address!r}")
 
 
+def check_exposure(address: str, allow_remote: bool) -> None:
+    """The engine's sockets have no authentication: binding beyond loopback takes an explicit flag."""
+    if not address.startswith("tcp://") or allow_remote:
+        return
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
+        raise SystemExit(
+            f"--engine-address {address} would expose the engine (which has no authentication) beyond "
+            "this machine; add --allow-remote-engine if that is intended (and firewall it)."
+        )
+
+
+def read_api_keys(flags: list[str] | None, path: str | None, env: str | None) -> list[str]:
+    """API keys from --api-key (repeatable), --api-key-file (one a line, # comments) and ENGINE_API_KEY
+    (comma-separated)."""
+    keys = list(flags or [])
+    if path:
+        with open(path) as f:
+            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    if env:
+        keys += [key.strip() for key in env.split(",") if key.strip()]
+    return list(dict.fromkeys(keys))
+
+
 def bind_http_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -48,11 +72,16 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self) -> None:
+    # After the engine died: how long the API servers keep answering 503 (and failing open requests
+    # with a clear error) before the launcher stops them and exits non-zero for a restart.
+    DEAD_ENGINE_GRACE_S = 5.0
+
+    def __init__(self, shutdown_timeout_s: float = 30.0) -> None:
         self.engine: EngineProcess | None = None
         self.api_servers: list[subprocess.Popen[bytes]] = []
         self.stopping = False
         self.metrics_dir: str | None = None  # ours to remove at exit
+        self.shutdown_timeout_s = shutdown_timeout_s
 
     def start_api_server(self, sock: socket.socket, config: ServerConfig) -> None:
         process = subprocess.Popen(
@@ -68,30 +97,36 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        engine_reported = False
+        engine_died_at: float | None = None
         while not self.stopping:
             time.sleep(0.2)
-            if self.engine is not None and not self.engine.is_alive() and not engine_reported:
-                engine_reported = True
+            if self.engine is not None and not self.engine.is_alive() and engine_died_at is None:
+                engine_died_at = time.monotonic()
                 logger.error(
-                    "the engine process exited (code %s); API servers now answer 503",
+                    "the engine process exited (code %s); stopping with an error",
                     self.engine.process.returncode,
                 )
-                if not self.api_servers:
-                    break
+                for process in self.api_servers:
+                    if process.poll() is None:
+                        process.send_signal(signal.SIGUSR1)  # fail open requests now, /health 503
+            if engine_died_at is not None and time.monotonic() - engine_died_at > self.DEAD_ENGINE_GRACE_S:
+                self.shutdown()
+                return 1
             if self.api_servers and all(p.poll() is not None for p in self.api_servers):
                 logger.error("every API server exited; stopping")
-                break
+                self.shutdown()
+                return 1
         return self.shutdown()
 
     def _stop(self, *_: Any) -> None:
         self.stopping = True
 
     def shutdown(self) -> int:
+        """API servers first (each drains within the shutdown timeout), then the engine."""
         for process in self.api_servers:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 35
+        deadline = time.monotonic() + self.shutdown_timeout_s + 15
         for process in self.api_servers:
             try:
                 process.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -109,7 +144,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     from frontend.model_files import resolve_model
 
     configure_logging(args.log_level, args.log_format)
-    supervisor = Supervisor()
+    supervisor = Supervisor(getattr(args, "shutdown_timeout", 30.0))
     attach = args.attach
     if attach:
         input_address, output_address = engine_addresses(attach)
@@ -121,6 +156,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         config = engine_args.engine_config()
         model = config.worker.model
         if args.engine_address:
+            check_exposure(args.engine_address, args.allow_remote_engine)
             config.input_address, config.output_address = engine_addresses(args.engine_address)
         elif args.headless:
             raise SystemExit("--headless needs --engine-address tcp://HOST:PORT")
@@ -139,7 +175,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         chat_template = (
             open(args.chat_template).read() if os.path.exists(args.chat_template) else args.chat_template
         )
-    api_key = args.api_key or os.environ.get("ENGINE_API_KEY") or None
+    api_keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get("ENGINE_API_KEY"))
     for index in range(args.api_server_count):
         supervisor.start_api_server(
             sock,
@@ -148,7 +184,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 input_address=input_address,
                 output_address=output_address,
                 server_index=index,
-                api_key=api_key,
+                api_keys=api_keys,
                 chat_template=chat_template,
                 allowed_origins=args.allowed_origins or [],
                 tokenizer_cache_dir=os.path.join(os.path.expanduser("~"), ".cache", "engine"),
@@ -156,6 +192,14 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 generation_config=args.generation_config,
                 log_format=args.log_format,
                 log_requests=not args.disable_log_requests,
+                max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+                max_queued_requests=args.max_queued_requests,
+                max_queued_tokens=args.max_queued_tokens,
+                max_inflight_requests=args.max_inflight_requests,
+                shutdown_timeout_s=args.shutdown_timeout,
+                engine_stall_timeout_s=args.engine_stall_timeout,
+                enable_docs=not args.disable_fastapi_docs,
+                register_timeout_s=args.engine_connect_timeout,
             ),
         )
     sock.close()  # the API servers hold it now

@@ -174,6 +174,16 @@ class EngineStatsCollector:
             ),
             ("engine:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             ("engine:num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions),
+            (
+                "engine:engine_prompt_tokens_computed",
+                "Prompt tokens the engine computed for any frontend (cache hits excluded, recomputation included).",
+                stats.num_prompt_tokens,
+            ),
+            (
+                "engine:engine_generation_tokens",
+                "Tokens the engine generated for any frontend, ZMQ clients included.",
+                stats.num_generation_tokens,
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)

@@ -69,13 +69,18 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
+    if not body.messages:
+        raise OpenAIError("messages must not be empty.", param="messages")
+    if len(body.messages) > serving.limits.max_messages:
+        raise OpenAIError(
+            f"at most {serving.limits.max_messages} messages per request, got {len(body.messages)}.",
+            param="messages",
+        )
     tokenizer = serving.tokenizer
     if tokenizer is None:
         raise OpenAIError(
             "This model has no tokenizer: use /v1/completions with token ids.", param="messages"
         )
-    if not body.messages:
-        raise OpenAIError("messages must not be empty.", param="messages")
     messages = []
     for message in body.messages:
         content = message.get("content")
@@ -103,6 +108,7 @@ def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
+    serving.admit()
     model = serving.model_name(body.model)
     prompt_ids = chat_prompt(serving, body)
     top = clamp_top(body.top_logprobs, "top_logprobs")
@@ -227,6 +233,10 @@ def completion_prompts(serving: OpenAIServing, body: CompletionRequest) -> list[
         prompts = list(prompt)
     if not prompts:
         raise OpenAIError("prompt must not be empty.", param="prompt")
+    if len(prompts) > serving.limits.max_prompts:
+        raise OpenAIError(
+            f"at most {serving.limits.max_prompts} prompts per request, got {len(prompts)}.", param="prompt"
+        )
     result = []
     for item in prompts:
         if isinstance(item, str):
@@ -247,6 +257,7 @@ def completion_prompts(serving: OpenAIServing, body: CompletionRequest) -> list[
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, serving: Serving) -> Response:
+    serving.admit()
     model = serving.model_name(body.model)
     if body.suffix:
         raise OpenAIError("suffix is not supported.", param="suffix")

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.async_client import AsyncEngineClient
+from frontend.async_client import SHUTDOWN_REASON, AsyncEngineClient
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.metrics import Metrics, RequestTiming
 from frontend.openai_format import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, sse, usage
@@ -43,6 +43,18 @@ class Delta:
     output: RequestOutput
 
 
+@dataclass
+class AdmissionLimits:
+    """Checked before any tokenization; 0 means no limit."""
+
+    max_queued_requests: int = 0  # engine-wide waiting requests (the engine's stats + ours since them)
+    max_queued_tokens: int = 0  # engine-wide prompt tokens waiting
+    max_inflight_requests: int = 0  # this API server's open engine requests
+    max_messages: int = 2048  # chat messages per request
+    max_prompts: int = 1024  # prompts per completions request
+    retry_after_s: int = 1
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -61,6 +73,52 @@ class OpenAIServing:
         self.defaults = defaults or {}  # generation-config values for fields a request leaves unset
         self.metrics = metrics
         self.log_requests = True
+        self.limits = AdmissionLimits()
+        self.draining = False  # set on SIGTERM: new requests get 503, open ones may finish
+
+    def admit(self) -> None:
+        """Refuse new work the server cannot take, before paying for templates or tokenization."""
+        retry = {"Retry-After": str(self.limits.retry_after_s)}
+        if self.draining:
+            raise OpenAIError(
+                "The server is shutting down.",
+                status=503,
+                type="service_unavailable_error",
+                code="server_shutting_down",
+                headers=retry,
+            )
+        limits, client = self.limits, self.client
+        if limits.max_inflight_requests and client.num_open_requests >= limits.max_inflight_requests:
+            raise OpenAIError(
+                f"This API server has {client.num_open_requests} requests in flight, its limit is "
+                f"{limits.max_inflight_requests}. Retry later.",
+                status=429,
+                type="rate_limit_error",
+                code="too_many_requests",
+                headers=retry,
+            )
+        stats = client.last_stats
+        if stats is None:
+            return
+        waiting = stats.num_waiting + client.added_since_stats
+        if limits.max_queued_requests and waiting >= limits.max_queued_requests:
+            raise OpenAIError(
+                f"The engine queue is full ({waiting} requests waiting, limit {limits.max_queued_requests}). "
+                "Retry later.",
+                status=503,
+                type="service_unavailable_error",
+                code="queue_full",
+                headers=retry,
+            )
+        if limits.max_queued_tokens and stats.num_waiting_tokens >= limits.max_queued_tokens:
+            raise OpenAIError(
+                f"The engine queue is full ({stats.num_waiting_tokens} prompt tokens waiting, limit "
+                f"{limits.max_queued_tokens}). Retry later.",
+                status=503,
+                type="service_unavailable_error",
+                code="queue_full",
+                headers=retry,
+            )
 
     # ---- shared validation ----
 
@@ -170,10 +228,12 @@ class OpenAIServing:
                 choice = choices.get(item.request_id)
                 if choice is None or item.request_id not in open_ids:
                     continue
+                drained = item.finish_reason == "abort" and item.stop_reason == SHUTDOWN_REASON
                 if (
                     item.finish_reason == "abort"
                     and isinstance(item.stop_reason, str)
                     and not item.new_token_ids
+                    and not drained
                 ):
                     raise OpenAIError(f"The engine rejected the request: {item.stop_reason}", param="prompt")
                 finished = item.finish_reason is not None
@@ -190,7 +250,7 @@ class OpenAIServing:
                     finished = True
                 elif finished:
                     choice.finish_reason, choice.stop_reason = item.finish_reason, item.stop_reason
-                    if choice.finish_reason == "abort":
+                    if choice.finish_reason == "abort" and not drained:
                         raise EngineDeadError("the engine aborted the request")
                 choice.text += text
                 if finished:

@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: RequestOutput gained queue/prefill/decode times
+PROTOCOL_VERSION = 3  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew
 
 
 class Register(msgspec.Struct, tag="register", array_like=True):
@@ -114,6 +114,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (not cached)
     num_generation_tokens: int = 0
+    num_waiting_tokens: int = 0  # prompt tokens of the waiting requests (admission control)
+    num_steps: int = 0  # steps executed: frozen while requests are open means a stalled engine
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -6,8 +6,14 @@ import msgspec
 
 from protocol.errors import InvalidParameterError
 
-# NOTE: a hard cap keeps a hostile request from asking for a huge top-k gather per step.
+# NOTE: hard caps keep one hostile request from costing every other request: a huge top-k gather per
+# step, thousands of stop strings scanned per token, a logit-bias scatter over the whole vocabulary.
 MAX_LOGPROBS = 20
+MAX_N = 128  # completions per request (each is an engine request)
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
@@ -45,7 +51,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidParameterError naming the first bad field."""
-        _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        _check(1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}.")
         _check(
             self.temperature >= 0.0,
             "temperature",
@@ -84,6 +90,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                     0 <= value <= MAX_LOGPROBS, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}."
                 )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty.")
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}.",
+        )
+        _check(
+            all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters.",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}.",
+        )
+        _check(
+            len(self.logit_bias or {}) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias or {})}.",
+        )
         if vocab_size is not None:
             for token_id in self.stop_token_ids:
                 _check(

@@ -507,3 +507,5 @@ def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -
     with pytest.raises(openai.APIStatusError) as error:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
     assert error.value.status_code == 503
+    # Then the launcher stops everything and exits non-zero, so a supervisor restarts it.
+    assert server["process"].wait(timeout=60) != 0

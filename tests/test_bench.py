@@ -1,0 +1,103 @@
+"""The benchmark harnesses against a real server: `bench engine` (ZMQ, token ids) and `bench serve`
+(HTTP) count exactly the tokens the server's own /metrics counts; `bench throughput` / `bench latency`
+run the offline engine."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.serve_helpers import free_port, stop, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def counters(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for name, value in re.findall(r"^(engine:[a-z_]+_total)\{[^}]*\} ([0-9.e+]+)$", text, flags=re.M):
+        values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_zmq_harness_and_bench_serve_agree_with_metrics(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port, engine_port = free_port(), free_port()
+    address = f"tcp://127.0.0.1:{engine_port}"
+    server = subprocess.Popen(
+        [
+            sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--port", str(port),
+            "--engine-address", address, "--dtype", "float32", "--max-model-len", "256",
+            "--num-kv-blocks", "256", "--stats-log-interval", "0",
+        ]
+    )  # fmt: skip
+    try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, 180, "the server")
+        before = counters(port)
+        out = tmp_path / "engine.json"
+        run = bench(
+            "engine", "--address", address, "--compare-base-url", f"http://127.0.0.1:{port}",
+            "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "24", "--range-ratio", "0.5",
+            "--output-len", "6", "--ignore-eos", "--warmup", "0", "--quiet", "--output-json", str(out),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "frontend cost" in run.stdout
+        report = json.loads(out.read_text())
+        zmq, http = report["summary"], report["serve_summary"]
+        assert zmq["completed"] == http["completed"] == 6
+        assert zmq["total_output_tokens"] >= 18 and http["total_output_tokens"] >= 18  # ignore_eos, 3..9 each
+        assert zmq["ttft_s"]["p50"] > 0 and http["ttft_s"]["p50"] > 0
+
+        def delta(name: str) -> float:
+            return counters(port).get(name, 0.0) - before.get(name, 0.0)
+
+        # Engine-wide counters see both harnesses; they reach /metrics with the next stats message.
+        generated = zmq["total_output_tokens"] + http["total_output_tokens"]
+        wait_until(lambda: delta("engine:engine_generation_tokens_total") == generated, 10, "engine counters")
+        computed = delta("engine:engine_prompt_tokens_computed_total") + delta(
+            "engine:prefix_cache_hits_total"
+        )
+        assert computed == zmq["total_input_tokens"] + http["total_input_tokens"]
+        # Per-request counters belong to the API servers: exactly the HTTP pass.
+        assert delta("engine:prompt_tokens_total") == http["total_input_tokens"]
+        assert delta("engine:generation_tokens_total") == http["total_output_tokens"]
+        assert delta("engine:request_success_total") == 6
+    finally:
+        stop(server)
+
+
+def test_offline_throughput_and_latency(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    common = [smollm2_gguf, "--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "64"]
+    out = tmp_path / "throughput.json"
+    run = bench(
+        "throughput", *common, "--num-prompts", "5", "--input-len", "12", "--output-len", "4",
+        "--output-json", str(out),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["num_requests"] == 5 and report["total_input_tokens"] == 60
+    assert report["total_output_tokens"] == 20 and report["output_tokens_per_s"] > 0
+    assert "Throughput:" in run.stdout
+
+    out = tmp_path / "latency.json"
+    run = bench(
+        "latency", *common, "--batch-size", "2", "--input-len", "8", "--output-len", "3",
+        "--num-iters-warmup", "1", "--num-iters", "3", "--output-json", str(out),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert len(report["latencies_s"]) == 3 and report["avg_latency_s"] > 0
+    assert report["percentiles_s"]["p99"] >= report["percentiles_s"]["p10"]

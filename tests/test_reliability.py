@@ -1,0 +1,166 @@
+"""Faults and draining with real processes: an API server killed, a worker killed, a wrong engine
+address, and SIGTERM with streams in flight."""
+
+from __future__ import annotations
+
+import glob
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.serve_helpers import free_port, stop, wait_until
+
+pytestmark = pytest.mark.slow
+
+ENGINE_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256", "--stats-log-interval", "0"]
+
+
+def start(model: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *ENGINE_ARGS, *extra]
+    )
+
+
+def ready(port: int) -> bool:
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+
+
+def engine_stats(port: int) -> dict[str, Any]:
+    return httpx.get(f"http://127.0.0.1:{port}/load", timeout=5).json()["engine"]  # type: ignore[no-any-return]
+
+
+class Stream(threading.Thread):
+    """A streamed completion read on a thread: its events, its final finish_reason, whether [DONE] came."""
+
+    def __init__(self, port: int, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.max_tokens = port, max_tokens
+        self.started = threading.Event()
+        self.server_index: str | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+        self.done = False
+        self.error: str | None = None
+
+    def run(self) -> None:
+        body = {
+            "prompt": "Count slowly:",
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        try:
+            with httpx.stream(
+                "POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=120
+            ) as response:
+                self.server_index = response.headers.get("x-engine-server")
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.error = event["error"]["message"]
+                        for choice in event.get("choices", []):
+                            self.started.set()
+                            if choice.get("finish_reason"):
+                                self.finish_reason = choice["finish_reason"]
+                                self.stop_reason = choice.get("stop_reason")
+        except httpx.HTTPError as error:
+            self.error = f"{type(error).__name__}: {error}"
+        finally:
+            self.started.set()
+
+
+def stream_on(port: int, max_tokens: int) -> Stream:
+    stream = Stream(port, max_tokens)
+    stream.start()
+    assert stream.started.wait(60), "the stream produced nothing"
+    return stream
+
+
+def api_servers(launcher: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    children = psutil.Process(launcher.pid).children()
+    servers = [p for p in children if "frontend.api_server" in " ".join(p.cmdline())]
+    return sorted(servers, key=lambda p: p.create_time())  # started in index order
+
+
+def test_killed_api_server_then_drain_on_sigterm(smollm2_gguf: str) -> None:
+    port = free_port()
+    before_ipc = set(glob.glob("/tmp/engine-*"))
+    launcher = start(smollm2_gguf, port, "--api-server-count", "2", "--shutdown-timeout", "4")
+    try:
+        wait_until(lambda: ready(port), 180, "the server")
+        # Long streams until both API servers own one.
+        streams: list[Stream] = []
+        while {s.server_index for s in streams} != {"0", "1"}:
+            assert len(streams) < 12, "the kernel never gave a connection to both API servers"
+            streams.append(stream_on(port, 600))
+        on_victim = [s for s in streams if s.server_index == "0"]
+        survivors = [s for s in streams if s.server_index == "1"]
+        api_servers(launcher)[0].send_signal(signal.SIGKILL)
+        for stream in on_victim:
+            stream.join(30)
+            assert stream.error is not None  # its client saw the connection cut
+        # The engine aborted the dead frontend's requests (their blocks are freed); the others run on.
+        wait_until(lambda: engine_stats(port)["num_running"] == len(survivors), 30, "the engine to abort")
+        assert all(s.is_alive() and s.error is None for s in survivors)
+
+        # Drain: SIGTERM with one stream that can finish in time and one that cannot.
+        short = stream_on(port, 24)
+        launcher.send_signal(signal.SIGTERM)
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503, 10, "readiness 503"
+        )
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        short.join(30)
+        assert short.finish_reason == "length" and short.done and short.error is None
+        for survivor in survivors:
+            survivor.join(30)
+            assert survivor.finish_reason == "abort" and survivor.stop_reason == "server_shutdown"
+            assert survivor.done and survivor.error is None
+        assert launcher.wait(timeout=60) == 0
+        assert set(glob.glob("/tmp/engine-*")) <= before_ipc, "IPC files left behind"
+    finally:
+        stop(launcher)
+
+
+def test_killed_worker_fails_requests_and_the_launcher(smollm2_gguf: str) -> None:
+    port = free_port()
+    launcher = start(smollm2_gguf, port)
+    try:
+        wait_until(lambda: ready(port), 180, "the server")
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        worker = next(p for p in tree if "worker.main" in " ".join(p.cmdline()))
+        stream = stream_on(port, 600)
+        worker.send_signal(signal.SIGKILL)
+        stream.join(30)
+        assert stream.error is not None and stream.finish_reason is None, stream.__dict__
+        assert launcher.wait(timeout=60) != 0  # so Kubernetes (or systemd) restarts it
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, f"orphans: {alive}"
+    finally:
+        stop(launcher)
+
+
+def test_wrong_engine_address_is_a_clear_timeout() -> None:
+    port, dead = free_port(), free_port()
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "serve", "--attach", f"tcp://127.0.0.1:{dead}", "--port",
+         str(port), "--engine-connect-timeout", "3"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "no engine answered" in run.stderr, run.stderr[-2000:]
+    assert time.monotonic() - started < 60
