@@ -250,7 +250,10 @@ def build_app(deps: AppDeps) -> FastAPI:
         elif deps.serving.draining:
             problem = ("the server is shutting down", "server_shutting_down")
         elif (stalled := client.stalled_for()) > config.engine_stall_timeout_s:
-            problem = (f"engine has made no progress for {stalled:.0f} s with requests open", "engine_stalled")
+            problem = (
+                f"engine has made no progress for {stalled:.0f} s with requests open",
+                "engine_stalled",
+            )
         if problem is not None:
             return error_response(
                 OpenAIError(problem[0], status=503, type="service_unavailable_error", code=problem[1])

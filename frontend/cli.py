@@ -128,7 +128,10 @@ def add_serve_parser(commands: Any) -> None:
         "--max-request-body-mb", type=float, default=16.0, help="larger request bodies get 413"
     )
     serve.add_argument(
-        "--max-queued-requests", type=int, default=0, help="503 when this many wait in the engine (0: no limit)"
+        "--max-queued-requests",
+        type=int,
+        default=0,
+        help="503 when this many wait in the engine (0: no limit)",
     )
     serve.add_argument(
         "--max-queued-tokens", type=int, default=0, help="503 when this many prompt tokens wait (0: no limit)"

@@ -161,7 +161,7 @@ def test_fuzz_from_openapi_schema(server, tmp_path) -> None:  # type: ignore[no-
         ["schemathesis", "run", f"{base}/openapi.json", "--checks", "not_a_server_error",
          "--max-examples", os.environ.get("ENGINE_FUZZ_EXAMPLES", "25"), "--header", f"Authorization: Bearer {KEY}",
          "--request-timeout", "60", "--seed", "1", "--report", "ndjson", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,  # its cache stays out of the repo
     )  # fmt: skip
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
