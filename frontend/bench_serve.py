@@ -130,6 +130,15 @@ async def send(client: Any, args: argparse.Namespace, request: BenchRequest) -> 
     return result
 
 
+def warmup_variant(request: BenchRequest) -> BenchRequest:
+    """A request of the same shape with another prompt, so warm-up fills no prefix cache for the run."""
+    if isinstance(request.prompt, list):
+        prompt: str | list[int] = request.prompt[::-1]
+    else:
+        prompt = " ".join(request.prompt.split()[::-1])
+    return BenchRequest(prompt, request.prompt_len, request.output_len)
+
+
 async def drive(
     args: argparse.Namespace,
     requests: list[BenchRequest],
@@ -137,7 +146,7 @@ async def drive(
 ) -> tuple[list[Result], float]:
     """Warm up, then send every request at the given rate or concurrency; (results, seconds)."""
     for request in requests[: args.warmup]:
-        await send_one(request)
+        await send_one(warmup_variant(request))
     semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
     rng = random.Random(args.seed + 1)
     progress = _progress(len(requests), args.quiet)
