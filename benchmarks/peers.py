@@ -318,6 +318,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                     marker="o",
                     label=PRETTY.get(server, server),
                 )
+        if key.startswith("ttft"):
+            ax.set_yscale("log")  # queueing makes TTFT span orders of magnitude
         ax.set_xscale("log", base=2)
         ax.set_xticks(concurrency, [str(c) for c in concurrency])
         ax.set_xlabel("concurrency")
@@ -373,7 +375,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18123)
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/engine/peers"))
     parser.add_argument("--results-dir", default="benchmarks/results")
+    parser.add_argument(
+        "--replot", action="store_true", help="only rewrite peers.md and peers.png from peers.json"
+    )
     args = parser.parse_args()
+    if args.replot:
+        out = Path(args.results_dir)
+        report = json.loads((out / "peers.json").read_text())
+        (out / "peers.md").write_text(table(report) + "\n")
+        plot(report, out / "peers.png")
+        return
     if args.quick:
         args.num_prompts, args.output_len = 16, 32
     cache = Path(args.cache_dir)

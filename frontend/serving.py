@@ -78,47 +78,46 @@ class OpenAIServing:
 
     def admit(self) -> None:
         """Refuse new work the server cannot take, before paying for templates or tokenization."""
-        retry = {"Retry-After": str(self.limits.retry_after_s)}
-        if self.draining:
-            raise OpenAIError(
-                "The server is shutting down.",
-                status=503,
-                type="service_unavailable_error",
-                code="server_shutting_down",
-                headers=retry,
-            )
         limits, client = self.limits, self.client
-        if limits.max_inflight_requests and client.num_open_requests >= limits.max_inflight_requests:
-            raise OpenAIError(
+        stats = client.last_stats
+        waiting = (stats.num_waiting if stats else 0) + client.added_since_stats
+        waiting_tokens = stats.num_waiting_tokens if stats else 0
+        refusal = None
+        if self.draining:
+            refusal = (
+                503,
+                "service_unavailable_error",
+                "server_shutting_down",
+                "The server is shutting down.",
+            )
+        elif limits.max_inflight_requests and client.num_open_requests >= limits.max_inflight_requests:
+            refusal = (
+                429,
+                "rate_limit_error",
+                "too_many_requests",
                 f"This API server has {client.num_open_requests} requests in flight, its limit is "
                 f"{limits.max_inflight_requests}. Retry later.",
-                status=429,
-                type="rate_limit_error",
-                code="too_many_requests",
-                headers=retry,
             )
-        stats = client.last_stats
-        if stats is None:
-            return
-        waiting = stats.num_waiting + client.added_since_stats
-        if limits.max_queued_requests and waiting >= limits.max_queued_requests:
-            raise OpenAIError(
+        elif limits.max_queued_requests and waiting >= limits.max_queued_requests:
+            refusal = (
+                503,
+                "service_unavailable_error",
+                "queue_full",
                 f"The engine queue is full ({waiting} requests waiting, limit {limits.max_queued_requests}). "
                 "Retry later.",
-                status=503,
-                type="service_unavailable_error",
-                code="queue_full",
-                headers=retry,
             )
-        if limits.max_queued_tokens and stats.num_waiting_tokens >= limits.max_queued_tokens:
-            raise OpenAIError(
-                f"The engine queue is full ({stats.num_waiting_tokens} prompt tokens waiting, limit "
+        elif limits.max_queued_tokens and waiting_tokens >= limits.max_queued_tokens:
+            refusal = (
+                503,
+                "service_unavailable_error",
+                "queue_full",
+                f"The engine queue is full ({waiting_tokens} prompt tokens waiting, limit "
                 f"{limits.max_queued_tokens}). Retry later.",
-                status=503,
-                type="service_unavailable_error",
-                code="queue_full",
-                headers=retry,
             )
+        if refusal is not None:
+            status, kind, code, message = refusal
+            retry = {"Retry-After": str(limits.retry_after_s)}
+            raise OpenAIError(message, status=status, type=kind, code=code, headers=retry)
 
     # ---- shared validation ----
 

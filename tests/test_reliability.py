@@ -135,17 +135,43 @@ def test_killed_api_server_then_drain_on_sigterm(smollm2_gguf: str) -> None:
         stop(launcher)
 
 
-def test_killed_worker_fails_requests_and_the_launcher(smollm2_gguf: str) -> None:
+def test_overload_stall_then_killed_worker(smollm2_gguf: str) -> None:
     port = free_port()
-    launcher = start(smollm2_gguf, port)
+    launcher = start(
+        smollm2_gguf, port, "--max-num-seqs", "1", "--max-queued-requests", "2", "--engine-stall-timeout", "3"
+    )
     try:
         wait_until(lambda: ready(port), 180, "the server")
+        # Overload: one running, two waiting; the next request is refused before any tokenization.
+        busy = [stream_on(port, 900)]
+        busy += [Stream(port, 900) for _ in range(2)]
+        for stream in busy[1:]:
+            stream.start()
+        wait_until(lambda: engine_stats(port)["num_waiting"] == 2, 30, "two waiting requests")
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+
+        # A hung worker (stopped, not dead): no step finishes, /health reports it, and recovers after.
         tree = psutil.Process(launcher.pid).children(recursive=True)
         worker = next(p for p in tree if "worker.main" in " ".join(p.cmdline()))
-        stream = stream_on(port, 600)
+        worker.suspend()
+        try:
+
+            def stalled() -> bool:
+                health = httpx.get(f"http://127.0.0.1:{port}/health")
+                return health.status_code == 503 and health.json()["error"]["code"] == "engine_stalled"
+
+            wait_until(stalled, 30, "/health to report the stall")
+        finally:
+            worker.resume()
+        wait_until(lambda: ready(port), 30, "/health to recover")
+
+        # A killed worker: open requests fail with an error, the launcher exits non-zero.
         worker.send_signal(signal.SIGKILL)
-        stream.join(30)
-        assert stream.error is not None and stream.finish_reason is None, stream.__dict__
+        for stream in busy:
+            stream.join(30)
+            assert stream.error is not None and stream.finish_reason is None, stream.__dict__
         assert launcher.wait(timeout=60) != 0  # so Kubernetes (or systemd) restarts it
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"orphans: {alive}"
