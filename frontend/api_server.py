@@ -135,7 +135,7 @@ class EdgeMiddleware:
                     )
                     await error_response(error)(scope, receive, send_with_headers)
                     return
-            body_receive = await self._read_body(scope, receive)
+            body_receive = await self._read_body(scope, headers, receive)
             if body_receive is None:
                 error = OpenAIError(
                     f"The request body is larger than {self.max_body_bytes} bytes.",
@@ -152,9 +152,8 @@ class EdgeMiddleware:
                 self.metrics.http_requests.labels(scope["method"], path, str(status[0])).inc()
                 self.metrics.http_latency.labels(scope["method"], path).observe(time.monotonic() - started)
 
-    async def _read_body(self, scope: dict[str, Any], receive: Any) -> Any:
+    async def _read_body(self, scope: dict[str, Any], headers: dict[bytes, bytes], receive: Any) -> Any:
         """Read the whole body, at most max_body_bytes; a receive() that replays it, or None if too big."""
-        headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return None

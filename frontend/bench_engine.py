@@ -22,6 +22,7 @@ from frontend.bench_serve import (
     Result,
     add_workload_args,
     drive,
+    first_model,
     random_requests,
     run,
     summarize,
@@ -112,7 +113,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     failed = summary["failed"]
     if args.compare_base_url:
         args.base_url = args.compare_base_url
-        args.model = args.served_model_name or _first_model(args.base_url, args.api_key)
+        args.model = args.served_model_name or first_model(args.base_url, args.api_key)
         # Fresh prompts of the same shapes: the engine's prefix cache must not favour the second pass.
         again = random_requests(args, random.Random(args.seed + 7919))
         serve_results, serve_duration = asyncio.run(run(args, again))
@@ -133,13 +134,6 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if failed == 0 else 1
-
-
-def _first_model(base_url: str, api_key: str | None) -> str:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return str(httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers).json()["data"][0]["id"])
 
 
 def add_engine_bench_parser(kinds: Any) -> None:

@@ -263,16 +263,18 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def first_model(base_url: str, api_key: str | None) -> str:
+    """The first model a server lists: what to ask for when the user named none."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return str(httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers).json()["data"][0]["id"])
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     requests = sharegpt_requests(args, rng) if args.dataset == "sharegpt" else random_requests(args, rng)
-    if not args.model:
-        import httpx
-
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        args.model = httpx.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers).json()["data"][0][
-            "id"
-        ]
+    args.model = args.model or first_model(args.base_url, args.api_key)
     results, duration = asyncio.run(run(args, requests))
     summary = summarize(args, results, duration, args.base_url)
     print(table(summary))
