@@ -10,7 +10,8 @@
 // A task is one sequence and a run of its kv heads (all of them when there are enough sequences to
 // keep every thread busy, so each cache line is read once and in order). Scores are float32, the
 // softmax is exact (two passes), values are accumulated in float32.
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -131,8 +132,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
 }

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from worker.attention.base import AttentionMetadata
-from worker.attention.csrc_ops import load_cpu_ops
 from worker.attention.torch_ref import TorchAttentionBackend
+from worker.csrc_ops import load_cpu_ops
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +52,95 @@ def test_paged_decode_attention_matches_reference(
     actual = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
     assert actual.dtype == dtype and actual.shape == query.shape
     torch.testing.assert_close(actual.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# ---- fused element-wise kernels (csrc/fused_cpu.cpp) against the torch layers they replace ----
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Same rounding steps as the reference: float32 differs only by summation order; half types by one
+# rounding step at most where a different float32 intermediate lands on the other side of a tie.
+EXACT = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = EXACT[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 64), (33, 1000)])
+def test_rms_norm_and_fused_add_match_reference(ops, dtype, rows, hidden) -> None:  # type: ignore[no-untyped-def]
+    from worker.models.layers import RMSNorm
+
+    generator = torch.Generator().manual_seed(rows * hidden)
+    reference, fused = RMSNorm(hidden, 1e-5, dtype), RMSNorm(hidden, 1e-5, dtype, ops)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype)
+    reference.weight.data.copy_(weight)
+    fused.weight.data.copy_(weight)
+    x = (3 * torch.randn(rows, hidden, generator=generator)).to(dtype)
+    residual = torch.randn(rows, hidden, generator=generator).to(dtype)
+    with torch.no_grad():
+        _close(fused(x), reference(x))
+        expected_out, expected_residual = reference.add_and_norm(x.clone(), residual.clone())
+        out, new_residual = fused.add_and_norm(x.clone(), residual.clone())
+    _close(new_residual, expected_residual)
+    _close(out, expected_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_qkv_views(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    from worker.models.layers import RotaryEmbedding
+
+    tokens, heads, kv_heads, head_dim = 11, 6, 2, 64
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(7)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    positions = torch.tensor([0, 1, 2, 5, 99, 100, 101, 300, 511, 7, 8])
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)  # row-strided views
+    expected_q, expected_k = rotary.prepare(positions, dtype).apply(q, k)
+    actual_q, actual_k = rotary.prepare(positions, dtype, ops).apply(q, k)
+    assert actual_q.data_ptr() == q.data_ptr()  # in place
+    _close(actual_q, expected_q)
+    _close(actual_k, expected_k)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        rotary.prepare(torch.full((tokens,), 512), dtype, ops).apply(q, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    from worker.models.layers import silu_and_mul
+
+    gate_up = (4 * torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(3))).to(dtype)
+    _close(silu_and_mul(gate_up, ops), silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_index_put(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    num_blocks, block_size, kv_heads, head_dim, tokens = 10, 4, 3, 32, 6
+    generator = torch.Generator().manual_seed(11)
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim, generator=generator).to(dtype)
+    k, v = (t.view(tokens, kv_heads, head_dim) for t in kv.split(kv_heads * head_dim, dim=-1))
+    metadata = AttentionMetadata(
+        num_decode_tokens=tokens,
+        slot_block_ids=torch.tensor([3, 3, 0, 9, 5, 5]),
+        slot_offsets=torch.tensor([0, 3, 1, 2, 0, 1]),
+    )
+    expected = torch.zeros(num_blocks, 2, block_size, kv_heads, head_dim, dtype=dtype)
+    actual = expected.clone()
+    TorchAttentionBackend().write_kv(k, v, expected, metadata)
+    ops.write_kv(k, v, actual, metadata.slot_block_ids, metadata.slot_offsets)
+    assert torch.equal(actual, expected)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_kv(k, v, actual, torch.full((tokens,), num_blocks), metadata.slot_offsets)
+
+
+def test_argmax_rows_first_maximum(ops) -> None:  # type: ignore[no-untyped-def]
+    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(5))
+    logits[1, 17] = logits[1, 40000] = 100.0  # ties: the first index wins, as torch.argmax
+    logits[2, -1] = 100.0
+    logits[3, 0] = 100.0
+    logits[4] = -1e30
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(logits[:, :1000]), logits[:, :1000].argmax(dim=-1))  # row stride

@@ -63,8 +63,10 @@ class ModelRunner:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.block_size = config.block_size
-        self.model = build_model(self.model_config, self.dtype)
+        self.backend = get_attention_backend(config.attention_backend)
+        self.model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None))
         self.model.load_weights(iterate_weights(config.model, self.model_config, gguf_reader))
+        self.model.finalize()
         del gguf_reader
         self.model.init_rotary(self.max_model_len, torch.device("cpu"))
         self.model.eval()
@@ -72,7 +74,6 @@ class ModelRunner:
         mc = self.model_config
         shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(mc.num_layers)]
-        self.backend = get_attention_backend(config.attention_backend)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
@@ -249,6 +250,7 @@ class ModelRunner:
             seeds=[p.seed for p in params],
             num_output_tokens=[len(o) for o in outputs],
             generator=self.generator,
+            ops=getattr(self.backend, "ops", None),
         )
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_num_logprobs = max(logprob_counts) if logprob_counts else None

@@ -7,6 +7,7 @@ vLLM's default, so they are comparable with Hugging Face's log-softmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +36,12 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None = None  # [M] min_tokens: (row, token) pairs masked to -inf
     banned_tokens: torch.Tensor | None = None
     max_num_logprobs: int | None = None  # None: no logprobs for any row
+    ops: Any = None  # the csrc kernels (a vectorized argmax), or None for torch's
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and logits.dtype == torch.float32:
+            return self.ops.argmax_rows(logits)  # type: ignore[no-any-return]
+        return logits.argmax(dim=-1)
 
     @property
     def all_greedy(self) -> bool:
@@ -53,7 +60,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [B, vocab] float32."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
     logits = apply_penalties(logits, batch)
-    greedy = logits.argmax(dim=-1)  # [B]
+    greedy = batch.argmax(logits)  # [B]
     if batch.all_greedy:
         token_ids = greedy
     else:

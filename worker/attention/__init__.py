@@ -23,7 +23,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
     if name == "torch":
         return TorchAttentionBackend()
-    from worker.attention.csrc_ops import load_cpu_ops
+    from worker.csrc_ops import load_cpu_ops
 
     ops = load_cpu_ops()
     if ops is None:

@@ -20,14 +20,21 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        kv_cache[metadata.slot_block_ids, 0, metadata.slot_offsets] = key
-        kv_cache[metadata.slot_block_ids, 1, metadata.slot_offsets] = value
-        output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        self.write_kv(key, value, kv_cache, metadata)
         num_decode = metadata.num_decode_tokens
+        if num_decode == query.shape[0]:  # decode only: no output to assemble
+            return self.decode(query, kv_cache, metadata, scale)
+        output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         if num_decode:
             output[:num_decode] = self.decode(query[:num_decode], kv_cache, metadata, scale)
         self.prefill(query, key, value, kv_cache, metadata, scale, output)
         return output
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        kv_cache[metadata.slot_block_ids, 0, metadata.slot_offsets] = key
+        kv_cache[metadata.slot_block_ids, 1, metadata.slot_offsets] = value
 
     def decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from worker.model_config import ModelConfig
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+def build_model(config: ModelConfig, dtype: torch.dtype, ops: Any = None) -> nn.Module:
+    """ops: the csrc kernels for the fused layers, or None for plain torch. Call finalize() after loading."""
     if config.family in ("llama", "qwen2", "qwen3"):
         from worker.models.llama import LlamaForCausalLM
 
         with torch.device("meta"):
-            model = LlamaForCausalLM(config, dtype)
+            model = LlamaForCausalLM(config, dtype, ops)
         return model.to_empty(device="cpu")
     raise ValueError(f"no model implementation for family {config.family!r}")

@@ -1,26 +1,92 @@
-"""Building blocks shared by the model families: RMSNorm and rotary embeddings, HF-exact numerics."""
+"""Building blocks shared by the model families: RMSNorm, rotary embeddings, SiLU-and-mul and a linear
+layer whose weight is packed once for oneDNN; HF-exact numerics.
+
+Each has a plain torch path (the reference) and, when the csrc kernels are built (`ops`), a fused one:
+one C++ call instead of a chain of eager ops (csrc/fused_cpu.cpp, tested against these references).
+"""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger("engine.worker")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: Any = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # Same order of operations as Hugging Face: normalize in float32, cast back, then scale.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual + x becomes the new residual; returns (its norm, the new residual). Reuses x and residual."""
+        if self.ops is not None:
+            self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor, ops: Any = None) -> torch.Tensor:
+    """gate_up: [num_tokens, 2 * inter] -> silu(gate) * up, [num_tokens, inter]."""
+    if ops is not None:
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) whose weight `pack()` reorders once for oneDNN.
+
+    A bf16 product on the CPU otherwise reorders the weight into oneDNN's blocked layout on every call,
+    which costs more than the product itself at decode batch sizes (docs/performance.md). The packed
+    copy replaces the plain weight, so memory does not grow.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
+        self.packed = packed
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+PACK_BATCH_HINT = 64  # oneDNN picks the blocked layout for this many rows; any number of rows works
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Packing pays for bf16 (AMX / AVX-512 BF16 kernels); float32 products keep MKL's path."""
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.zeros(8, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError) as error:
+        logger.info("oneDNN weight packing unavailable (%s); using F.linear", error)
+        return False
+    return True
 
 
 class RotaryEmbedding:
@@ -44,14 +110,29 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * attention_factor).to(device)
         self.sin = (emb.sin() * attention_factor).to(device)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, ops: Any = None) -> Rope:
+        """The step's rotation, shared by every layer: looked up once (torch) or indexed per token (csrc)."""
+        if ops is not None:
+            return Rope(positions, self.cos, self.sin, ops)
         cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].to(dtype).unsqueeze(1)
-        return cos, sin
+        return Rope(positions, cos, sin, None)
+
+
+class Rope:
+    def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Any) -> None:
+        self.positions, self.cos, self.sin, self.ops = positions, cos, sin, ops
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; csrc: in place."""
+        if self.ops is not None:
+            self.ops.rotary_embedding(q, k, self.cos, self.sin, self.positions)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]."""
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim] in x's dtype."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

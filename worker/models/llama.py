@@ -7,18 +7,18 @@ the paged KV cache through the backend, so the model never sees padding.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
-from worker.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from worker.models.layers import Linear, RMSNorm, Rope, RotaryEmbedding, can_pack, silu_and_mul
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Any) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -27,17 +27,18 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             hidden, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
         )
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False, dtype=dtype)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.o_proj = Linear(self.q_size, hidden, bias=False, dtype=dtype)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype, ops) if config.qk_norm else None
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
@@ -50,60 +51,64 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope.apply(q, k)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Any) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
-        )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False, dtype=dtype)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [num_tokens, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.ops))  # [num_tokens, hidden]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Any) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.self_attn = Attention(config, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.mlp = MLP(config, dtype, ops)
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None,
+        rope: Rope,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, metadata, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it); their sum is the hidden state.
+
+        Keeping the two apart lets the next norm fuse the residual add (HF's rounding is the same).
+        """
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, metadata, backend)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Also Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), chosen by ModelConfig flags."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Any = None) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops  # the csrc kernels, or None for the plain torch path
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
@@ -122,16 +127,25 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         assert self.rotary is not None
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        rope = self.rotary.lookup(positions, x.dtype)
+        rope = self.rotary.prepare(positions, x.dtype, self.ops)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, metadata, backend)
-        return x
+            x, residual = layer(x, residual, rope, kv_cache, metadata, backend)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] rows to score -> [n, vocab] float32 logits."""
-        hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    def finalize(self) -> None:
+        """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if not can_pack(self.embed_tokens.weight.dtype):
+            return
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()  # the tied lm_head packs a copy: the embedding keeps its plain weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -147,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         }
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             target, rows = name, None
             for part, (merged, start, size) in stacked.items():
@@ -175,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
                 names.update(name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj"))
             elif "gate_up_proj" in name:
                 names.update(name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj"))
+            elif name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
             else:
                 names.add(name)
         return names

@@ -1,6 +1,6 @@
 """Builds and loads the csrc CPU kernels (torch C++ extension); None when no compiler is at hand.
 
-`python -m worker.attention.csrc_ops` builds ahead of time (`make install` runs it); otherwise the
+`python -m worker.csrc_ops` builds ahead of time (`make install` runs it); otherwise the
 first worker to need the kernels builds them (about a minute) into torch's extension cache.
 """
 
@@ -13,20 +13,27 @@ from typing import Any
 
 logger = logging.getLogger("engine.worker")
 
-SOURCE = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
+CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp")]
 FLAGS = ["-O3", "-march=native", "-ffast-math"]
 
 
 def load_cpu_ops(verbose: bool = False) -> Any | None:
-    if not SOURCE.exists():
-        logger.warning("csrc kernels not found at %s; using the torch attention path", SOURCE)
+    if not all(source.exists() for source in SOURCES):
+        logger.warning("csrc kernels not found in %s; using the torch paths", CSRC)
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="engine_cpu_ops", sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=verbose)
+        return load(
+            name="engine_cpu_ops",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=FLAGS,
+            extra_include_paths=[str(CSRC)],
+            verbose=verbose,
+        )
     except Exception as error:  # no compiler, missing headers: fall back, loudly
-        logger.warning("could not build the csrc CPU kernels (%s); using the torch attention path", error)
+        logger.warning("could not build the csrc CPU kernels (%s); using the torch paths", error)
         return None
 
 

@@ -1,0 +1,16 @@
+// The csrc CPU kernels, one extension module (bindings.cpp); each kernel's contract is at its definition.
+#pragma once
+
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+                      torch::Tensor positions);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor block_ids,
+              torch::Tensor offsets);
+torch::Tensor argmax_rows(torch::Tensor logits);
