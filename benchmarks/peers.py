@@ -27,11 +27,13 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from frontend.bench_serve import random_requests, run, summarize
 
@@ -219,10 +221,45 @@ def bench_args(base_url: str, workload: dict[str, Any]) -> argparse.Namespace:
     )  # fmt: skip
 
 
+class PeakRss:
+    """Samples the summed RSS of a process and all its descendants every `interval` seconds; keeps the peak."""
+
+    def __init__(self, pid: int, interval: float = 0.5) -> None:
+        self.pid, self.interval, self.peak_bytes = pid, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> int:
+        try:
+            root = psutil.Process(self.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for process in processes:
+            try:
+                total += process.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak_bytes = max(self.peak_bytes, self.sample())
+
+    def stop(self) -> float:
+        """Stops sampling; the peak in MiB."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak_bytes / 2**20
+
+
 def run_server(name: str, args: argparse.Namespace, cache: Path, hf: Path) -> dict[str, Any]:
     port = args.port
     process, startup_s = start_server(name, cache, hf, port)
     results: dict[str, Any] = {"startup_s": startup_s, "runs": {}}
+    rss = PeakRss(process.pid)
     try:
         for workload in workloads(args):
             bench = bench_args(f"http://127.0.0.1:{port}", workload)
@@ -237,7 +274,9 @@ def run_server(name: str, args: argparse.Namespace, cache: Path, hf: Path) -> di
                 flush=True,
             )
     finally:
+        results["peak_rss_mib"] = rss.stop()
         stop_server(process)
+    print(f"  {name:9} peak RSS of the process tree {results['peak_rss_mib']:.0f} MiB", flush=True)
     return results
 
 
@@ -285,6 +324,13 @@ def table(report: dict[str, Any]) -> str:
                 ours, theirs = values.get("ours"), values[peer]
                 ratios.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "n/a")
             lines.append("| " + " | ".join([workload, label, *cells, *ratios]) + " |")
+    for key, label in (("peak_rss_mib", "peak RSS, process tree (MiB)"), ("startup_s", "startup (s)")):
+        values = {s: report["servers"][s].get(key) for s in servers}
+        cells = [f"{values[s]:.1f}" if values[s] is not None else "n/a" for s in servers]
+        ratios = [
+            f"{values['ours'] / values[p]:.2f}x" if values.get("ours") and values[p] else "n/a" for p in peers
+        ]
+        lines.append("| " + " | ".join(["whole run", label, *cells, *ratios]) + " |")
     return "\n".join(lines)
 
 

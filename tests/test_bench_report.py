@@ -27,8 +27,16 @@ def report() -> dict:  # type: ignore[type-arg]
         "machine": {"cpus": 2},
         "workloads": names,
         "servers": {
-            "ours": {"runs": {n: summary(200.0, 0.1) for n in names}},
-            "vllm": {"runs": {n: summary(100.0, 0.2) for n in names}},
+            "ours": {
+                "runs": {n: summary(200.0, 0.1) for n in names},
+                "peak_rss_mib": 900.0,
+                "startup_s": 10.0,
+            },
+            "vllm": {
+                "runs": {n: summary(100.0, 0.2) for n in names},
+                "peak_rss_mib": 1800.0,
+                "startup_s": 100.0,
+            },
             "llamacpp": {"error": "did not start", "runs": {}},
         },
     }
@@ -40,7 +48,9 @@ def test_table_gives_each_figure_and_ours_over_peer() -> None:
     assert lines[0].startswith("| workload | figure | engine | vLLM (CPU) | llama.cpp | ours/vLLM (CPU) |")
     assert "| random c=16 | output tok/s | 200.0 | 100.0 | n/a | 2.00x | n/a |" in lines
     assert "| random c=1 | TTFT p50 (ms) | 100.0 | 200.0 | n/a | 0.50x | n/a |" in lines
-    assert len(lines) == 2 + 3 * 7
+    assert "| whole run | peak RSS, process tree (MiB) | 900.0 | 1800.0 | n/a | 0.50x | n/a |" in lines
+    assert "| whole run | startup (s) | 10.0 | 100.0 | n/a | 0.10x | n/a |" in lines
+    assert len(lines) == 2 + 3 * 7 + 2
 
 
 def test_plot_writes_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -58,3 +68,42 @@ def test_every_run_has_its_own_prompt_seed() -> None:
     assert len({w["seed"] for w in runs}) == len(runs)
     first = bench_args("http://x", runs[0])
     assert first.max_concurrency == 1 and first.ignore_eos and first.num_prompts == 64 and first.seed == 7
+
+
+def test_peak_rss_counts_the_whole_process_tree() -> None:
+    import subprocess
+    import sys
+
+    from benchmarks.peers import PeakRss
+
+    # A parent holding ~20 MiB with a child holding ~60 MiB: the tree's peak is their sum, not the parent's.
+    child = "import sys, time; b = bytearray(60 << 20); sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(60)"
+    parent = (
+        f"import subprocess, sys; b = bytearray(20 << 20); c = subprocess.Popen([sys.executable, '-c', {child!r}], "
+        "stdout=subprocess.PIPE); sys.stdout.write(c.stdout.readline().decode()); sys.stdout.flush(); c.wait()"
+    )
+    process = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == b"up\n"
+        rss = PeakRss(process.pid, interval=0.05)
+        own = psutil_rss(process.pid)
+        peak = rss.sample()
+        assert peak >= own + (60 << 20)
+        rss.peak_bytes = peak
+        assert rss.stop() >= 80
+    finally:
+        for p in [*psutil_children(process.pid), process]:
+            p.kill()
+        process.wait()
+
+
+def psutil_rss(pid: int) -> int:
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def psutil_children(pid: int) -> list:  # type: ignore[type-arg]
+    import psutil
+
+    return list(psutil.Process(pid).children(recursive=True))
