@@ -35,6 +35,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="reuse KV of shared prefixes",
     )
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="cpu: the csrc kernels (attention and fused layers); torch: the plain reference; auto: cpu if built",
+    )
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="the worker's torch intra-op threads (default: torch's, one per core)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
@@ -56,6 +68,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        attention_backend=args.attention_backend,
+        num_threads=args.num_threads,
         seed=args.seed,
         log_level=args.log_level,
         log_format=args.log_format,

@@ -140,3 +140,41 @@ def test_shared_prefix_hits_cache_and_still_matches(tiny_model) -> None:  # type
                 cached[index] = output.num_cached_tokens
         compare_greedy(tokens, oracle[index])
     assert cached[6] == 0 and cached[7] == 32  # two full 16-token blocks of the 40-token shared prefix
+
+
+def prompt_logprobs(
+    folder: str, prompts: list[list[int]], backend: str
+) -> tuple[list[list[float]], EngineCore]:
+    worker = WorkerConfig(model=folder, dtype="bfloat16", block_size=16, attention_backend=backend)
+    # 16-token chunks: later chunks attend to their cached context; one token of output also decodes.
+    core = EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=16), InprocExecutor(worker))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    for i, prompt in enumerate(prompts):
+        core.add_request(
+            AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, arrival_time=i)
+        )
+    values: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for _, output in core.step():
+            if output.new_prompt_logprobs is not None:
+                values[output.request_id].extend(row[0] for row in output.new_prompt_logprobs.logprobs)
+    return [values[str(i)] for i in range(len(prompts))], core
+
+
+def test_bf16_fast_path_matches_the_torch_reference(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """bf16 through the csrc kernels and oneDNN-packed weights vs the plain torch layers: same prompt
+    logprobs up to bf16 rounding (the two paths round the same steps; products sum in other orders)."""
+    from worker.csrc_ops import load_cpu_ops
+    from worker.models.layers import Linear
+
+    if load_cpu_ops() is None:
+        pytest.skip("no C++ compiler: the csrc kernels did not build")
+    folder, prompts, _ = tiny_model
+    reference, _ = prompt_logprobs(folder, prompts, "torch")
+    fast, core = prompt_logprobs(folder, prompts, "cpu")
+    runner = core.executor.runner  # type: ignore[attr-defined]
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears), "bf16 weights were meant to be packed"
+    for ours, expected in zip(fast, reference, strict=True):
+        assert len(ours) == len(expected) > 0
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(expected), atol=0.15, rtol=0.05)

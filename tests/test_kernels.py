@@ -144,3 +144,56 @@ def test_argmax_rows_first_maximum(ops) -> None:  # type: ignore[no-untyped-def]
     logits[4] = -1e30
     assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
     assert torch.equal(ops.argmax_rows(logits[:, :1000]), logits[:, :1000].argmax(dim=-1))  # row stride
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_prefill_matches_per_chunk_reference(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    """The CPU backend batches chunks that follow a cached context into padded SDPA calls (several
+    groups when PREFILL_BATCH_TOKENS is small); every row equals the per-chunk reference."""
+    from worker.attention import cpu
+    from worker.attention.base import PrefillChunk
+
+    heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 64, 16, 64
+    generator = torch.Generator().manual_seed(21)
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    # (context, new tokens): prefix hits of different lengths, a one-token chunk, a fresh prompt.
+    shapes = [(512 - 16, 20), (16, 64), (37, 1), (0, 30), (100, 7)]
+    chunks, start, next_block = [], 0, 1
+    for context, n in shapes:
+        used = -(-(context + n) // block_size)
+        block_ids = torch.arange(next_block, next_block + used)
+        next_block += used
+        mask = None
+        if context:
+            mask = torch.arange(context + n).unsqueeze(0) <= (context + torch.arange(n)).unsqueeze(1)
+        chunks.append(PrefillChunk(start, start + n, context, block_ids, mask))
+        start += n
+    query = torch.randn(start, heads, head_dim, generator=generator).to(dtype)
+    key = torch.empty(start, kv_heads, head_dim, dtype=dtype)
+    value = torch.empty_like(key)
+    for chunk in chunks:  # the new tokens' KV, as write_kv left it in the cache
+        n = chunk.token_end - chunk.token_start
+        positions = chunk.context_len + torch.arange(n)
+        slots = cache[chunk.block_ids[positions // block_size], :, positions % block_size]  # [n, 2, kvh, d]
+        key[chunk.token_start : chunk.token_end], value[chunk.token_start : chunk.token_end] = (
+            slots[:, 0],
+            slots[:, 1],
+        )
+    metadata = AttentionMetadata(
+        num_decode_tokens=0,
+        slot_block_ids=torch.zeros(0, dtype=torch.long),
+        slot_offsets=torch.zeros(0, dtype=torch.long),
+        prefills=chunks,
+    )
+    expected = torch.zeros_like(query)
+    TorchAttentionBackend().prefill(query, key, value, cache, metadata, 0.125, expected)
+    for budget in (cpu.PREFILL_BATCH_TOKENS, 600):  # one group; then the long chunk alone and the rest
+        actual = torch.zeros_like(query)
+        old, cpu.PREFILL_BATCH_TOKENS = cpu.PREFILL_BATCH_TOKENS, budget
+        try:
+            step = AttentionMetadata(**{**metadata.__dict__, "scratch": {}})
+            cpu.CpuAttentionBackend(ops).prefill(query, key, value, cache, step, 0.125, actual)
+        finally:
+            cpu.PREFILL_BATCH_TOKENS = old
+        assert len(step.scratch["prefill_groups"]) == (1 if budget == old else 2)
+        torch.testing.assert_close(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -7,7 +7,7 @@ Tokens of a step are flattened: decode requests (one query token each) first, th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +32,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] tokens in the cache, the new one included
     prefills: list[PrefillChunk] = field(default_factory=list)
+    scratch: dict[str, Any] = field(default_factory=dict)  # a backend's per-step plans, shared by the layers
 
 
 class AttentionBackend(Protocol):

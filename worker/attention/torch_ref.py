@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.attention.base import AttentionMetadata
+from worker.attention.base import AttentionMetadata, PrefillChunk
 
 
 class TorchAttentionBackend:
@@ -66,26 +66,38 @@ class TorchAttentionBackend:
         output: torch.Tensor,
     ) -> None:
         """Each prefill chunk attends to its cached context and, causally, to itself; writes into output."""
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
         for chunk in metadata.prefills:
-            start, end = chunk.token_start, chunk.token_end
-            q = query[start:end].transpose(0, 1)  # [num_heads, n, head_dim]
-            if chunk.context_len == 0:
-                k = key[start:end].transpose(0, 1)  # [kv_heads, n, head_dim]
-                v = value[start:end].transpose(0, 1)
-            else:
-                seq_len = chunk.context_len + end - start
-                blocks = kv_cache[chunk.block_ids]  # [num_blocks, 2, block_size, kv_heads, head_dim]
-                k = blocks[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [kvh, S, d]
-                v = blocks[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-            # NOTE: 4-d inputs: CPU SDPA takes its flash kernel only for [batch, heads, seq, dim].
-            out = F.scaled_dot_product_attention(
-                q[None],
-                k[None],
-                v[None],
-                attn_mask=chunk.mask,
-                is_causal=chunk.mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )[0]  # [num_heads, n, head_dim]
-            output[start:end] = out.transpose(0, 1)
+            self.prefill_chunk(query, key, value, kv_cache, chunk, scale, output)
+
+    def prefill_chunk(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        start, end = chunk.token_start, chunk.token_end
+        q = query[start:end].transpose(0, 1)  # [num_heads, n, head_dim]
+        if chunk.context_len == 0:
+            k = key[start:end].transpose(0, 1)  # [kv_heads, n, head_dim]
+            v = value[start:end].transpose(0, 1)
+        else:
+            seq_len = chunk.context_len + end - start
+            blocks = kv_cache[chunk.block_ids]  # [num_blocks, 2, block_size, kv_heads, head_dim]
+            k = blocks[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [kvh, S, d]
+            v = blocks[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        # NOTE: 4-d inputs: CPU SDPA takes its flash kernel only for [batch, heads, seq, dim].
+        out = F.scaled_dot_product_attention(
+            q[None],
+            k[None],
+            v[None],
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )[0]  # [num_heads, n, head_dim]
+        output[start:end] = out.transpose(0, 1)
