@@ -34,6 +34,18 @@ inline float load<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
   return value;
 }
 
+// Exact softmax of one head's scores, in place (max first, so exp never overflows).
+static inline void softmax_in_place(float* s, int64_t len) {
+  const float max_score = *std::max_element(s, s + len);
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - max_score);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, heads_per_task;
 };
@@ -76,17 +88,7 @@ static void decode_attention_impl(const scalar_t* query, const scalar_t* cache, 
           }
         }
       }
-      for (int64_t h = 0; h < num_q; ++h) {
-        float* s = scores.data() + h * len;
-        const float max_score = *std::max_element(s, s + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - max_score);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      for (int64_t h = 0; h < num_q; ++h) softmax_in_place(scores.data() + h * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const scalar_t* row = cache + table[t / shape.block_size] * block_stride + half_stride +
@@ -205,18 +207,7 @@ void decode(const scalar_t* query, const scalar_t* cache, const int64_t* tables,
         }
         for (int g = 0; g < GROUP; ++g) _mm512_storeu_ps(scores.data() + g * padded + t0, sum16(part[g]));
       }
-      // Exact softmax per query head (two passes over the scores).
-      for (int g = 0; g < GROUP; ++g) {
-        float* s = scores.data() + g * padded;
-        const float max_score = *std::max_element(s, s + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - max_score);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      for (int g = 0; g < GROUP; ++g) softmax_in_place(scores.data() + g * padded, len);
       // Values weighted by the probabilities, accumulated in registers.
       __m512 acc[GROUP][V];
       for (int g = 0; g < GROUP; ++g)

@@ -92,8 +92,17 @@ class AsyncEngineClient:
     async def _watch_heartbeat(self) -> None:
         """The engine speaks at least once a second (outputs or stats); silence means it is gone."""
         loop = asyncio.get_running_loop()
+        interval = HEARTBEAT_TIMEOUT_S / 4
         while self.dead_reason is None:
-            await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 4)
+            slept_from = loop.time()
+            await asyncio.sleep(interval)
+            if loop.time() - slept_from > interval + 1.0:
+                continue  # our own loop stalled: the reader gets a turn before the engine is judged
+            if self._reader is not None and self._reader.done():  # it only ends by failing
+                error = None if self._reader.cancelled() else self._reader.exception()
+                logger.error("the engine output reader stopped", exc_info=error)
+                self.mark_dead(f"the engine output reader stopped: {error!r}")
+                return
             # NOTE: a message already waiting in the socket means our own loop was slow, not the engine.
             if loop.time() - self.last_message_at > HEARTBEAT_TIMEOUT_S and not await self._output.poll(0):
                 self.mark_dead(f"no message from the engine for {HEARTBEAT_TIMEOUT_S:.0f} s")
