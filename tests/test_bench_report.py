@@ -4,8 +4,13 @@ real run (the peers themselves run only in `make bench-peers`, never in the suit
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
-from benchmarks.peers import bench_args, plot, table, workloads
+import psutil
+
+from benchmarks.peers import PeakRss, bench_args, plot, table, workloads
+from tests.serve_helpers import wait_until
 
 
 def summary(tok_s: float, ttft_s: float) -> dict:  # type: ignore[type-arg]
@@ -71,11 +76,6 @@ def test_every_run_has_its_own_prompt_seed() -> None:
 
 
 def test_peak_rss_counts_the_whole_process_tree() -> None:
-    import subprocess
-    import sys
-
-    from benchmarks.peers import PeakRss
-
     # A parent holding ~20 MiB with a child holding ~60 MiB: the tree's peak is their sum, not the parent's.
     child = "import sys, time; b = bytearray(60 << 20); sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(60)"
     parent = (
@@ -83,27 +83,14 @@ def test_peak_rss_counts_the_whole_process_tree() -> None:
         "stdout=subprocess.PIPE); sys.stdout.write(c.stdout.readline().decode()); sys.stdout.flush(); c.wait()"
     )
     process = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE)
+    root = psutil.Process(process.pid)
     try:
         assert process.stdout is not None and process.stdout.readline() == b"up\n"
+        own = root.memory_info().rss
         rss = PeakRss(process.pid, interval=0.05)
-        own = psutil_rss(process.pid)
-        peak = rss.sample()
-        assert peak >= own + (60 << 20)
-        rss.peak_bytes = peak
-        assert rss.stop() >= 80
+        wait_until(lambda: rss.peak_bytes >= own + (60 << 20), 10, "the sampler to see the child's memory")
+        assert rss.stop() >= 80  # MiB
     finally:
-        for p in [*psutil_children(process.pid), process]:
+        for p in [*root.children(recursive=True), root]:
             p.kill()
         process.wait()
-
-
-def psutil_rss(pid: int) -> int:
-    import psutil
-
-    return int(psutil.Process(pid).memory_info().rss)
-
-
-def psutil_children(pid: int) -> list:  # type: ignore[type-arg]
-    import psutil
-
-    return list(psutil.Process(pid).children(recursive=True))

@@ -195,5 +195,7 @@ def test_batched_prefill_matches_per_chunk_reference(ops, dtype) -> None:  # typ
             cpu.CpuAttentionBackend(ops).prefill(query, key, value, cache, step, 0.125, actual)
         finally:
             cpu.PREFILL_BATCH_TOKENS = old
-        assert len(step.scratch["prefill_groups"]) == (1 if budget == old else 2)
+        singles, groups = step.scratch["prefill_plan"]
+        assert [c.context_len for c in singles] == [0]  # the fresh prompt keeps the causal path
+        assert len(groups) == (1 if budget == old else 2)
         torch.testing.assert_close(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -53,16 +53,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         are several: batched SDPA calls over their KV read back from the cache (the new tokens are
         already written), one call per group instead of one per chunk. A step that prefilled 15 requests
         of 64 tokens after a 512-token cached prefix spent 380 us in each of 450 small calls."""
-        # Fresh chunks (no cached context) keep SDPA's causal path, one call each: no mask to build.
-        with_context = [chunk for chunk in metadata.prefills if chunk.context_len > 0]
-        for chunk in metadata.prefills:
-            if chunk.context_len == 0 or len(with_context) < 2:
-                self.prefill_chunk(query, key, value, kv_cache, chunk, scale, output)
-        if len(with_context) < 2:
-            return
-        groups = metadata.scratch.get("prefill_groups")
-        if groups is None:  # the first layer plans the step; the others reuse the plan
-            groups = metadata.scratch["prefill_groups"] = plan_prefill_groups(with_context, kv_cache.shape[2])
+        plan = metadata.scratch.get("prefill_plan")
+        if plan is None:  # the first layer plans the step; the others reuse the plan
+            plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, kv_cache.shape[2])
+        singles, groups = plan
+        for chunk in singles:
+            self.prefill_chunk(query, key, value, kv_cache, chunk, scale, output)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         for group in groups:
             batch, keys_len = group.tables.shape[0], group.keys_len
@@ -86,6 +82,18 @@ class PrefillGroup:
     mask: torch.Tensor  # [B, 1, n, keys_len] query i of chunk b sees keys 0..context_b + i
     valid: torch.Tensor  # [B, n] bool: real query rows
     valid_rows: torch.Tensor  # [num valid] their rows in the step's flattened tokens
+
+
+def plan_prefill(
+    chunks: list[PrefillChunk], block_size: int
+) -> tuple[list[PrefillChunk], list[PrefillGroup]]:
+    """(chunks prefilled one by one, batched groups). Fresh chunks (no cached context) keep SDPA's causal
+    path one call each, with no mask to build; chunks after a context are batched when there are several."""
+    with_context = [chunk for chunk in chunks if chunk.context_len > 0]
+    if len(with_context) < 2:
+        return chunks, []
+    fresh = [chunk for chunk in chunks if chunk.context_len == 0]
+    return fresh, plan_prefill_groups(with_context, block_size)
 
 
 def plan_prefill_groups(chunks: list[PrefillChunk], block_size: int) -> list[PrefillGroup]:
