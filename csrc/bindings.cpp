@@ -1,5 +1,26 @@
 #include "ops.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <mutex>
+
+namespace {
+
+// How many threads one at::parallel_for of this extension runs on: 1 when it was built without OpenMP
+// (ATen's parallel_for is header-only and then runs the whole range on the calling thread).
+int64_t parallel_threads() {
+  std::mutex lock;
+  int64_t seen = 0;
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> guard(lock);
+    seen = std::max<int64_t>(seen, at::get_thread_num() + 1);
+  });
+  return seen;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
@@ -7,5 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding of q and k, in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax of float32 logits (CPU)");
+  m.def("parallel_threads", &parallel_threads, "Threads one parallel_for of these kernels runs on");
   m.def("write_kv", &write_kv, "Write new keys and values into the paged KV cache (CPU)");
 }

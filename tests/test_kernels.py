@@ -56,6 +56,12 @@ def test_paged_decode_attention_matches_reference(
 
 # ---- fused element-wise kernels (csrc/fused_cpu.cpp) against the torch layers they replace ----
 
+
+def test_kernels_run_on_every_intra_op_thread(ops) -> None:  # type: ignore[no-untyped-def]
+    """Built without OpenMP, every at::parallel_for in csrc runs on one thread (decode attention too)."""
+    assert ops.parallel_threads() == torch.get_num_threads()
+
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Same rounding steps as the reference: float32 differs only by summation order; half types by one
 # rounding step at most where a different float32 intermediate lands on the other side of a tie.

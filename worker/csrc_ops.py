@@ -15,7 +15,9 @@ logger = logging.getLogger("engine.worker")
 
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp")]
-FLAGS = ["-O3", "-march=native", "-ffast-math"]
+# -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
+# compiled with OpenMP (ATen's header-only invoke_parallel); libgomp resolves to the copy torch loaded.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def load_cpu_ops(verbose: bool = False) -> Any | None:
@@ -29,6 +31,7 @@ def load_cpu_ops(verbose: bool = False) -> Any | None:
             name="engine_cpu_ops",
             sources=[str(source) for source in SOURCES],
             extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)],
             verbose=verbose,
         )
