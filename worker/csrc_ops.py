@@ -6,6 +6,7 @@ first worker to need the kernels builds them (about a minute) into torch's exten
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import pathlib
 import sys
@@ -20,6 +21,15 @@ SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
+def headers_digest() -> str:
+    """torch rebuilds a JIT extension when its sources or flags change, not its headers: the headers'
+    digest goes into the flags."""
+    digest = hashlib.sha1()
+    for header in sorted(CSRC.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def load_cpu_ops(verbose: bool = False) -> Any | None:
     if not all(source.exists() for source in SOURCES):
         logger.warning("csrc kernels not found in %s; using the torch paths", CSRC)
@@ -30,7 +40,7 @@ def load_cpu_ops(verbose: bool = False) -> Any | None:
         return load(
             name="engine_cpu_ops",
             sources=[str(source) for source in SOURCES],
-            extra_cflags=FLAGS,
+            extra_cflags=[*FLAGS, f"-DENGINE_CSRC_HEADERS={headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)],
             verbose=verbose,
