@@ -153,9 +153,10 @@ def test_argmax_rows_first_maximum(ops) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_prefill_matches_per_chunk_reference(ops, dtype) -> None:  # type: ignore[no-untyped-def]
-    """The CPU backend batches chunks that follow a cached context into padded SDPA calls (several
-    groups when PREFILL_BATCH_TOKENS is small); every row equals the per-chunk reference."""
+def test_cpu_prefill_plans_match_per_chunk_reference(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    """The CPU backend sends short chunks through the paged kernel (one row per token), batches longer
+    ones after a cached context into padded SDPA calls (several groups when PREFILL_BATCH_TOKENS is
+    small) and runs the rest one by one; every plan gives the per-chunk reference's rows."""
     from worker.attention import cpu
     from worker.attention.base import PrefillChunk
 
@@ -163,7 +164,7 @@ def test_batched_prefill_matches_per_chunk_reference(ops, dtype) -> None:  # typ
     generator = torch.Generator().manual_seed(21)
     cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=generator).to(dtype)
     # (context, new tokens): prefix hits of different lengths, a one-token chunk, a fresh prompt.
-    shapes = [(512 - 16, 20), (16, 64), (37, 1), (0, 30), (100, 7)]
+    shapes = [(512 - 16, 20), (37, 1), (16, 64), (0, 30), (100, 7)]
     chunks, start, next_block = [], 0, 1
     for context, n in shapes:
         used = -(-(context + n) // block_size)
@@ -193,15 +194,26 @@ def test_batched_prefill_matches_per_chunk_reference(ops, dtype) -> None:  # typ
     )
     expected = torch.zeros_like(query)
     TorchAttentionBackend().prefill(query, key, value, cache, metadata, 0.125, expected)
-    for budget in (cpu.PREFILL_BATCH_TOKENS, 600):  # one group; then the long chunk alone and the rest
+    # (paged-kernel limit, batch budget) -> (paged chunks' indices, one-by-one chunks, groups' sizes)
+    plans = {
+        (0, cpu.PREFILL_BATCH_TOKENS): ([], [3], [4]),  # all SDPA: the fresh prompt causal, one group
+        (0, 600): ([], [3], [1, 3]),  # the long chunk alone, then the rest
+        (1000, cpu.PREFILL_BATCH_TOKENS): ([1, 3, 4], [], [2]),  # rows of the kernel not one run
+        (cpu.PAGED_PREFILL_PAIRS, cpu.PREFILL_BATCH_TOKENS): ([0, 1, 2, 3, 4], [], []),
+    }
+    for (limit, budget), (paged_chunks, single_chunks, group_sizes) in plans.items():
         actual = torch.zeros_like(query)
-        old, cpu.PREFILL_BATCH_TOKENS = cpu.PREFILL_BATCH_TOKENS, budget
+        old_limit, old_budget = cpu.PAGED_PREFILL_PAIRS, cpu.PREFILL_BATCH_TOKENS
+        cpu.PAGED_PREFILL_PAIRS, cpu.PREFILL_BATCH_TOKENS = limit, budget
         try:
             step = AttentionMetadata(**{**metadata.__dict__, "scratch": {}})
             cpu.CpuAttentionBackend(ops).prefill(query, key, value, cache, step, 0.125, actual)
         finally:
-            cpu.PREFILL_BATCH_TOKENS = old
-        singles, groups = step.scratch["prefill_plan"]
-        assert [c.context_len for c in singles] == [0]  # the fresh prompt keeps the causal path
-        assert len(groups) == (1 if budget == old else 2)
+            cpu.PAGED_PREFILL_PAIRS, cpu.PREFILL_BATCH_TOKENS = old_limit, old_budget
+        paged, singles, groups = step.scratch["prefill_plan"]
+        rows = [] if paged is None else torch.arange(start)[paged.rows].tolist()
+        expected_rows = [r for i in paged_chunks for r in range(chunks[i].token_start, chunks[i].token_end)]
+        assert rows == expected_rows
+        assert singles == [chunks[i] for i in single_chunks]
+        assert [g.tables.shape[0] for g in groups] == group_sizes
         torch.testing.assert_close(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
