@@ -38,13 +38,11 @@ def test_paged_decode_attention_matches_reference(
         num_seqs, max_blocks
     )
     query = torch.randn(num_seqs, num_heads, head_dim, generator=generator).to(dtype)
-    key_pos = torch.arange(max_blocks * block_size)
     metadata = AttentionMetadata(
         num_decode_tokens=num_seqs,
         slot_block_ids=torch.zeros(0, dtype=torch.long),
         slot_offsets=torch.zeros(0, dtype=torch.long),
         decode_block_tables=tables,
-        decode_mask=(key_pos[None] < seq_lens[:, None])[:, None, None, :],
         decode_seq_lens=seq_lens,
     )
     scale = head_dim**-0.5
@@ -170,10 +168,7 @@ def test_cpu_prefill_plans_match_per_chunk_reference(ops, dtype) -> None:  # typ
         used = -(-(context + n) // block_size)
         block_ids = torch.arange(next_block, next_block + used)
         next_block += used
-        mask = None
-        if context:
-            mask = torch.arange(context + n).unsqueeze(0) <= (context + torch.arange(n)).unsqueeze(1)
-        chunks.append(PrefillChunk(start, start + n, context, block_ids, mask))
+        chunks.append(PrefillChunk(start, start + n, context, block_ids))
         start += n
     query = torch.randn(start, heads, head_dim, generator=generator).to(dtype)
     key = torch.empty(start, kv_heads, head_dim, dtype=dtype)

@@ -195,20 +195,12 @@ class ModelRunner:
             max_blocks = int(-(-seq_lens[:num_decode].max() // bs))
             tables = self.batch.block_table[rows[:num_decode], :max_blocks]
             metadata.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables))
-            key_pos = torch.arange(max_blocks * bs)
-            lens = torch.from_numpy(seq_lens[:num_decode])
-            metadata.decode_mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            metadata.decode_seq_lens = lens
+            metadata.decode_seq_lens = torch.from_numpy(seq_lens[:num_decode])
         for i in range(num_decode, len(rows)):
             start, n, context = int(first[i]), int(counts[i]), int(starts[i])
             seq_len = context + n
             block_ids = torch.from_numpy(self.batch.block_table[rows[i], : -(-seq_len // bs)].copy())
-            mask = None
-            if context > 0:
-                mask = torch.arange(seq_len).unsqueeze(0) <= (context + torch.arange(n)).unsqueeze(
-                    1
-                )  # [n, S]
-            metadata.prefills.append(PrefillChunk(start, start + n, context, block_ids, mask))
+            metadata.prefills.append(PrefillChunk(start, start + n, context, block_ids))
         return StepInputs(
             request_ids,
             rows,

@@ -7,6 +7,7 @@ Tokens of a step are flattened: decode requests (one query token each) first, th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +21,15 @@ class PrefillChunk:
     token_end: int
     context_len: int  # tokens already in the KV cache before this chunk
     block_ids: torch.Tensor  # [num_blocks] the request's block table (long)
-    mask: torch.Tensor | None = None  # [num_query, seq_len] bool, None when causal from position 0
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[num_query, seq_len] bool, query i sees keys 0..context_len + i; None when causal from
+        position 0. Built on first use (only SDPA paths need it), then shared by the step's layers."""
+        if self.context_len == 0:
+            return None
+        n = self.token_end - self.token_start
+        return torch.arange(self.context_len + n)[None, :] <= (self.context_len + torch.arange(n))[:, None]
 
 
 @dataclass
@@ -29,7 +38,6 @@ class AttentionMetadata:
     slot_block_ids: torch.Tensor  # [num_tokens] block of each new token's KV (long)
     slot_offsets: torch.Tensor  # [num_tokens] offset inside that block (long)
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] (long, padded with 0)
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] tokens in the cache, the new one included
     prefills: list[PrefillChunk] = field(default_factory=list)
     scratch: dict[str, Any] = field(default_factory=dict)  # a backend's per-step plans, shared by the layers

@@ -114,8 +114,10 @@ def plan_prefill(
     """(short chunks for the paged kernel, chunks prefilled one by one, batched groups). Fresh chunks too
     long for the kernel keep SDPA's causal path one call each (no mask to build); chunks after a context
     are batched when there are several."""
-    short = [c for c in chunks if _pairs(c) <= PAGED_PREFILL_PAIRS]
-    rest = [c for c in chunks if _pairs(c) > PAGED_PREFILL_PAIRS]
+    short: list[PrefillChunk] = []
+    rest: list[PrefillChunk] = []
+    for chunk in chunks:
+        (short if _pairs(chunk) <= PAGED_PREFILL_PAIRS else rest).append(chunk)
     paged = _plan_paged(short) if short else None
     with_context = [chunk for chunk in rest if chunk.context_len > 0]
     if len(with_context) < 2:
@@ -134,13 +136,14 @@ def _plan_paged(chunks: list[PrefillChunk]) -> PagedPrefill:
     total = sum(lengths)
     tables = torch.zeros(total, max(int(c.block_ids.numel()) for c in chunks), dtype=torch.long)
     seq_lens = torch.empty(total, dtype=torch.long)
-    row = 0
+    row, one_run = 0, True
     for chunk, n in zip(chunks, lengths, strict=True):
         tables[row : row + n, : chunk.block_ids.numel()] = chunk.block_ids
         seq_lens[row : row + n] = torch.arange(chunk.context_len + 1, chunk.context_len + n + 1)
+        one_run = one_run and chunk.token_start == chunks[0].token_start + row
         row += n
-    first = chunks[0].token_start
-    if all(c.token_start == first + sum(lengths[:i]) for i, c in enumerate(chunks)):
+    if one_run:
+        first = chunks[0].token_start
         return PagedPrefill(slice(first, first + total), tables, seq_lens)
     rows = torch.cat([torch.arange(c.token_start, c.token_end) for c in chunks])
     return PagedPrefill(rows, tables, seq_lens)

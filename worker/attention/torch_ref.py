@@ -40,7 +40,7 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """query: [num_decode, num_heads, head_dim], one token per sequence -> same shape."""
-        assert metadata.decode_block_tables is not None
+        assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         tables = metadata.decode_block_tables  # [B, max_blocks]
         num_seqs, max_blocks = tables.shape
@@ -50,8 +50,12 @@ class TorchAttentionBackend:
             kv_cache[:, 0][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
         )  # [B, kvh, L, d]
         v = kv_cache[:, 1][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+        mask = metadata.scratch.get("decode_mask")
+        if mask is None:  # the first layer builds it; [B, 1, 1, L]: the keys each sequence has
+            mask = torch.arange(length)[None, :] < metadata.decode_seq_lens[:, None]
+            mask = metadata.scratch["decode_mask"] = mask[:, None, None, :]
         out = F.scaled_dot_product_attention(
-            query.unsqueeze(2), k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
+            query.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [B, num_heads, 1, head_dim]
         return out.squeeze(2)
 
