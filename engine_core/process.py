@@ -45,6 +45,9 @@ ROUTE_RETRY_S = 10.0
 # Silence after which every frontend gets a stats-only EngineOutputs: fresh gauges when idle, and a
 # heartbeat that lets frontends tell a dead engine (no DEAD frame after SIGKILL) from an idle one.
 HEARTBEAT_INTERVAL_S = 1.0
+# A gap in the output thread's turns (or a step) this long is logged: it is what makes frontends judge
+# the engine dead.
+STARVED_S = 5.0
 
 
 class EngineCoreProc:
@@ -103,6 +106,7 @@ class EngineCoreProc:
     def _output_loop(self) -> None:
         codec = engine_codec()
         last_sent: dict[str, float] = {}
+        last_turn = time.monotonic()
         while True:
             try:
                 item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S / 4)
@@ -114,6 +118,11 @@ class EngineCoreProc:
             except queue.Empty:
                 pass
             now = time.monotonic()
+            if now - last_turn > STARVED_S:  # frontends judge us dead after 10 s of silence
+                logger.warning(
+                    "the output thread got no turn for %.1f s (CPU or GIL starvation)", now - last_turn
+                )
+            last_turn = now
             silent = [c for c in list(self.clients) if now - last_sent.get(c, 0.0) > HEARTBEAT_INTERVAL_S]
             if silent:
                 stats = self.latest_stats  # made by the busy loop: never read the scheduler from here
@@ -155,7 +164,10 @@ class EngineCoreProc:
                     logger.warning("the process that started the engine is gone; exiting")
                     break
                 self._process_inputs(block=idle)
+                started = time.monotonic()
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                if (took := time.monotonic() - started) > STARVED_S:
+                    logger.warning("a step took %.1f s", took)
                 self.latest_stats = self.engine.make_stats()
                 self._send(outputs)
         except Exception as error:  # fatal: tell every frontend, then exit

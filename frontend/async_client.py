@@ -1,7 +1,9 @@
 """The API server's asyncio connection to the EngineCore.
 
 One background task reads the output socket and hands each RequestOutput to the queue of the request
-it belongs to; a DEAD message (or a silent engine process) fails every open request at once.
+it belongs to; a DEAD message (or a silent engine process) fails every open request at once. A DEAD
+message is final; silence is not: if the engine speaks again (it was starved or stalled, not gone), the
+client takes requests again and aborts the ones it failed, so the engine frees their blocks.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class AsyncEngineClient:
         )
         self.model_info: ModelInfo | None = None
         self.dead_reason: str | None = None
+        self._silent_since: float | None = None  # loop time of the last message before a silence death
+        self._failed: list[str] = []  # requests open when the engine was declared dead
         self.last_stats: SchedulerStats | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -93,7 +97,7 @@ class AsyncEngineClient:
         """The engine speaks at least once a second (outputs or stats); silence means it is gone."""
         loop = asyncio.get_running_loop()
         interval = HEARTBEAT_TIMEOUT_S / 4
-        while self.dead_reason is None:
+        while True:
             slept_from = loop.time()
             await asyncio.sleep(interval)
             if loop.time() - slept_from > interval + 1.0:
@@ -103,9 +107,15 @@ class AsyncEngineClient:
                 logger.error("the engine output reader stopped", exc_info=error)
                 self.mark_dead(f"the engine output reader stopped: {error!r}")
                 return
+            if self.dead_reason is not None:
+                if self._silent_since is None:
+                    return  # a final death (DEAD frame, the launcher's word): nothing left to watch
+                continue  # silent: the reader revives us if the engine speaks again
             # NOTE: a message already waiting in the socket means our own loop was slow, not the engine.
             if loop.time() - self.last_message_at > HEARTBEAT_TIMEOUT_S and not await self._output.poll(0):
+                silent_since = self.last_message_at
                 self.mark_dead(f"no message from the engine for {HEARTBEAT_TIMEOUT_S:.0f} s")
+                self._silent_since = silent_since
 
     async def add_request(
         self, request: AddRequest, queue: asyncio.Queue[RequestOutput | Exception] | None = None
@@ -143,21 +153,36 @@ class AsyncEngineClient:
 
     def mark_dead(self, reason: str) -> None:
         """Fail every open request and refuse new ones."""
+        self._silent_since = None  # any death but the watchdog's own is final
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
         logger.error("engine is dead: %s", reason)
+        self._failed = list(self._queues)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
 
+    async def _revive(self) -> None:
+        """The engine spoke after a silence death: take requests again, and abort the ones failed at
+        the death (their handlers are gone; the engine would run them to their length)."""
+        assert self._silent_since is not None
+        silence = asyncio.get_running_loop().time() - self._silent_since
+        logger.warning("the engine spoke again after %.1f s of silence; taking requests again", silence)
+        self.dead_reason = self._silent_since = None
+        failed, self._failed = self._failed, []
+        if failed:
+            await self._send(AbortRequests(failed))
+
     async def _read_outputs(self) -> None:
         while True:
             frames = await self._output.recv_multipart()
             self.last_message_at = asyncio.get_running_loop().time()
             message = self._decoder.decode(frames)
+            if self._silent_since is not None and not isinstance(message, EngineDead):
+                await self._revive()
             if isinstance(message, EngineOutputs):
                 if message.scheduler_stats is not None:
                     self._update_stats(message.scheduler_stats)

@@ -484,6 +484,52 @@ def test_bench_serve_reports_every_request(server, tmp_path) -> None:  # type: i
         assert "Output token throughput" in run.stdout
 
 
+def test_a_silent_engine_is_judged_dead_then_taken_back(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP the engine past the heartbeat timeout: open requests fail and /health turns 503; once it
+    runs again the API servers take requests again and abort the failed request (its blocks are freed
+    long before its 900 tokens could have been generated)."""
+    engine = next(
+        p
+        for p in psutil.Process(server["process"].pid).children()
+        if "engine_core.main" in " ".join(p.cmdline())
+    )
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Count to a thousand:",
+        max_tokens=900,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    engine.suspend()
+    try:
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        wait_until(
+            lambda: httpx.get(f"{server['base']}/health").status_code == 503, 30, "/health to report 503"
+        )
+    finally:
+        engine.resume()
+    healthy: set[str] = set()
+
+    def both_healthy() -> bool:
+        with httpx.Client() as fresh:  # a new connection each time: the kernel picks an acceptor
+            response = fresh.get(f"{server['base']}/health")
+        if response.status_code == 200:
+            healthy.add(response.headers["x-engine-server"])
+        return healthy == {"0", "1"}
+
+    wait_until(both_healthy, 30, "both API servers' /health to be 200 again")
+    wait_until(
+        lambda: engine_stats(server)["num_running"] == 0 and engine_stats(server)["kv_cache_usage"] == 0.0,
+        8,
+        "the failed request to be aborted",
+    )
+    answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    assert answer.choices[0].finish_reason == "length"
+
+
 def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     """Last in the module: it kills the engine."""
     engine = next(
