@@ -11,7 +11,7 @@
 //                                              cos/sin [max_position, D] float32
 // silu_and_mul(gate_up) -> out                 gate_up [T, 2I]: out = dtype(dtype(silu(gate)) * up)
 // write_kv(k, v, kv_cache, block_ids, offsets) kv_cache[block_ids[t], 0|1, offsets[t]] = k[t] | v[t]
-// argmax_rows(logits) -> [B] int64            float32 [B, V]: the first index of each row's maximum
+// argmax_rows(logits) -> [B] int64            float32 or bf16 [B, V]: the first index of each row's maximum
 //                                              (torch.argmax for rows without NaN)
 #include "ops.h"
 #include "cpu_math.h"
@@ -235,23 +235,33 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::T
   }
 }
 
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  check_rows(logits, "logits");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32");
+template <typename scalar_t>
+void argmax_rows_impl(const torch::Tensor& logits, torch::Tensor& out) {
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
-  TORCH_CHECK(vocab > 0, "empty rows");
-  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
-  const float* lp = logits.data_ptr<float>();
+  const scalar_t* lp = logits.data_ptr<scalar_t>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, grain_for(vocab), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = lp + r * stride;
-      float best = row[0];
-      for (int64_t i = 1; i < vocab; ++i) best = std::max(best, row[i]);  // vectorized
+      const scalar_t* row = lp + r * stride;
+      float best = to_float(row[0]);
+      for (int64_t i = 1; i < vocab; ++i) best = std::max(best, to_float(row[i]));  // vectorized
       int64_t index = 0;
-      while (index < vocab - 1 && row[index] != best) ++index;
+      while (index < vocab - 1 && to_float(row[index]) != best) ++index;
       op[r] = index;
     }
   });
+}
+
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "logits must be float32 or bfloat16");
+  TORCH_CHECK(logits.size(1) > 0, "empty rows");
+  auto out = torch::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat) {
+    argmax_rows_impl<float>(logits, out);
+  } else {
+    argmax_rows_impl<c10::BFloat16>(logits, out);  // exact: every bfloat16 is a float32
+  }
   return out;
 }

@@ -140,14 +140,20 @@ def test_write_kv_matches_index_put(ops, dtype) -> None:  # type: ignore[no-unty
         ops.write_kv(k, v, actual, torch.full((tokens,), num_blocks), metadata.slot_offsets)
 
 
-def test_argmax_rows_first_maximum(ops) -> None:  # type: ignore[no-untyped-def]
-    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(5))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_first_maximum(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(5))
     logits[1, 17] = logits[1, 40000] = 100.0  # ties: the first index wins, as torch.argmax
     logits[2, -1] = 100.0
     logits[3, 0] = 100.0
     logits[4] = -1e30
+    logits[5, 123] = 7.0
+    logits[5, 124] = 7.01  # equal once rounded to bfloat16 (the tie goes to 123), not in float32
+    logits = logits.to(dtype)
     assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
     assert torch.equal(ops.argmax_rows(logits[:, :1000]), logits[:, :1000].argmax(dim=-1))  # row stride
+    # What the sampler relies on: the bfloat16 argmax is the float32 argmax of the same values.
+    assert torch.equal(ops.argmax_rows(logits), ops.argmax_rows(logits.float()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

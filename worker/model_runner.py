@@ -125,7 +125,7 @@ class ModelRunner:
         ]
         prompt_rows = self._prompt_logprob_rows(inputs, ends)
         score_rows = [int(ends[i]) - 1 for i in sample_pos] + [r for _, rows, _ in prompt_rows for r in rows]
-        logits = self.model.compute_logits(hidden[score_rows]) if score_rows else None  # [n, vocab] float32
+        logits = self.model.compute_logits(hidden[score_rows]) if score_rows else None  # [n, vocab]
 
         output = ModelRunnerOutput({})
         if sample_pos:
@@ -149,7 +149,7 @@ class ModelRunner:
             assert logits is not None
             offset = len(sample_pos)
             for request_id, rows, next_ids in prompt_rows:
-                part = torch.log_softmax(logits[offset : offset + len(rows)], dim=-1)
+                part = torch.log_softmax(logits[offset : offset + len(rows)].float(), dim=-1)
                 offset += len(rows)
                 k = self.batch.requests[request_id].sampling_params.prompt_logprobs or 0
                 ids, values, ranks = gather_logprobs(part, torch.tensor(next_ids), k)

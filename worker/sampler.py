@@ -39,13 +39,24 @@ class SamplingBatch:
     ops: Any = None  # the csrc kernels (a vectorized argmax), or None for torch's
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None and logits.dtype == torch.float32:
+        if self.ops is not None and logits.dtype in (torch.float32, torch.bfloat16):
             return self.ops.argmax_rows(logits)  # type: ignore[no-any-return]
         return logits.argmax(dim=-1)
 
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, nothing that changes or reports the distribution: an argmax is enough."""
+        return (
+            self.max_num_logprobs is None
+            and self.bias_rows is None
+            and self.repetition_penalty is None
+            and self.banned_rows is None
+            and self.all_greedy
+        )
 
 
 @dataclass
@@ -57,7 +68,11 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """logits: [B, vocab] float32."""
+    """logits: [B, vocab] in the model's dtype: a plain greedy batch takes the argmax of those (the same
+    token: every bfloat16 is a float32, ties go to the first index), anything else works in float32."""
+    if batch.plain_greedy:
+        return SamplerOutput(batch.argmax(logits))
+    logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
     logits = apply_penalties(logits, batch)
     greedy = batch.argmax(logits)  # [B]

@@ -134,8 +134,9 @@ class LlamaForCausalLM(nn.Module):
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] rows to score -> [n, vocab] float32 logits."""
-        return self.lm_head(self.norm(hidden)).float()
+        """hidden: [n, hidden] rows to score -> [n, vocab] logits in the model's dtype (the sampler
+        converts to float32 where it needs to)."""
+        return self.lm_head(self.norm(hidden))
 
     def finalize(self) -> None:
         """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays."""
