@@ -40,7 +40,8 @@ from protocol.messages import (
 
 logger = logging.getLogger("engine.core")
 
-# How long the output thread retries a message to a frontend whose socket is not connected yet.
+# How long the output thread keeps retrying a handshake (Ready/Rejected) to a frontend whose output
+# socket is not connected yet.
 ROUTE_RETRY_S = 10.0
 # Silence after which every frontend gets a stats-only EngineOutputs: fresh gauges when idle, and a
 # heartbeat that lets frontends tell a dead engine (no DEAD frame after SIGKILL) from an idle one.
@@ -107,14 +108,19 @@ class EngineCoreProc:
         codec = engine_codec()
         last_sent: dict[str, float] = {}
         last_turn = time.monotonic()
+        # Handshakes whose frontend's output socket has not connected yet: retried on every turn, never
+        # waited for in place (one frontend that never connects must not silence the others).
+        waiting: dict[str, tuple[float, msgspec.Struct]] = {}
         while True:
             try:
-                item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S / 4)
+                item = self.output_queue.get(timeout=0.01 if waiting else HEARTBEAT_INTERVAL_S / 4)
                 if item is None:
                     return
                 client_id, message = item
-                self._route(codec, client_id, message)
-                last_sent[client_id] = time.monotonic()
+                if isinstance(message, (Ready, Rejected)):
+                    waiting[client_id] = (time.monotonic() + ROUTE_RETRY_S, message)
+                elif self._route(codec, client_id, message):
+                    last_sent[client_id] = time.monotonic()
             except queue.Empty:
                 pass
             now = time.monotonic()
@@ -123,31 +129,40 @@ class EngineCoreProc:
                     "the output thread got no turn for %.1f s (CPU or GIL starvation)", now - last_turn
                 )
             last_turn = now
-            silent = [c for c in list(self.clients) if now - last_sent.get(c, 0.0) > HEARTBEAT_INTERVAL_S]
+            for client_id, (deadline, message) in list(waiting.items()):
+                sent = self._route(codec, client_id, message, wait_for_peer=now < deadline)
+                if sent:
+                    last_sent[client_id] = now
+                if sent or now >= deadline:
+                    del waiting[client_id]
+            silent = [
+                c
+                for c in list(self.clients)
+                if c not in waiting and now - last_sent.get(c, 0.0) > HEARTBEAT_INTERVAL_S
+            ]
             if silent:
                 stats = self.latest_stats  # made by the busy loop: never read the scheduler from here
                 for silent_id in silent:
                     self._route(codec, silent_id, EngineOutputs([], time.time(), stats))
                     last_sent[silent_id] = now
 
-    def _route(self, codec: Any, client_id: str, message: msgspec.Struct) -> None:
-        frames = [client_id.encode(), *codec.encode(message)]
-        deadline = time.monotonic() + ROUTE_RETRY_S
-        while True:
-            try:
-                self.output_socket.send_multipart(frames, copy=False)
-                return
-            except zmq.ZMQError as error:
-                # EHOSTUNREACH: the frontend's output socket has not connected yet (worth a retry while
-                # it registers), or it left (its requests get aborted).
-                handshake = isinstance(message, (Ready, Rejected))
-                if error.errno != zmq.EHOSTUNREACH or not handshake or time.monotonic() > deadline:
-                    logger.warning("dropping output for frontend %s: %s", client_id, error)
-                    if client_id in self.clients:
-                        self.clients.discard(client_id)
-                        self.input_queue.put((client_id, _ClientGone()))
-                    return
-                time.sleep(0.01)
+    def _route(
+        self, codec: Any, client_id: str, message: msgspec.Struct, wait_for_peer: bool = False
+    ) -> bool:
+        """Send one message; False if it could not be. EHOSTUNREACH means the frontend's output socket
+        is not connected: not yet (`wait_for_peer`: a handshake, tried again later) or no more (it left:
+        its requests get aborted)."""
+        try:
+            self.output_socket.send_multipart([client_id.encode(), *codec.encode(message)], copy=False)
+            return True
+        except zmq.ZMQError as error:
+            if error.errno == zmq.EHOSTUNREACH and wait_for_peer:
+                return False
+            logger.warning("dropping output for frontend %s: %s", client_id, error)
+            if client_id in self.clients:
+                self.clients.discard(client_id)
+                self.input_queue.put((client_id, _ClientGone()))
+            return False
 
     # ---- busy loop ----
 
