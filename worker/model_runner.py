@@ -18,6 +18,7 @@ from protocol.messages import Logprobs, ModelInfo
 from protocol.version import __version__
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from worker.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from worker.host_memory import keep_freed_memory
 from worker.input_batch import InputBatch, RequestState
 from worker.model_config import ModelConfig, open_gguf
 from worker.models import build_model
@@ -74,6 +75,7 @@ class ModelRunner:
         mc = self.model_config
         shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(mc.num_layers)]
+        keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
