@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import msgspec
@@ -21,6 +22,8 @@ def main() -> None:
     executor = MultiprocExecutor(config.worker)
     proc = EngineCoreProc(config, EngineCore(config, executor))
     install_signal_handlers(proc)
+    gc.collect()
+    gc.freeze()  # startup's objects are never garbage: full collections need not walk them
     proc.run()
 
 

@@ -3,6 +3,7 @@ connects a PAIR socket to the engine, answers each SchedulerOutput with a ModelR
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -34,6 +35,8 @@ def main() -> None:
         from worker.model_runner import ModelRunner
 
         runner = ModelRunner(config)
+        gc.collect()
+        gc.freeze()  # torch's and the model's objects are never garbage: collections need not walk them
         socket.send_multipart(output_codec.encode(WorkerReady(runner.model_info())))
         while True:
             if not socket.poll(1000):
