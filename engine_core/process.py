@@ -135,10 +135,12 @@ class EngineCoreProc:
                     last_sent[client_id] = now
                 if sent or now >= deadline:
                     del waiting[client_id]
+            # Only frontends that have their Ready (the first thing each is sent): a heartbeat must not
+            # overtake it while it waits in the output queue or in `waiting`.
             silent = [
                 c
                 for c in list(self.clients)
-                if c not in waiting and now - last_sent.get(c, 0.0) > HEARTBEAT_INTERVAL_S
+                if c in last_sent and c not in waiting and now - last_sent[c] > HEARTBEAT_INTERVAL_S
             ]
             if silent:
                 stats = self.latest_stats  # made by the busy loop: never read the scheduler from here
@@ -194,6 +196,7 @@ class EngineCoreProc:
             self.output_queue.put(None)
             self.output_thread.join(timeout=5)
             self.stop_event.set()
+            self.input_thread.join(timeout=1)  # it polls the input socket: close that only once it is out
             self.engine.shutdown()
             self.input_socket.close()
             self.output_socket.close()

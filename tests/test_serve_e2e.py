@@ -484,15 +484,16 @@ def test_bench_serve_reports_every_request(server, tmp_path) -> None:  # type: i
         assert "Output token throughput" in run.stdout
 
 
-def test_a_silent_engine_is_judged_dead_then_taken_back(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
-    """SIGSTOP the engine past the heartbeat timeout: open requests fail and /health turns 503; once it
-    runs again the API servers take requests again and abort the failed request (its blocks are freed
-    long before its 900 tokens could have been generated)."""
-    engine = next(
+def engine_process(server) -> psutil.Process:  # type: ignore[no-untyped-def]
+    return next(
         p
         for p in psutil.Process(server["process"].pid).children()
         if "engine_core.main" in " ".join(p.cmdline())
     )
+
+
+def started_long_stream(client: openai.OpenAI):  # type: ignore[no-untyped-def]
+    """A streamed 900-token completion whose first chunk has arrived."""
     stream = client.completions.create(
         model=MODEL,
         prompt="Count to a thousand:",
@@ -501,6 +502,15 @@ def test_a_silent_engine_is_judged_dead_then_taken_back(server, client: openai.O
         extra_body={"ignore_eos": True},
     )
     next(iter(stream))
+    return stream
+
+
+def test_a_silent_engine_is_judged_dead_then_taken_back(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP the engine past the heartbeat timeout: open requests fail and /health turns 503; once it
+    runs again the API servers take requests again and abort the failed request (its blocks are freed
+    long before its 900 tokens could have been generated)."""
+    engine = engine_process(server)
+    stream = started_long_stream(client)
     engine.suspend()
     try:
         with pytest.raises(openai.APIError):
@@ -532,19 +542,8 @@ def test_a_silent_engine_is_judged_dead_then_taken_back(server, client: openai.O
 
 def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     """Last in the module: it kills the engine."""
-    engine = next(
-        p
-        for p in psutil.Process(server["process"].pid).children()
-        if "engine_core.main" in " ".join(p.cmdline())
-    )
-    stream = client.completions.create(
-        model=MODEL,
-        prompt="Count to a thousand:",
-        max_tokens=900,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    next(iter(stream))
+    engine = engine_process(server)
+    stream = started_long_stream(client)
     os.kill(engine.pid, signal.SIGKILL)
     with pytest.raises(openai.APIError):
         for _ in stream:
