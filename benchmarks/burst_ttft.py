@@ -15,12 +15,10 @@ import random
 import statistics
 import time
 
+from benchmarks.inprocess import inprocess_engine
 from engine_core.engine_core import EngineCore
-from frontend.model_files import resolve_model
-from protocol.config import EngineConfig, WorkerConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
-from worker.executor import InprocExecutor
 
 
 def run_burst(
@@ -55,15 +53,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
 
-    worker = WorkerConfig(
-        model=resolve_model(args.model),
-        dtype=args.dtype,
-        block_size=16,
-        num_kv_blocks=2048,
-        max_model_len=1024,
-    )
     cores = {
-        budget: EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=budget), InprocExecutor(worker))
+        budget: inprocess_engine(args.model, args.dtype, num_kv_blocks=2048, max_num_batched_tokens=budget)
         for budget in args.budgets
     }
     rng = random.Random(0)

@@ -15,12 +15,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine_core.engine_core import EngineCore
-from frontend.model_files import resolve_model
-from protocol.config import EngineConfig, WorkerConfig
+from benchmarks.inprocess import inprocess_engine
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
-from worker.executor import InprocExecutor
 
 
 def main() -> None:
@@ -33,14 +30,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
 
-    worker = WorkerConfig(
-        model=resolve_model(args.model),
-        dtype=args.dtype,
-        block_size=16,
-        num_kv_blocks=1024,
-        max_model_len=1024,
-    )
-    core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
+    core = inprocess_engine(args.model, args.dtype, num_kv_blocks=1024)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
     for i in range(args.batch):

@@ -48,15 +48,16 @@ class SamplingBatch:
         return bool((self.temperature == 0).all())
 
     @property
+    def changes_logits(self) -> bool:
+        """Some row has a logit bias, a min_tokens ban or a repetition/presence/frequency penalty."""
+        return (
+            self.bias_rows is not None or self.repetition_penalty is not None or self.banned_rows is not None
+        )
+
+    @property
     def plain_greedy(self) -> bool:
         """Every row greedy, nothing that changes or reports the distribution: an argmax is enough."""
-        return (
-            self.max_num_logprobs is None
-            and self.bias_rows is None
-            and self.repetition_penalty is None
-            and self.banned_rows is None
-            and self.all_greedy
-        )
+        return self.max_num_logprobs is None and not self.changes_logits and self.all_greedy
 
 
 @dataclass
@@ -103,7 +104,7 @@ def gather_logprobs(
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Logit bias, min_tokens bans, repetition/presence/frequency penalties; never modifies its input."""
-    if batch.bias_rows is None and batch.repetition_penalty is None and batch.banned_rows is None:
+    if not batch.changes_logits:
         return logits
     logits = logits.clone()
     num_rows, vocab_size = logits.shape
