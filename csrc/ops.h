@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <vector>
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
 
@@ -14,3 +16,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor block_ids,
               torch::Tensor offsets);
 torch::Tensor argmax_rows(torch::Tensor logits);
+std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
+                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                                          std::vector<torch::Tensor> kv_caches, torch::Tensor slot_block_ids,
+                                          torch::Tensor slot_offsets, torch::Tensor block_tables,
+                                          torch::Tensor seq_lens, std::vector<int64_t> config,
+                                          std::vector<double> scalars);

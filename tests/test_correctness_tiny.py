@@ -178,3 +178,59 @@ def test_bf16_fast_path_matches_the_torch_reference(tiny_model) -> None:  # type
     for ours, expected in zip(fast, reference, strict=True):
         assert len(ours) == len(expected) > 0
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(expected), atol=0.15, rtol=0.05)
+
+
+class _CountingOps:
+    """The csrc module, counting calls of the one-call decoder stack."""
+
+    def __init__(self, ops) -> None:  # type: ignore[no-untyped-def]
+        self.ops, self.stack_calls = ops, 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "decoder_layers":
+            self.stack_calls += 1
+        return getattr(self.ops, name)
+
+
+def greedy_tokens(
+    folder: str, prompts: list[list[int]], dtype: str, native: bool
+) -> tuple[list[list[int]], int, int]:
+    """Greedy tokens with the decoder stack in one native call (or the Python layers); the late prompts
+    arrive while the first ones decode, so steps mix decode rows and prefill chunks."""
+    worker = WorkerConfig(model=folder, dtype=dtype, block_size=16)
+    core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
+    model = core.executor.runner.model  # type: ignore[attr-defined]
+    assert model.native_layers is not None, "the csrc build has the decoder stack"
+    if not native:
+        model.native_layers = None
+    model.ops = counting = _CountingOps(model.ops)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    half = len(prompts) // 2
+    for i in range(len(prompts)):
+        if i == half:
+            for _ in range(3):
+                for _, output in core.step():
+                    tokens[output.request_id].extend(output.new_token_ids)
+        core.add_request(
+            AddRequest(request_id=str(i), prompt_token_ids=prompts[i], sampling_params=params, arrival_time=i)
+        )
+    while core.has_unfinished_requests():
+        for _, output in core.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    return [tokens[str(i)] for i in range(len(prompts))], counting.stack_calls, core.num_steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decoder_stack_equals_the_python_layers(tiny_model, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """csrc/decoder_cpu.cpp runs the same kernels as the Python layers: the same tokens, bit for bit, and
+    it serves every step of short prompts (decode, prefill, and the two mixed)."""
+    from worker.csrc_ops import load_cpu_ops
+
+    if load_cpu_ops() is None:
+        pytest.skip("no C++ compiler: the csrc kernels did not build")
+    folder, prompts, _ = tiny_model
+    native, stack_calls, steps = greedy_tokens(folder, prompts, dtype, native=True)
+    python, python_calls, _ = greedy_tokens(folder, prompts, dtype, native=False)
+    assert native == python
+    assert stack_calls == steps > MAX_NEW_TOKENS and python_calls == 0

@@ -54,3 +54,10 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+    def paged_rows(
+        self, metadata: AttentionMetadata, num_tokens: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # [num_tokens, max_blocks], [num_tokens]
+        """When every token of the step is one row of the paged kernel: each row's block table and
+        length (the model may then run its layers in one native call); else None."""
+        ...

@@ -47,6 +47,33 @@ class CpuAttentionBackend(TorchAttentionBackend):
             query.contiguous(), kv_cache, metadata.decode_block_tables, metadata.decode_seq_lens, scale
         )
 
+    def paged_rows(
+        self, metadata: AttentionMetadata, num_tokens: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block tables, lengths) with one paged-kernel row per token, when every token of the step goes
+        through that kernel (decode, short prefill chunks); None when some chunk needs SDPA."""
+        if not metadata.prefills:
+            assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
+            return metadata.decode_block_tables, metadata.decode_seq_lens
+        plan = metadata.scratch.get("prefill_plan")
+        if plan is None:
+            plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, block_size)
+        paged, singles, groups = plan
+        num_decode = metadata.num_decode_tokens
+        if paged is None or singles or groups or not isinstance(paged.rows, slice):
+            return None
+        if paged.rows != slice(num_decode, num_tokens):
+            return None
+        if not num_decode:
+            return paged.tables, paged.seq_lens
+        assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
+        decode_tables = metadata.decode_block_tables
+        width = max(decode_tables.shape[1], paged.tables.shape[1])
+        tables = torch.zeros(num_tokens, width, dtype=torch.long)
+        tables[:num_decode, : decode_tables.shape[1]] = decode_tables
+        tables[num_decode:, : paged.tables.shape[1]] = paged.tables
+        return tables, torch.cat([metadata.decode_seq_lens, paged.seq_lens])
+
     def prefill(
         self,
         query: torch.Tensor,

@@ -30,6 +30,13 @@ class TorchAttentionBackend:
         self.prefill(query, key, value, kv_cache, metadata, scale, output)
         return output
 
+    def paged_rows(
+        self, metadata: AttentionMetadata, num_tokens: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Block tables and lengths with one paged-kernel row per token, where a backend runs every token
+        of this step that way (the csrc backend); the reference has no such kernel."""
+        return None
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> None:

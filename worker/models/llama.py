@@ -110,6 +110,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.rotary: RotaryEmbedding | None = None
+        # The layers' weights for the csrc stack (csrc/decoder_cpu.cpp), set by finalize() when it is built.
+        self.native_layers: list[list[torch.Tensor]] | None = None
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         config = self.config
@@ -128,6 +130,17 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary.prepare(positions, x.dtype, self.ops)
+        if self.native_layers is not None:
+            rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
+            if rows is not None:  # every layer in one native call: the same kernels, no Python between them
+                config = self.config
+                x, residual = self.ops.decoder_layers(
+                    x, self.native_layers, rope.cos, rope.sin, positions, kv_caches,
+                    metadata.slot_block_ids, metadata.slot_offsets, *rows,
+                    [config.num_heads, config.num_kv_heads, config.head_dim, int(self.layers[0].mlp.down_proj.packed is not None)],
+                    [config.rms_norm_eps, config.head_dim**-0.5],
+                )  # fmt: skip
+                return x + residual
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, metadata, backend)
@@ -142,11 +155,12 @@ class LlamaForCausalLM(nn.Module):
         """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        if not can_pack(self.embed_tokens.weight.dtype):
-            return
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()  # the tied lm_head packs a copy: the embedding keeps its plain weight
+        if can_pack(self.embed_tokens.weight.dtype):
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.pack()  # the tied lm_head packs a copy: the embedding keeps its plain weight
+        if self.ops is not None and hasattr(self.ops, "decoder_layers"):
+            self.native_layers = [native_weights(layer) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -195,3 +209,21 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.add(name)
         return names
+
+
+def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
+    """One layer's weights in csrc/decoder_cpu.cpp's order; an empty tensor for an absent bias or norm."""
+    attention, mlp, none = layer.self_attn, layer.mlp, torch.empty(0)
+
+    def weight(linear: Linear) -> torch.Tensor:
+        return (linear.packed if linear.packed is not None else linear.weight).detach()
+
+    def optional(module: nn.Module | None, name: str) -> torch.Tensor:
+        tensor = getattr(module, name, None) if module is not None else None
+        return tensor.detach() if tensor is not None else none
+
+    return [
+        layer.input_layernorm.weight.detach(), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
+        weight(attention.o_proj), layer.post_attention_layernorm.weight.detach(), weight(mlp.gate_up_proj),
+        weight(mlp.down_proj), optional(attention.q_norm, "weight"), optional(attention.k_norm, "weight"),
+    ]  # fmt: skip

@@ -1,0 +1,94 @@
+// The decoder layers of the Llama family in one call, for steps whose attention is all paged-kernel rows
+// (decode, and prefill chunks short enough for the paged kernel). The same kernels, in the same order, as
+// the Python layers in worker/models/llama.py with the csrc ops: the results are identical; what goes is
+// Python's per-op cost (module calls, views, bindings: ~100 us a layer, a tenth of a small decode step).
+//
+// decoder_layers(x, layers, cos, sin, positions, kv_caches, slot_block_ids, slot_offsets, block_tables,
+//                seq_lens, config) -> (output, residual): their sum is the hidden state after the last layer
+//
+// x:         [T, hidden]  the embedded tokens; becomes the residual stream (modified in place)
+// layers:    per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm]; an empty
+//            tensor is an absent bias or norm. Products use oneDNN's packed weights when config.packed,
+//            else at::linear on plain [out, in] weights.
+// block_tables, seq_lens: one paged-attention row per token, as paged_decode_attention takes them
+// config:    num_heads, num_kv_heads, head_dim, packed (0/1); floats: eps, scale
+#include "ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <string>
+#include <vector>
+
+namespace {
+
+enum Weight { kInputNorm, kQkv, kQkvBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kNumWeights };
+
+std::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// What worker/models/layers.py Linear.forward calls: oneDNN's product on a weight packed at load.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool packed) {
+  if (!packed) return at::linear(x, weight, present(bias));
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(weight);
+  stack.emplace_back(bias.numel() ? c10::IValue(bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {  // x: [T, heads, d]
+  return rms_norm(x.reshape({-1, x.size(-1)}), weight, eps).view(x.sizes());
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
+                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                                          std::vector<torch::Tensor> kv_caches, torch::Tensor slot_block_ids,
+                                          torch::Tensor slot_offsets, torch::Tensor block_tables,
+                                          torch::Tensor seq_lens, std::vector<int64_t> config,
+                                          std::vector<double> scalars) {
+  TORCH_CHECK(config.size() == 4 && scalars.size() == 2, "config: heads, kv heads, head_dim, packed; eps, scale");
+  TORCH_CHECK(layers.size() == kv_caches.size() && !layers.empty(), "one KV cache per layer");
+  TORCH_CHECK(x.dim() == 2 && block_tables.size(0) == x.size(0) && seq_lens.size(0) == x.size(0),
+              "one attention row per token");
+  const int64_t heads = config[0], kv_heads = config[1], head_dim = config[2];
+  const bool packed = config[3] != 0;
+  const double eps = scalars[0], scale = scalars[1];
+  const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+
+  at::Tensor hidden, residual;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const auto& w = layers[l];
+    TORCH_CHECK(w.size() == kNumWeights, "each layer has ", int(kNumWeights), " weight slots");
+    if (l == 0) {
+      residual = x;
+      hidden = rms_norm(x, w[kInputNorm], eps);
+    } else {
+      fused_add_rms_norm(hidden, residual, w[kInputNorm], eps);  // hidden: the norm; residual: the sum
+    }
+    const at::Tensor qkv = linear(hidden, w[kQkv], w[kQkvBias], packed);  // [T, q + 2 kv]
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+    if (w[kQNorm].numel() && w[kKNorm].numel()) {
+      q = head_norm(q, w[kQNorm], eps);
+      k = head_norm(k, w[kKNorm], eps);
+    }
+    rotary_embedding(q, k, cos, sin, positions);
+    write_kv(k, v, kv_caches[l], slot_block_ids, slot_offsets);
+    const at::Tensor attention =
+        paged_decode_attention(q.contiguous(), kv_caches[l], block_tables, seq_lens, scale);  // [T, heads, d]
+    hidden = linear(attention.view({tokens, q_size}), w[kO], at::Tensor(), packed);
+    fused_add_rms_norm(hidden, residual, w[kPostNorm], eps);
+    hidden = linear(silu_and_mul(linear(hidden, w[kGateUp], at::Tensor(), packed)), w[kDown], at::Tensor(), packed);
+  }
+  return {hidden, residual};
+}
