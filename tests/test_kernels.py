@@ -218,3 +218,49 @@ def test_cpu_prefill_plans_match_per_chunk_reference(ops, dtype) -> None:  # typ
         assert singles == [chunks[i] for i in single_chunks]
         assert [g.tables.shape[0] for g in groups] == group_sizes
         torch.testing.assert_close(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_over_shared_cached_blocks_matches_reference(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    """Chunks after a cached context that begin with the same blocks (a shared system prompt): the
+    shared keys are attended to once for all rows and merged with each chunk's own part by log-sum-exp;
+    the rows equal the per-chunk reference. Fewer shared blocks than CASCADE_MIN_BLOCKS: no cascade."""
+    from worker.attention import cpu
+    from worker.attention.base import PrefillChunk
+
+    heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 64, 16, 96
+    generator = torch.Generator().manual_seed(5)
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    for shared_len, expect_cascade in ((cpu.CASCADE_MIN_BLOCKS, True), (cpu.CASCADE_MIN_BLOCKS - 1, False)):
+        shared = torch.arange(1, 1 + shared_len)
+        # (own cached tokens after the shared blocks, new tokens): one chunk right after the shared part
+        shapes = [(0, 130), (20, 140), (37, 100), (5, 120)]  # each too long for the paged kernel
+        chunks, start, next_block = [], 0, 1 + shared_len
+        for own, n in shapes:
+            context = shared_len * block_size + own
+            used = -(-(context + n) // block_size) - shared_len
+            block_ids = torch.cat([shared, torch.arange(next_block, next_block + used)])
+            next_block += used
+            chunks.append(PrefillChunk(start, start + n, context, block_ids))
+            start += n
+        query = torch.randn(start, heads, head_dim, generator=generator).to(dtype)
+        key = torch.empty(
+            start, kv_heads, head_dim, dtype=dtype
+        )  # unused after a context: the cache has them
+        metadata = AttentionMetadata(
+            num_decode_tokens=0,
+            slot_block_ids=torch.zeros(0, dtype=torch.long),
+            slot_offsets=torch.zeros(0, dtype=torch.long),
+            prefills=chunks,
+        )
+        expected = torch.zeros_like(query)
+        TorchAttentionBackend().prefill(query, key, key, cache, metadata, 0.125, expected)
+        actual = torch.zeros_like(query)
+        cpu.CpuAttentionBackend(ops).prefill(query, key, key, cache, metadata, 0.125, actual)
+        paged, singles, groups = metadata.scratch["prefill_plan"]
+        assert paged is None and singles == [] and len(groups) == 1
+        if expect_cascade:
+            assert groups[0].shared is not None and torch.equal(groups[0].shared, shared)
+        else:
+            assert groups[0].shared is None
+        torch.testing.assert_close(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

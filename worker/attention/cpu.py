@@ -9,17 +9,20 @@ path one by one. `ops` (the csrc module) is public: the model's fused layers use
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from worker.attention.base import AttentionMetadata, PrefillChunk
 from worker.attention.torch_ref import TorchAttentionBackend
 
 # Padded keys (chunks x longest block table x block size) one batched prefill call may gather.
 PREFILL_BATCH_TOKENS = 64 * 1024
+# Chunks after a cached context that all begin with the same cached blocks (a shared system prompt, the
+# same document) at least this long attend to those keys in one call for all their query rows (cascade
+# attention: the shared part and each chunk's own part apart, merged by their log-sum-exps).
+CASCADE_MIN_BLOCKS = 8
 # A chunk goes through the paged kernel when its query-key pairs, new tokens x (context + half of
 # them), are at most this many: the kernel reads each pair's key once, without a gather, a mask or a
 # matrix-product blocking; SDPA wins on longer ones. Measured (bf16, 30 layers, 2 threads): 16 fresh
@@ -101,19 +104,47 @@ class CpuAttentionBackend(TorchAttentionBackend):
             output[rows] = out
         for chunk in singles:
             self.prefill_chunk(query, key, value, kv_cache, chunk, scale, output)
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
         for group in groups:
-            batch, keys_len = group.tables.shape[0], group.keys_len
-            blocks = kv_cache[group.tables]  # [B, max_blocks, 2, block_size, kv_heads, head_dim]
-            k = (
-                blocks[:, :, 0].reshape(batch, keys_len, num_kv_heads, head_dim).transpose(1, 2)
-            )  # [B, kvh, S, d]
-            v = blocks[:, :, 1].reshape(batch, keys_len, num_kv_heads, head_dim).transpose(1, 2)
+            k, v = _gather_keys(kv_cache, group.tables)  # [B, kvh, S, d]
             q = query[group.rows].transpose(1, 2)  # [B, heads, n, d]
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
-            ).transpose(1, 2)  # [B, n, heads, d]
-            output[group.valid_rows] = out[group.valid]
+            mask = group.additive_mask(query.dtype)
+            if group.shared is None:
+                out, _ = _flash(q, k, v, mask, scale)  # [B, heads, n, d]
+                output[group.valid_rows] = out.transpose(1, 2)[group.valid]
+                continue
+            # Cascade: every row against the shared keys in one call, then against its own chunk's keys.
+            shared_k, shared_v = _gather_keys(kv_cache, group.shared[None])  # [1, kvh, P, d]
+            rows = query[group.valid_rows].transpose(0, 1)[None]  # [1, heads, N, d]
+            shared_out, shared_lse = _flash(rows, shared_k, shared_v, None, scale)
+            own_out, own_lse = _flash(q, k, v, mask, scale)  # [B, heads, n, d], [B, heads, n]
+            own_out = own_out.transpose(1, 2)[group.valid]  # [N, heads, d]
+            own_lse = own_lse.transpose(1, 2)[group.valid]  # [N, heads]
+            shared_out, shared_lse = shared_out[0].transpose(0, 1), shared_lse[0].transpose(0, 1)
+            top = torch.maximum(shared_lse, own_lse)
+            shared_w, own_w = (shared_lse - top).exp_(), (own_lse - top).exp_()  # [N, heads]
+            merged = shared_out.float() * shared_w[..., None] + own_out.float() * own_w[..., None]
+            output[group.valid_rows] = (merged / (shared_w + own_w)[..., None]).to(query.dtype)
+
+
+def _gather_keys(kv_cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of [B, num_blocks] block tables, as [B, kv_heads, num_blocks * block_size, d]."""
+    batch, num_kv_heads, head_dim = tables.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+    blocks = kv_cache[tables]  # [B, num_blocks, 2, block_size, kv_heads, head_dim]
+    keys = blocks[:, :, 0].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = blocks[:, :, 1].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    return keys, values
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel (what F.scaled_dot_product_attention runs here, GQA included), which also
+    returns each row's log-sum-exp of its scaled scores: q [B, heads, n, d], k/v [B, kvh, S, d], an
+    additive mask in q's dtype -> ([B, heads, n, d], float32 [B, heads, n])."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=mask, scale=scale
+    )
+    return out, lse
 
 
 @dataclass
@@ -124,6 +155,17 @@ class PrefillGroup:
     mask: torch.Tensor  # [B, 1, n, keys_len] query i of chunk b sees keys 0..context_b + i
     valid: torch.Tensor  # [B, n] bool: real query rows
     valid_rows: torch.Tensor  # [num valid] their rows in the step's flattened tokens
+    # The cached blocks every chunk of the step begins with (cascade), or None; tables and mask then
+    # cover the keys after them.
+    shared: torch.Tensor | None = None
+    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as the flash kernel takes it (0 or -inf in the query's dtype), built once a step."""
+        if dtype not in self._additive:
+            mask = torch.zeros(self.mask.shape, dtype=dtype)
+            self._additive[dtype] = mask.masked_fill_(~self.mask, float("-inf"))
+        return self._additive[dtype]
 
 
 @dataclass
@@ -177,7 +219,16 @@ def _plan_paged(chunks: list[PrefillChunk]) -> PagedPrefill:
 
 
 def plan_prefill_groups(chunks: list[PrefillChunk], block_size: int) -> list[PrefillGroup]:
-    """Chunks batched in order, each group's padded keys (B x longest table) at most PREFILL_BATCH_TOKENS."""
+    """Chunks batched in order, each group's padded keys (B x longest table) at most PREFILL_BATCH_TOKENS.
+    When they all begin with the same CASCADE_MIN_BLOCKS or more cached blocks, those are left out of
+    the tables and attended to once for all rows (`PrefillGroup.shared`)."""
+    shared = shared_blocks(chunks, block_size)
+    if shared is not None:
+        skip = int(shared.numel())
+        chunks = [
+            PrefillChunk(c.token_start, c.token_end, c.context_len - skip * block_size, c.block_ids[skip:])
+            for c in chunks
+        ]
     groups: list[list[PrefillChunk]] = [[]]
     widest = 0
     for chunk in chunks:
@@ -187,7 +238,24 @@ def plan_prefill_groups(chunks: list[PrefillChunk], block_size: int) -> list[Pre
             widest = 0
         groups[-1].append(chunk)
         widest = max(widest, blocks)
-    return [_plan_group(group, block_size) for group in groups]
+    planned = [_plan_group(group, block_size) for group in groups]
+    for group in planned:
+        group.shared = shared
+    return planned
+
+
+def shared_blocks(chunks: list[PrefillChunk], block_size: int) -> torch.Tensor | None:
+    """The leading block ids all chunks have in common within their cached context, when there are at
+    least CASCADE_MIN_BLOCKS of them; else None."""
+    common = min(c.context_len for c in chunks) // block_size
+    first = chunks[0].block_ids[:common]
+    for chunk in chunks[1:]:
+        if common < CASCADE_MIN_BLOCKS:
+            break
+        differ = (chunk.block_ids[:common] != first[:common]).nonzero()
+        if differ.numel():
+            common = int(differ[0])
+    return first[:common] if common >= CASCADE_MIN_BLOCKS else None
 
 
 def _plan_group(chunks: list[PrefillChunk], block_size: int) -> PrefillGroup:
