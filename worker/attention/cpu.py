@@ -3,8 +3,8 @@ new keys and values written into the cache by one kernel call.
 
 Prefill: short chunks (fresh prompts of a few hundred tokens, short continuations of a cached context)
 go through the same paged kernel, one query row per token with its causal length, all in one call; longer
-chunks after a cached context are batched into padded SDPA calls, longer fresh ones use SDPA's causal
-path one by one. `ops` (the csrc module) is public: the model's fused layers use the same kernels.
+chunks after a cached context are batched into padded SDPA calls (with a shared cached prefix attended
+once for all of them), longer fresh ones use SDPA's causal path one by one. `ops` (the csrc module) is public: the model's fused layers use the same kernels.
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, block_size)
         paged, singles, groups = plan
         num_decode = metadata.num_decode_tokens
-        if paged is None or singles or groups or not isinstance(paged.rows, slice):
+        if paged is None or singles or groups:
             return None
-        if paged.rows != slice(num_decode, num_tokens):
-            return None
+        if not isinstance(paged.rows, slice) or paged.rows != slice(num_decode, num_tokens):
+            return None  # the paged rows are not all the tokens after the decode rows
         if not num_decode:
             return paged.tables, paged.seq_lens
         assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
@@ -91,7 +91,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         took 198 ms in 480 SDPA calls a step, 97 ms this way). Longer chunks after a cached context
         (prefix-cache hits, later chunks of long prompts), when there are several: batched SDPA calls
         over their KV read back from the cache (the new tokens are already written), one call per group
-        instead of one per chunk. The rest: SDPA per chunk."""
+        instead of one per chunk; when they all begin with the same cached blocks, those keys are
+        attended to once for all their rows (cascade, merged by log-sum-exp). The rest: SDPA per chunk."""
         plan = metadata.scratch.get("prefill_plan")
         if plan is None:  # the first layer plans the step; the others reuse the plan
             plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, kv_cache.shape[2])
@@ -141,10 +142,7 @@ def _flash(
     """SDPA's CPU flash kernel (what F.scaled_dot_product_attention runs here, GQA included), which also
     returns each row's log-sum-exp of its scaled scores: q [B, heads, n, d], k/v [B, kvh, S, d], an
     additive mask in q's dtype -> ([B, heads, n, d], float32 [B, heads, n])."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, attn_mask=mask, scale=scale
-    )
-    return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
 
 
 @dataclass

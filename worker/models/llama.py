@@ -133,12 +133,11 @@ class LlamaForCausalLM(nn.Module):
         if self.native_layers is not None:
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
             if rows is not None:  # every layer in one native call: the same kernels, no Python between them
-                config = self.config
+                attention, packed = self.layers[0].self_attn, self.layers[0].mlp.down_proj.packed is not None
+                shape = [attention.num_heads, attention.num_kv_heads, attention.head_dim, int(packed)]
                 x, residual = self.ops.decoder_layers(
-                    x, self.native_layers, rope.cos, rope.sin, positions, kv_caches,
-                    metadata.slot_block_ids, metadata.slot_offsets, *rows,
-                    [config.num_heads, config.num_kv_heads, config.head_dim, int(self.layers[0].mlp.down_proj.packed is not None)],
-                    [config.rms_norm_eps, config.head_dim**-0.5],
+                    x, self.native_layers, rope.cos, rope.sin, positions, kv_caches, metadata.slot_block_ids,
+                    metadata.slot_offsets, *rows, shape, [self.config.rms_norm_eps, attention.scale],
                 )  # fmt: skip
                 return x + residual
         residual = None
