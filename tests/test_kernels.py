@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.attention.base import AttentionMetadata
+from worker.attention.base import AttentionMetadata, PrefillChunk
 from worker.attention.torch_ref import TorchAttentionBackend
 from worker.csrc_ops import load_cpu_ops
 
@@ -156,6 +156,12 @@ def test_argmax_rows_first_maximum(ops, dtype) -> None:  # type: ignore[no-untyp
     assert torch.equal(ops.argmax_rows(logits), ops.argmax_rows(logits.float()))
 
 
+def prefill_metadata(chunks: list[PrefillChunk]) -> AttentionMetadata:
+    """A step of prefill chunks only; their KV is already in the cache."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return AttentionMetadata(num_decode_tokens=0, slot_block_ids=empty, slot_offsets=empty, prefills=chunks)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_prefill_plans_match_per_chunk_reference(ops, dtype) -> None:  # type: ignore[no-untyped-def]
     """The CPU backend sends short chunks through the paged kernel (one row per token), batches longer
@@ -187,12 +193,7 @@ def test_cpu_prefill_plans_match_per_chunk_reference(ops, dtype) -> None:  # typ
             slots[:, 0],
             slots[:, 1],
         )
-    metadata = AttentionMetadata(
-        num_decode_tokens=0,
-        slot_block_ids=torch.zeros(0, dtype=torch.long),
-        slot_offsets=torch.zeros(0, dtype=torch.long),
-        prefills=chunks,
-    )
+    metadata = prefill_metadata(chunks)
     expected = torch.zeros_like(query)
     TorchAttentionBackend().prefill(query, key, value, cache, metadata, 0.125, expected)
     # (paged-kernel limit, batch budget) -> (paged chunks' indices, one-by-one chunks, groups' sizes)
@@ -247,12 +248,7 @@ def test_cascade_over_shared_cached_blocks_matches_reference(ops, dtype) -> None
         key = torch.empty(
             start, kv_heads, head_dim, dtype=dtype
         )  # unused after a context: the cache has them
-        metadata = AttentionMetadata(
-            num_decode_tokens=0,
-            slot_block_ids=torch.zeros(0, dtype=torch.long),
-            slot_offsets=torch.zeros(0, dtype=torch.long),
-            prefills=chunks,
-        )
+        metadata = prefill_metadata(chunks)
         expected = torch.zeros_like(query)
         TorchAttentionBackend().prefill(query, key, key, cache, metadata, 0.125, expected)
         actual = torch.zeros_like(query)
