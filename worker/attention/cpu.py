@@ -58,10 +58,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not metadata.prefills:
             assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
             return metadata.decode_block_tables, metadata.decode_seq_lens
-        plan = metadata.scratch.get("prefill_plan")
-        if plan is None:
-            plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, block_size)
-        paged, singles, groups = plan
+        paged, singles, groups = step_plan(metadata, block_size)
         num_decode = metadata.num_decode_tokens
         if paged is None or singles or groups:
             return None
@@ -93,10 +90,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         over their KV read back from the cache (the new tokens are already written), one call per group
         instead of one per chunk; when they all begin with the same cached blocks, those keys are
         attended to once for all their rows (cascade, merged by log-sum-exp). The rest: SDPA per chunk."""
-        plan = metadata.scratch.get("prefill_plan")
-        if plan is None:  # the first layer plans the step; the others reuse the plan
-            plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, kv_cache.shape[2])
-        paged, singles, groups = plan
+        paged, singles, groups = step_plan(metadata, kv_cache.shape[2])
         if paged is not None:
             rows = paged.rows
             out = self.ops.paged_decode_attention(
@@ -173,6 +167,16 @@ class PagedPrefill:
     rows: slice | torch.Tensor  # the tokens' rows in the step (a slice when they are one run)
     tables: torch.Tensor  # [num rows, max_blocks] each row's block table (its chunk's), padded with 0
     seq_lens: torch.Tensor  # [num rows] keys each row sees: its chunk's context + its index + 1
+
+
+def step_plan(
+    metadata: AttentionMetadata, block_size: int
+) -> tuple[PagedPrefill | None, list[PrefillChunk], list[PrefillGroup]]:
+    """plan_prefill of the step's chunks, made on first use (the first layer) and shared by the rest."""
+    plan = metadata.scratch.get("prefill_plan")
+    if plan is None:
+        plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, block_size)
+    return plan
 
 
 def plan_prefill(
