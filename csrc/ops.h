@@ -7,6 +7,8 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
+// Whether paged_decode_attention runs prefill rows as AMX tiles (bf16; built and run on a CPU with AMX).
+bool prefill_tiles();
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

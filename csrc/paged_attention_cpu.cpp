@@ -1,15 +1,18 @@
-// Paged decode attention for the CPU: one query token per sequence, keys and values read straight
-// from the paged KV cache (no gather). Reference: worker/attention/torch_ref.py (decode).
+// Paged attention for the CPU: query rows against keys and values read from the paged KV cache.
+// Reference: worker/attention/torch_ref.py (decode).
 //
-// query:        [num_seqs, num_heads, head_dim]                       (contiguous)
+// query:        [num_rows, num_heads, head_dim]                       (contiguous)
 // kv_cache:     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (contiguous; 0 = key, 1 = value)
-// block_tables: [num_seqs, max_blocks] int64
-// seq_lens:     [num_seqs] int64, tokens in the cache for each sequence (the new one included)
-// returns       [num_seqs, num_heads, head_dim]
+// block_tables: [num_rows, max_blocks] int64
+// seq_lens:     [num_rows] int64, keys each row sees (its own token included)
+// returns       [num_rows, num_heads, head_dim]
 //
-// A task is one sequence and a run of its kv heads (all of them when there are enough sequences to
-// keep every thread busy, so each cache line is read once and in order). Scores are float32, the
-// softmax is exact (two passes), values are accumulated in float32.
+// A row is a decode token or a token of a prefill chunk. Decode rows: a task is one row and a run of
+// its kv heads (all of them when there are enough rows to keep every thread busy, so each cache line
+// is read once and in order). Prefill chunks arrive as runs of rows with one block table and lengths
+// growing by one; in bf16 on a CPU with AMX they run as tiles of up to 16 such rows whose keys are read
+// once for the tile, with the matrix products on AMX (tiled_amx below). Scores are float32, the softmax
+// is exact (two passes), values are accumulated in float32 (the AMX path weighs them in bf16).
 #include "ops.h"
 #include "cpu_math.h"
 
@@ -21,6 +24,12 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define ENGINE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // Element loads to float. bfloat16 is the high half of a float32: a shift the compiler vectorizes.
 template <typename scalar_t>
@@ -160,113 +169,422 @@ inline void prefetch_row(const scalar_t* row) {
     _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
 
+// Scratch of one thread's decode rows, reused across its tasks.
+template <typename scalar_t>
+struct RowScratch {
+  std::vector<float> scores;
+  std::vector<const scalar_t*> keys;  // each token's key row of this kv head (its value: + half_stride)
+};
+
+// One query row (one token) of one kv head's query-head group against `len` keys of its block table.
+// q_src: the row's GROUP query heads of this kv head; dst: where their outputs go.
 template <typename scalar_t, int HEAD_DIM, int GROUP>
-void decode(const scalar_t* query, const scalar_t* cache, const int64_t* tables, const int64_t* seq_lens,
-            scalar_t* out, Shape shape, float scale) {
+void decode_row(const scalar_t* q_src, const scalar_t* cache, const int64_t* table, int64_t len, int64_t kv,
+                scalar_t* dst, const Shape& shape, float scale, RowScratch<scalar_t>& scratch) {
   constexpr int V = HEAD_DIM / 16;
   const int64_t block_size = shape.block_size;
   const int64_t token_stride = shape.num_kv_heads * HEAD_DIM;
   const int64_t half_stride = block_size * token_stride;
   const int64_t block_stride = 2 * half_stride;
+  auto& keys = scratch.keys;
+  auto& scores = scratch.scores;
+  // Row addresses once, block by block: a division per token and pass cost more than the row's math.
+  keys.resize(len + PREFETCH_AHEAD);
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
+    const scalar_t* base = cache + table[blk] * block_stride + kv * HEAD_DIM;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t i = 0; i < n; ++i) keys[t0 + i] = base + i * token_stride;
+  }
+  for (int64_t t = len; t < len + PREFETCH_AHEAD; ++t) keys[t] = keys[len - 1];  // prefetch targets
+  __m512 q[GROUP][V];
+  for (int g = 0; g < GROUP; ++g)
+    for (int v = 0; v < V; ++v) q[g][v] = _mm512_mul_ps(load16(q_src + g * HEAD_DIM + v * 16), _mm512_set1_ps(scale));
+  const int64_t padded = (len + 15) / 16 * 16;
+  scores.resize(GROUP * padded);
+  // Scores, 16 tokens at a time.
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    __m512 part[GROUP][16];
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i >= n) {
+        for (int g = 0; g < GROUP; ++g) part[g][i] = _mm512_setzero_ps();
+        continue;
+      }
+      const int64_t t = t0 + i;
+      const scalar_t* key = keys[t];
+      prefetch_row<scalar_t, HEAD_DIM>(keys[t + PREFETCH_AHEAD]);
+      __m512 k[V];
+      for (int v = 0; v < V; ++v) k[v] = load16(key + v * 16);
+      for (int g = 0; g < GROUP; ++g) {
+        __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
+        for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(q[g][v], k[v], acc);
+        part[g][i] = acc;
+      }
+    }
+    for (int g = 0; g < GROUP; ++g) _mm512_storeu_ps(scores.data() + g * padded + t0, sum16(part[g]));
+  }
+  for (int g = 0; g < GROUP; ++g) softmax_in_place(scores.data() + g * padded, len);
+  // Values weighted by the probabilities, accumulated in registers.
+  __m512 acc[GROUP][V];
+  for (int g = 0; g < GROUP; ++g)
+    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t* value = keys[t] + half_stride;
+    prefetch_row<scalar_t, HEAD_DIM>(keys[t + PREFETCH_AHEAD] + half_stride);
+    __m512 x[V];
+    for (int v = 0; v < V; ++v) x[v] = load16(value + v * 16);
+    for (int g = 0; g < GROUP; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+      for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
+    }
+  }
+  alignas(64) float row[HEAD_DIM];
+  for (int g = 0; g < GROUP; ++g) {
+    for (int v = 0; v < V; ++v) _mm512_store_ps(row + v * 16, acc[g][v]);
+    for (int d = 0; d < HEAD_DIM; ++d) dst[g * HEAD_DIM + d] = static_cast<scalar_t>(row[d]);
+  }
+}
+
+template <typename scalar_t, int HEAD_DIM, int GROUP>
+void decode(const scalar_t* query, const scalar_t* cache, const int64_t* tables, const int64_t* seq_lens,
+            scalar_t* out, Shape shape, float scale) {
   // One task: one (sequence, kv head); each kv head's group of query heads shares its keys and values.
   at::parallel_for(0, shape.num_seqs * shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<const scalar_t*> keys;  // each token's key row of this kv head (its value: + half_stride)
+    RowScratch<scalar_t> scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / shape.num_kv_heads, kv = task % shape.num_kv_heads;
-      const int64_t len = seq_lens[seq];
-      const int64_t* table = tables + seq * shape.max_blocks;
-      // Row addresses once, block by block: a division per token and pass cost more than the row's math.
-      keys.resize(len + PREFETCH_AHEAD);
-      for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
-        const scalar_t* base = cache + table[blk] * block_stride + kv * HEAD_DIM;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) keys[t0 + i] = base + i * token_stride;
-      }
-      for (int64_t t = len; t < len + PREFETCH_AHEAD; ++t) keys[t] = keys[len - 1];  // prefetch targets
-      const scalar_t* q_src = query + (seq * shape.num_heads + kv * GROUP) * HEAD_DIM;
-      __m512 q[GROUP][V];
-      for (int g = 0; g < GROUP; ++g)
-        for (int v = 0; v < V; ++v)
-          q[g][v] = _mm512_mul_ps(load16(q_src + g * HEAD_DIM + v * 16), _mm512_set1_ps(scale));
-      const int64_t padded = (len + 15) / 16 * 16;
-      scores.resize(GROUP * padded);
-      // Scores, 16 tokens at a time.
-      for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        __m512 part[GROUP][16];
-        const int64_t n = std::min<int64_t>(16, len - t0);
-        for (int64_t i = 0; i < 16; ++i) {
-          if (i >= n) {
-            for (int g = 0; g < GROUP; ++g) part[g][i] = _mm512_setzero_ps();
-            continue;
-          }
-          const int64_t t = t0 + i;
-          const scalar_t* key = keys[t];
-          prefetch_row<scalar_t, HEAD_DIM>(keys[t + PREFETCH_AHEAD]);
-          __m512 k[V];
-          for (int v = 0; v < V; ++v) k[v] = load16(key + v * 16);
-          for (int g = 0; g < GROUP; ++g) {
-            __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
-            for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(q[g][v], k[v], acc);
-            part[g][i] = acc;
-          }
-        }
-        for (int g = 0; g < GROUP; ++g) _mm512_storeu_ps(scores.data() + g * padded + t0, sum16(part[g]));
-      }
-      for (int g = 0; g < GROUP; ++g) softmax_in_place(scores.data() + g * padded, len);
-      // Values weighted by the probabilities, accumulated in registers.
-      __m512 acc[GROUP][V];
-      for (int g = 0; g < GROUP; ++g)
-        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* value = keys[t] + half_stride;
-        prefetch_row<scalar_t, HEAD_DIM>(keys[t + PREFETCH_AHEAD] + half_stride);
-        __m512 x[V];
-        for (int v = 0; v < V; ++v) x[v] = load16(value + v * 16);
-        for (int g = 0; g < GROUP; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-          for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
-        }
-      }
-      scalar_t* dst = out + (seq * shape.num_heads + kv * GROUP) * HEAD_DIM;
-      alignas(64) float row[HEAD_DIM];
-      for (int g = 0; g < GROUP; ++g) {
-        for (int v = 0; v < V; ++v) _mm512_store_ps(row + v * 16, acc[g][v]);
-        for (int d = 0; d < HEAD_DIM; ++d) dst[g * HEAD_DIM + d] = static_cast<scalar_t>(row[d]);
-      }
+      const int64_t offset = (seq * shape.num_heads + kv * GROUP) * HEAD_DIM;
+      decode_row<scalar_t, HEAD_DIM, GROUP>(query + offset, cache, tables + seq * shape.max_blocks,
+                                            seq_lens[seq], kv, out + offset, shape, scale, scratch);
     }
   });
 }
 
-// The AVX-512 kernel for this shape, or nullptr (the portable kernel then serves).
+// Consecutive query rows that share a block table and whose lengths grow by one: tokens of one prefill
+// chunk, each seeing the keys up to itself.
+struct Tile {
+  int64_t first, rows;
+};
+constexpr int64_t TILE_ROWS = 16;
+
+template <typename scalar_t>
+using RowKernel = void (*)(const scalar_t*, const scalar_t*, const int64_t*, int64_t, int64_t, scalar_t*,
+                           const Shape&, float, RowScratch<scalar_t>&);
+
+#if defined(ENGINE_AMX)
+
+// Linux hands out the AMX tile state on request, once per process (oneDNN asks too; asking twice is fine).
+inline bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// Every tile register as 16 rows of 64 bytes: 16 x 16 float32, or 16 x 32 bf16.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+  }
+};
+
+// exp of 16 floats: exp_f32's polynomial (csrc/cpu_math.h), lane-wise.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// 16 x 16 32-bit elements transposed in registers.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4i + j] now holds, in each 128-bit lane L, column j of rows 4i..4i+3 restricted to lane L.
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// Prefill rows a tile at a time with AMX (bf16 in, float32 out): a task is one (tile of a chunk's rows,
+// kv head), whose query vectors (rows x the kv head's query-head group) go 16 at a time through
+// scores = Q K^T (tile products over 16-key blocks), an exact softmax per vector over its own causal
+// length (AVX-512), then P V (tile products over 32-key blocks). The task's keys and values are copied
+// once into the pair-interleaved layout the tile product reads (keys: [dim pair][key][2]; values:
+// [key pair][dim][2]), zero beyond the tile's longest row. Single-row tiles (decode rows of a mixed step)
+// take the decode kernel's row.
+template <int HEAD_DIM>
+void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int64_t* tables,
+               const int64_t* seq_lens, c10::BFloat16* out, Shape shape, float scale, const std::vector<Tile>& tiles,
+               RowKernel<c10::BFloat16> row) {
+  static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 128, "4 query tiles at most");
+  constexpr int KD = HEAD_DIM / 32;  // query / key tiles along head_dim
+  constexpr int ND = HEAD_DIM / 16;  // output tiles along head_dim
+  using bf16 = c10::BFloat16;
+  const int64_t group = shape.num_heads / shape.num_kv_heads;
+  const int64_t block_size = shape.block_size;
+  const int64_t token_stride = shape.num_kv_heads * HEAD_DIM;
+  const int64_t half_stride = block_size * token_stride;
+  const int64_t block_stride = 2 * half_stride;
+  const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * shape.num_kv_heads;
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    RowScratch<bf16> scratch;
+    std::vector<uint32_t> keys;      // [key block of 16][KD][16 dim pairs][16 keys]: bf16 pairs
+    std::vector<uint16_t> values;    // [key block of 32][ND][16 key pairs][16 dims][2]
+    std::vector<uint16_t> q;         // [vectors][HEAD_DIM]
+    std::vector<float> scores;       // [16][padded]
+    std::vector<uint16_t> probs;     // [16][padded32]
+    alignas(64) float result[16 * 16];
+    bool configured = false;
+    for (int64_t task = begin; task < end; ++task) {
+      const Tile tile = tiles[task / shape.num_kv_heads];
+      const int64_t kv = task % shape.num_kv_heads;
+      const int64_t* table = tables + tile.first * shape.max_blocks;
+      if (tile.rows == 1) {
+        const int64_t offset = (tile.first * shape.num_heads + kv * group) * HEAD_DIM;
+        row(query + offset, cache, table, seq_lens[tile.first], kv, out + offset, shape, scale, scratch);
+        continue;
+      }
+      if (!configured) {
+        static const TileConfig config;
+        _tile_loadconfig(&config);
+        configured = true;
+      }
+      const int64_t len = seq_lens[tile.first + tile.rows - 1];  // the longest row: the tile's last
+      const int64_t padded = (len + 31) / 32 * 32;
+      keys.resize(padded * HEAD_DIM / 2);
+      values.resize(padded * HEAD_DIM);
+      const auto row_of = [&](int64_t t) {  // key row of token t, or nullptr past the tile's keys
+        return t < len ? cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv * HEAD_DIM
+                       : nullptr;
+      };
+      // Keys, 16 tokens at a time: [16 tokens][dim pairs] -> [dim pairs][16 tokens], 16 x 16 at a time.
+      for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+        for (int kd = 0; kd < KD; ++kd) {
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i) {
+            const bf16* key = row_of(t0 + i);
+            r[i] = key ? _mm512_loadu_si512(key + kd * 32) : _mm512_setzero_si512();
+          }
+          transpose16(r);
+          uint32_t* dst = keys.data() + (t0 / 16) * (HEAD_DIM / 2) * 16 + kd * 256;
+          for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 16, r[p]);
+        }
+      }
+      // Values, two tokens at a time: their rows interleaved dim by dim, 16 dims a 64-byte row.
+      const __m512i lo_dims = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i hi_dims = _mm512_add_epi16(lo_dims, _mm512_set1_epi16(16));
+      for (int64_t t = 0; t < padded; t += 2) {
+        const bf16 *a = row_of(t), *b = row_of(t + 1);
+        uint16_t* dst = values.data() + (t / 32) * 32 * HEAD_DIM + ((t % 32) / 2) * 32;
+        for (int kd = 0; kd < KD; ++kd) {
+          const __m512i x = a ? _mm512_loadu_si512(a + half_stride + kd * 32) : _mm512_setzero_si512();
+          const __m512i y = b ? _mm512_loadu_si512(b + half_stride + kd * 32) : _mm512_setzero_si512();
+          _mm512_storeu_si512(dst + (2 * kd) * 512, _mm512_permutex2var_epi16(x, lo_dims, y));
+          _mm512_storeu_si512(dst + (2 * kd + 1) * 512, _mm512_permutex2var_epi16(x, hi_dims, y));
+        }
+      }
+      const int64_t num_vectors = tile.rows * group;
+      const int64_t num_padded = (num_vectors + 15) / 16 * 16;
+      q.assign(num_padded * HEAD_DIM, 0);
+      for (int64_t j = 0; j < num_vectors; ++j) {
+        const bf16* src = query + ((tile.first + j / group) * shape.num_heads + kv * group + j % group) * HEAD_DIM;
+        std::memcpy(q.data() + j * HEAD_DIM, src, HEAD_DIM * sizeof(bf16));
+      }
+      scores.resize(16 * padded);
+      probs.resize(16 * padded);
+      for (int64_t j0 = 0; j0 < num_padded; j0 += 16) {
+        int64_t lens[16];
+        for (int c = 0; c < 16; ++c)
+          lens[c] = j0 + c < num_vectors ? seq_lens[tile.first + (j0 + c) / group] : 0;
+        const int64_t span = *std::max_element(lens, lens + 16);
+        const int64_t span16 = (span + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;
+        // Scores, 16 keys at a time: tmm0 += Q (tmm1..) x K (tmm5).
+        const uint16_t* qv = q.data() + j0 * HEAD_DIM;
+        _tile_loadd(1, qv, HEAD_DIM * 2);
+        if constexpr (KD > 1) _tile_loadd(2, qv + 32, HEAD_DIM * 2);
+        if constexpr (KD > 2) _tile_loadd(3, qv + 64, HEAD_DIM * 2);
+        if constexpr (KD > 3) _tile_loadd(4, qv + 96, HEAD_DIM * 2);
+        for (int64_t t0 = 0; t0 < span16; t0 += 16) {
+          const uint32_t* kb = keys.data() + (t0 / 16) * (HEAD_DIM / 2) * 16;
+          _tile_zero(0);
+          _tile_loadd(5, kb, 64);
+          _tile_dpbf16ps(0, 1, 5);
+          if constexpr (KD > 1) {
+            _tile_loadd(5, kb + 256, 64);
+            _tile_dpbf16ps(0, 2, 5);
+          }
+          if constexpr (KD > 2) {
+            _tile_loadd(5, kb + 512, 64);
+            _tile_dpbf16ps(0, 3, 5);
+          }
+          if constexpr (KD > 3) {
+            _tile_loadd(5, kb + 768, 64);
+            _tile_dpbf16ps(0, 4, 5);
+          }
+          _tile_stored(0, scores.data() + t0, padded * 4);
+        }
+        // Softmax per vector over its own keys; probabilities in bf16, zero past them. Sums kept apart.
+        float inv_sum[16];
+        const __m512 vscale = _mm512_set1_ps(scale);
+        for (int c = 0; c < 16; ++c) {
+          const float* sc = scores.data() + c * padded;
+          uint16_t* p = probs.data() + c * padded;
+          const int64_t n = lens[c];
+          const auto valid = [n](int64_t t) -> __mmask16 {
+            return t + 16 <= n ? 0xffff : t >= n ? 0 : static_cast<__mmask16>((1u << (n - t)) - 1);
+          };
+          __m512 top = _mm512_set1_ps(-INFINITY);
+          for (int64_t t = 0; t < n; t += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, valid(t), sc + t));
+          const __m512 max_score = _mm512_set1_ps(n > 0 ? _mm512_reduce_max_ps(top) : 0.f);
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t t = 0; t < span32; t += 16) {
+            const __mmask16 m = valid(t);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), max_score), vscale)));
+            sum = _mm512_add_ps(sum, e);
+            const __m256bh half = _mm512_cvtneps_pbh(e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<const __m256i&>(half));
+          }
+          inv_sum[c] = n > 0 ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
+        }
+        // Outputs, 16 dims a tile (tmm4..7, four at a time): += P (tmm0) x V (tmm1), 32 keys at a time.
+        for (int n0 = 0; n0 < ND; n0 += 4) {
+          _tile_zero(4);
+          _tile_zero(5);
+          _tile_zero(6);
+          _tile_zero(7);
+          for (int64_t t0 = 0; t0 < span32; t0 += 32) {
+            _tile_loadd(0, probs.data() + t0, padded * 2);
+            const uint16_t* vb = values.data() + t0 * HEAD_DIM + n0 * 16 * 32;
+            _tile_loadd(1, vb, 64);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(1, vb + 512, 64);
+            _tile_dpbf16ps(5, 0, 1);
+            _tile_loadd(1, vb + 1024, 64);
+            _tile_dpbf16ps(6, 0, 1);
+            _tile_loadd(1, vb + 1536, 64);
+            _tile_dpbf16ps(7, 0, 1);
+          }
+          for (int n = n0; n < std::min(n0 + 4, ND); ++n) {
+            switch (n - n0) {
+              case 0: _tile_stored(4, result, 64); break;
+              case 1: _tile_stored(5, result, 64); break;
+              case 2: _tile_stored(6, result, 64); break;
+              default: _tile_stored(7, result, 64); break;
+            }
+            for (int c = 0; c < 16 && j0 + c < num_vectors; ++c) {
+              const int64_t j = j0 + c;
+              bf16* dst = out + ((tile.first + j / group) * shape.num_heads + kv * group + j % group) * HEAD_DIM + n * 16;
+              const __m256bh half =
+                  _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(result + c * 16), _mm512_set1_ps(inv_sum[c])));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(half));
+            }
+          }
+        }
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+#endif
+
+// The AVX-512 kernels for this shape: decode (one row per sequence), its row, the tiled prefill kernel;
+// null when the portable kernel serves.
 template <typename scalar_t>
 using Kernel = void (*)(const scalar_t*, const scalar_t*, const int64_t*, const int64_t*, scalar_t*, Shape, float);
+template <typename scalar_t>
+using TiledKernel = void (*)(const scalar_t*, const scalar_t*, const int64_t*, const int64_t*, scalar_t*, Shape,
+                             float, const std::vector<Tile>&, RowKernel<scalar_t>);
+template <typename scalar_t>
+struct Kernels {
+  Kernel<scalar_t> decode = nullptr;
+  RowKernel<scalar_t> row = nullptr;
+  TiledKernel<scalar_t> tiled = nullptr;
+};
+
+template <typename scalar_t, int HEAD_DIM, int GROUP>
+Kernels<scalar_t> kernels() {
+  Kernels<scalar_t> picked{decode<scalar_t, HEAD_DIM, GROUP>, decode_row<scalar_t, HEAD_DIM, GROUP>, nullptr};
+#if defined(ENGINE_AMX)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (amx_permitted()) picked.tiled = tiled_amx<HEAD_DIM>;
+  }
+#endif
+  return picked;
+}
 
 template <typename scalar_t, int HEAD_DIM>
-Kernel<scalar_t> pick_group(int64_t group) {
+Kernels<scalar_t> pick_group(int64_t group) {
   switch (group) {
-    case 1: return decode<scalar_t, HEAD_DIM, 1>;
-    case 2: return decode<scalar_t, HEAD_DIM, 2>;
-    case 3: return decode<scalar_t, HEAD_DIM, 3>;
-    case 4: return decode<scalar_t, HEAD_DIM, 4>;
-    case 5: return decode<scalar_t, HEAD_DIM, 5>;
-    case 6: return decode<scalar_t, HEAD_DIM, 6>;
-    case 7: return decode<scalar_t, HEAD_DIM, 7>;
-    case 8: return decode<scalar_t, HEAD_DIM, 8>;
-    default: return nullptr;
+    case 1: return kernels<scalar_t, HEAD_DIM, 1>();
+    case 2: return kernels<scalar_t, HEAD_DIM, 2>();
+    case 3: return kernels<scalar_t, HEAD_DIM, 3>();
+    case 4: return kernels<scalar_t, HEAD_DIM, 4>();
+    case 5: return kernels<scalar_t, HEAD_DIM, 5>();
+    case 6: return kernels<scalar_t, HEAD_DIM, 6>();
+    case 7: return kernels<scalar_t, HEAD_DIM, 7>();
+    case 8: return kernels<scalar_t, HEAD_DIM, 8>();
+    default: return {};
   }
 }
 
 template <typename scalar_t>
-Kernel<scalar_t> pick(int64_t head_dim, int64_t group) {
+Kernels<scalar_t> pick(int64_t head_dim, int64_t group) {
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     switch (head_dim) {
       case 64: return pick_group<scalar_t, 64>(group);
       case 128: return pick_group<scalar_t, 128>(group);
-      default: return nullptr;
+      default: return {};
     }
   }
-  return nullptr;
+  return {};
+}
+
+// The rows as tiles of at most TILE_ROWS; none when no two rows form a run (a decode step).
+inline std::vector<Tile> find_tiles(const int64_t* tables, const int64_t* seq_lens, int64_t rows, int64_t width) {
+  std::vector<Tile> tiles;
+  bool runs = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r > 0 && tiles.back().rows < TILE_ROWS && seq_lens[r] == seq_lens[r - 1] + 1 &&
+        std::equal(tables + r * width, tables + (r + 1) * width, tables + (r - 1) * width)) {
+      ++tiles.back().rows;
+      runs = true;
+    } else {
+      tiles.push_back({r, 1});
+    }
+  }
+  if (!runs) tiles.clear();
+  return tiles;
 }
 
 }  // namespace avx512
@@ -291,10 +609,21 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
            lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale));
     };
 #if defined(__AVX512F__)
-    // Enough (sequence, kv head) tasks for every thread: the register-blocked kernel.
     const int64_t group = shape.num_heads / shape.num_kv_heads;
-    if (shape.num_seqs * shape.num_kv_heads >= at::get_num_threads()) {
-      if (auto kernel = avx512::pick<scalar_t>(shape.head_dim, group)) return run(kernel);
+    const auto avx = avx512::pick<scalar_t>(shape.head_dim, group);
+    if (avx.decode != nullptr) {
+      // Rows of prefill chunks (runs of rows that share a table, lengths growing by one): tiles on AMX.
+      if (avx.tiled != nullptr) {
+        const auto tiles = avx512::find_tiles(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                              shape.num_seqs, shape.max_blocks);
+        if (!tiles.empty()) {
+          return avx.tiled(query.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                           lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale),
+                           tiles, avx.row);
+        }
+      }
+      // Enough (sequence, kv head) tasks for every thread: the register-blocked decode kernel.
+      if (shape.num_seqs * shape.num_kv_heads >= at::get_num_threads()) return run(avx.decode);
     }
 #endif
     switch (shape.head_dim) {
@@ -305,4 +634,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     }
   });
   return out;
+}
+
+bool prefill_tiles() {
+#if defined(ENGINE_AMX)
+  return avx512::amx_permitted();
+#else
+  return false;
+#endif
 }

@@ -52,6 +52,51 @@ def test_paged_decode_attention_matches_reference(
     torch.testing.assert_close(actual.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16), (16, 4, 64, 32)],
+)
+def test_paged_rows_of_prefill_chunks_match_reference(
+    ops, dtype, num_heads, num_kv_heads, head_dim, block_size
+) -> None:  # type: ignore[no-untyped-def]
+    """A mixed step's rows as the native decoder stack passes them: decode rows, then prefill chunks, one
+    row per token with its causal length (the kernel runs a chunk's rows as tiles sharing their keys).
+    Chunks shorter and longer than a tile, after a cached context and fresh, one a single token."""
+    generator = torch.Generator().manual_seed(7 * num_heads + head_dim + block_size)
+    num_blocks = 256
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    decode_lens = [5, 3 * block_size]
+    chunks = [(0, 37), (2 * block_size + 3, 20), (0, 1), (block_size, 16), (0, 2)]  # (context, new tokens)
+    width = max(
+        -(-(context + n) // block_size) for context, n in chunks + [(length, 0) for length in decode_lens]
+    )
+    perm = torch.randperm(num_blocks, generator=generator)
+    rows_tables, rows_lens = [], []
+    for i, length in enumerate(decode_lens):
+        rows_tables.append(perm[i * width : (i + 1) * width])
+        rows_lens.append(length)
+    for i, (context, n) in enumerate(chunks, start=len(decode_lens)):
+        for j in range(n):
+            rows_tables.append(perm[i * width : (i + 1) * width])
+            rows_lens.append(context + j + 1)
+    tables = torch.stack(rows_tables)
+    seq_lens = torch.tensor(rows_lens)
+    query = torch.randn(len(rows_lens), num_heads, head_dim, generator=generator).to(dtype)
+    metadata = AttentionMetadata(
+        num_decode_tokens=len(rows_lens),
+        slot_block_ids=torch.zeros(0, dtype=torch.long),
+        slot_offsets=torch.zeros(0, dtype=torch.long),
+        decode_block_tables=tables,
+        decode_seq_lens=seq_lens,
+    )
+    scale = head_dim**-0.5
+    expected = TorchAttentionBackend().decode(query.float(), cache.float(), metadata, scale)
+    actual = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
+    assert actual.dtype == dtype and actual.shape == query.shape
+    torch.testing.assert_close(actual.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 # ---- fused element-wise kernels (csrc/fused_cpu.cpp) against the torch layers they replace ----
 
 
@@ -205,13 +250,15 @@ def test_cpu_prefill_plans_match_per_chunk_reference(ops, dtype) -> None:  # typ
     }
     for (limit, budget), (paged_chunks, single_chunks, group_sizes) in plans.items():
         actual = torch.zeros_like(query)
-        old_limit, old_budget = cpu.PAGED_PREFILL_PAIRS, cpu.PREFILL_BATCH_TOKENS
-        cpu.PAGED_PREFILL_PAIRS, cpu.PREFILL_BATCH_TOKENS = limit, budget
+        old_budget = cpu.PREFILL_BATCH_TOKENS
+        cpu.PREFILL_BATCH_TOKENS = budget
         try:
             step = AttentionMetadata(**{**metadata.__dict__, "scratch": {}})
-            cpu.CpuAttentionBackend(ops).prefill(query, key, value, cache, step, 0.125, actual)
+            backend = cpu.CpuAttentionBackend(ops, dtype)
+            backend.paged_pairs = limit
+            backend.prefill(query, key, value, cache, step, 0.125, actual)
         finally:
-            cpu.PAGED_PREFILL_PAIRS, cpu.PREFILL_BATCH_TOKENS = old_limit, old_budget
+            cpu.PREFILL_BATCH_TOKENS = old_budget
         paged, singles, groups = step.scratch["prefill_plan"]
         rows = [] if paged is None else torch.arange(start)[paged.rows].tolist()
         expected_rows = [r for i in paged_chunks for r in range(chunks[i].token_start, chunks[i].token_end)]

@@ -64,7 +64,7 @@ class ModelRunner:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.block_size = config.block_size
-        self.backend = get_attention_backend(config.attention_backend)
+        self.backend = get_attention_backend(config.attention_backend, self.dtype)
         self.model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None))
         self.model.load_weights(iterate_weights(config.model, self.model_config, gguf_reader))
         self.model.finalize()

@@ -1,13 +1,15 @@
 """Attention backends behind one interface; a lazy registry so optional ones load only when chosen.
 
 - "torch": the reference (runs anywhere; the oracle).
-- "cpu": csrc paged decode attention, torch prefill.
+- "cpu": csrc paged attention (decode rows, and prefill chunks up to a size), SDPA for longer prefill.
 - "auto": "cpu" when the kernels build, else "torch".
 """
 
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from worker.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
 
@@ -16,7 +18,7 @@ logger = logging.getLogger("engine.worker")
 BACKENDS = ("auto", "torch", "cpu")
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, dtype: torch.dtype | None = None) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
     from worker.attention.torch_ref import TorchAttentionBackend
@@ -32,7 +34,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
         return TorchAttentionBackend()
     from worker.attention.cpu import CpuAttentionBackend
 
-    return CpuAttentionBackend(ops)
+    return CpuAttentionBackend(ops, dtype)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "PrefillChunk", "get_attention_backend"]

@@ -29,13 +29,20 @@ CASCADE_MIN_BLOCKS = 8
 # prompts of ~100 tokens 97 vs 198 ms; 4 x 16 new after 512 cached 21 vs 36 ms; 4 fresh x 200 even;
 # 4 x 128 after 128 even; 4 fresh x 300: 163 vs 108 ms.
 PAGED_PREFILL_PAIRS = 16 * 1024
+# The same limit where the kernel runs a chunk's rows as AMX tiles (bf16 on CPUs with AMX; csrc
+# `prefill_tiles`): each tile of 16 rows reads its keys once. In-process steps, alternating with SDPA
+# (2026-11-30): 15 x 64 new after 512 shared 516 vs 652 ms; 15 x 256 after 512 1194 vs 1313; 4 fresh x 512
+# 732 vs 847; 2 fresh x 1024 950 vs 1058; one fresh 2,000-token prompt 1747 vs 1281 (SDPA wins there).
+TILED_PREFILL_PAIRS = 512 * 1024
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, ops: Any) -> None:
+    def __init__(self, ops: Any, dtype: torch.dtype | None = None) -> None:
         self.ops = ops
+        tiled = dtype == torch.bfloat16 and bool(ops.prefill_tiles())
+        self.paged_pairs = TILED_PREFILL_PAIRS if tiled else PAGED_PREFILL_PAIRS
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -58,7 +65,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not metadata.prefills:
             assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
             return metadata.decode_block_tables, metadata.decode_seq_lens
-        paged, singles, groups = step_plan(metadata, block_size)
+        paged, singles, groups = step_plan(metadata, block_size, self.paged_pairs)
         num_decode = metadata.num_decode_tokens
         if paged is None or singles or groups:
             return None
@@ -90,7 +97,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         over their KV read back from the cache (the new tokens are already written), one call per group
         instead of one per chunk; when they all begin with the same cached blocks, those keys are
         attended to once for all their rows (cascade, merged by log-sum-exp). The rest: SDPA per chunk."""
-        paged, singles, groups = step_plan(metadata, kv_cache.shape[2])
+        paged, singles, groups = step_plan(metadata, kv_cache.shape[2], self.paged_pairs)
         if paged is not None:
             rows = paged.rows
             out = self.ops.paged_decode_attention(
@@ -170,17 +177,17 @@ class PagedPrefill:
 
 
 def step_plan(
-    metadata: AttentionMetadata, block_size: int
+    metadata: AttentionMetadata, block_size: int, paged_pairs: int
 ) -> tuple[PagedPrefill | None, list[PrefillChunk], list[PrefillGroup]]:
     """plan_prefill of the step's chunks, made on first use (the first layer) and shared by the rest."""
     plan = metadata.scratch.get("prefill_plan")
     if plan is None:
-        plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, block_size)
+        plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, block_size, paged_pairs)
     return plan
 
 
 def plan_prefill(
-    chunks: list[PrefillChunk], block_size: int
+    chunks: list[PrefillChunk], block_size: int, paged_pairs: int = PAGED_PREFILL_PAIRS
 ) -> tuple[PagedPrefill | None, list[PrefillChunk], list[PrefillGroup]]:
     """(short chunks for the paged kernel, chunks prefilled one by one, batched groups). Fresh chunks too
     long for the kernel keep SDPA's causal path one call each (no mask to build); chunks after a context
@@ -188,7 +195,7 @@ def plan_prefill(
     short: list[PrefillChunk] = []
     rest: list[PrefillChunk] = []
     for chunk in chunks:
-        (short if _pairs(chunk) <= PAGED_PREFILL_PAIRS else rest).append(chunk)
+        (short if _pairs(chunk) <= paged_pairs else rest).append(chunk)
     paged = _plan_paged(short) if short else None
     with_context = [chunk for chunk in rest if chunk.context_len > 0]
     if len(with_context) < 2:
