@@ -10,7 +10,7 @@
 // A row is a decode token or a token of a prefill chunk. Decode rows: a task is one row and a run of
 // its kv heads (all of them when there are enough rows to keep every thread busy, so each cache line
 // is read once and in order). Prefill chunks arrive as runs of rows with one block table and lengths
-// growing by one; in bf16 on a CPU with AMX they run as tiles of up to 16 such rows whose keys are read
+// growing by one; in bf16 on a CPU with AMX they run as tiles of up to 64 such rows whose keys are read
 // once for the tile, with the matrix products on AMX (tiled_amx below). Scores are float32, the softmax
 // is exact (two passes), values are accumulated in float32 (the AMX path weighs them in bf16).
 #include "ops.h"
@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -265,7 +267,8 @@ void decode(const scalar_t* query, const scalar_t* cache, const int64_t* tables,
 struct Tile {
   int64_t first, rows;
 };
-constexpr int64_t TILE_ROWS = 16;
+// Rows a tile at most: more rows share one copy of the keys; 16, 32 and 64 measured (64 best by 3-25%).
+constexpr int64_t TILE_ROWS = 64;
 
 template <typename scalar_t>
 using RowKernel = void (*)(const scalar_t*, const scalar_t*, const int64_t*, int64_t, int64_t, scalar_t*,
@@ -292,22 +295,18 @@ struct alignas(64) TileConfig {
   }
 };
 
-// exp of 16 floats: exp_f32's polynomial (csrc/cpu_math.h), lane-wise.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+// 2^x of 16 floats to ~4e-5 relative (degree-4 polynomial of the fraction, scalef for the integer
+// part): enough for probabilities that are then rounded to bf16 (2^-9).
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // 16 x 16 32-bit elements transposed in registers.
@@ -341,7 +340,8 @@ inline void transpose16(__m512i (&r)[16]) {
 // length (AVX-512), then P V (tile products over 32-key blocks). The task's keys and values are copied
 // once into the pair-interleaved layout the tile product reads (keys: [dim pair][key][2]; values:
 // [key pair][dim][2]), zero beyond the tile's longest row. Single-row tiles (decode rows of a mixed step)
-// take the decode kernel's row.
+// take the decode kernel's row. The probabilities are rounded to bf16 for the P V product (as GPU flash
+// kernels do), their sums are kept in float32.
 template <int HEAD_DIM>
 void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int64_t* tables,
                const int64_t* seq_lens, c10::BFloat16* out, Shape shape, float scale, const std::vector<Tile>& tiles,
@@ -356,7 +356,15 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
   const int64_t half_stride = block_size * token_stride;
   const int64_t block_stride = 2 * half_stride;
   const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * shape.num_kv_heads;
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+  // Tasks handed out one at a time, the costliest first: a chunk's later tiles see more keys (a fresh
+  // 2,000-token prompt's last tile has 125 times the work of its first), so fixed halves of the range
+  // would leave one thread with most of the work.
+  std::vector<int64_t> order(tiles.size());
+  std::iota(order.begin(), order.end(), 0);
+  const auto cost = [&](int64_t i) { return tiles[i].rows * seq_lens[tiles[i].first + tiles[i].rows - 1]; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     RowScratch<bf16> scratch;
     std::vector<uint32_t> keys;      // [key block of 16][KD][16 dim pairs][16 keys]: bf16 pairs
     std::vector<uint16_t> values;    // [key block of 32][ND][16 key pairs][16 dims][2]
@@ -365,9 +373,9 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
     std::vector<uint16_t> probs;     // [16][padded32]
     alignas(64) float result[16 * 16];
     bool configured = false;
-    for (int64_t task = begin; task < end; ++task) {
-      const Tile tile = tiles[task / shape.num_kv_heads];
-      const int64_t kv = task % shape.num_kv_heads;
+    for (int64_t i = next++; i < num_tasks; i = next++) {
+      const Tile tile = tiles[order[i / shape.num_kv_heads]];
+      const int64_t kv = i % shape.num_kv_heads;
       const int64_t* table = tables + tile.first * shape.max_blocks;
       if (tile.rows == 1) {
         const int64_t offset = (tile.first * shape.num_heads + kv * group) * HEAD_DIM;
@@ -435,28 +443,49 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
         if constexpr (KD > 1) _tile_loadd(2, qv + 32, HEAD_DIM * 2);
         if constexpr (KD > 2) _tile_loadd(3, qv + 64, HEAD_DIM * 2);
         if constexpr (KD > 3) _tile_loadd(4, qv + 96, HEAD_DIM * 2);
-        for (int64_t t0 = 0; t0 < span16; t0 += 16) {
-          const uint32_t* kb = keys.data() + (t0 / 16) * (HEAD_DIM / 2) * 16;
+        // Two key blocks at a time (tmm0 with tmm5, tmm6 with tmm7): the products of one overlap the other's.
+        for (int64_t t0 = 0; t0 < span16; t0 += 32) {
+          const bool two = t0 + 16 < span16;
+          const uint32_t* ka = keys.data() + (t0 / 16) * (HEAD_DIM / 2) * 16;
+          const uint32_t* kb = ka + (HEAD_DIM / 2) * 16;
           _tile_zero(0);
-          _tile_loadd(5, kb, 64);
+          _tile_zero(6);
+          _tile_loadd(5, ka, 64);
           _tile_dpbf16ps(0, 1, 5);
+          if (two) {
+            _tile_loadd(7, kb, 64);
+            _tile_dpbf16ps(6, 1, 7);
+          }
           if constexpr (KD > 1) {
-            _tile_loadd(5, kb + 256, 64);
+            _tile_loadd(5, ka + 256, 64);
             _tile_dpbf16ps(0, 2, 5);
+            if (two) {
+              _tile_loadd(7, kb + 256, 64);
+              _tile_dpbf16ps(6, 2, 7);
+            }
           }
           if constexpr (KD > 2) {
-            _tile_loadd(5, kb + 512, 64);
+            _tile_loadd(5, ka + 512, 64);
             _tile_dpbf16ps(0, 3, 5);
+            if (two) {
+              _tile_loadd(7, kb + 512, 64);
+              _tile_dpbf16ps(6, 3, 7);
+            }
           }
           if constexpr (KD > 3) {
-            _tile_loadd(5, kb + 768, 64);
+            _tile_loadd(5, ka + 768, 64);
             _tile_dpbf16ps(0, 4, 5);
+            if (two) {
+              _tile_loadd(7, kb + 768, 64);
+              _tile_dpbf16ps(6, 4, 7);
+            }
           }
           _tile_stored(0, scores.data() + t0, padded * 4);
+          if (two) _tile_stored(6, scores.data() + t0 + 16, padded * 4);
         }
         // Softmax per vector over its own keys; probabilities in bf16, zero past them. Sums kept apart.
         float inv_sum[16];
-        const __m512 vscale = _mm512_set1_ps(scale);
+        const float log2_scale = scale * 1.44269504088896341f;  // exp(scale * s) = 2^(log2_scale * s)
         for (int c = 0; c < 16; ++c) {
           const float* sc = scores.data() + c * padded;
           uint16_t* p = probs.data() + c * padded;
@@ -466,11 +495,11 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
           };
           __m512 top = _mm512_set1_ps(-INFINITY);
           for (int64_t t = 0; t < n; t += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, valid(t), sc + t));
-          const __m512 max_score = _mm512_set1_ps(n > 0 ? _mm512_reduce_max_ps(top) : 0.f);
+          const __m512 vscale = _mm512_set1_ps(log2_scale);
+          const __m512 offset = _mm512_set1_ps(n > 0 ? _mm512_reduce_max_ps(top) * log2_scale : 0.f);
           __m512 sum = _mm512_setzero_ps();
           for (int64_t t = 0; t < span32; t += 16) {
-            const __mmask16 m = valid(t);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), max_score), vscale)));
+            const __m512 e = _mm512_maskz_mov_ps(valid(t), exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sc + t), vscale, offset)));
             sum = _mm512_add_ps(sum, e);
             const __m256bh half = _mm512_cvtneps_pbh(e);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<const __m256i&>(half));

@@ -30,10 +30,12 @@ CASCADE_MIN_BLOCKS = 8
 # 4 x 128 after 128 even; 4 fresh x 300: 163 vs 108 ms.
 PAGED_PREFILL_PAIRS = 16 * 1024
 # The same limit where the kernel runs a chunk's rows as AMX tiles (bf16 on CPUs with AMX; csrc
-# `prefill_tiles`): each tile of 16 rows reads its keys once. In-process steps, alternating with SDPA
-# (2026-11-30): 15 x 64 new after 512 shared 516 vs 652 ms; 15 x 256 after 512 1194 vs 1313; 4 fresh x 512
-# 732 vs 847; 2 fresh x 1024 950 vs 1058; one fresh 2,000-token prompt 1747 vs 1281 (SDPA wins there).
-TILED_PREFILL_PAIRS = 512 * 1024
+# `prefill_tiles`): each tile of up to 64 rows reads its keys once, the products run on AMX. It wins or
+# ties at every length measured, so every chunk takes it. Whole in-process steps, bf16, alternating with
+# the SDPA paths (2026-11-30, /tmp scripts): 15 x 64 new after 512 shared 315 vs 426 ms; 2 fresh x 1024
+# 689 vs 823; one fresh 2,000-token prompt 1173 vs 1150; a 6,000-token prompt in 2,048-token chunks
+# 5.0 vs 7.3 s.
+TILED_PREFILL_PAIRS = 1 << 62
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
