@@ -1,10 +1,13 @@
 """The fast CPU backend: decode attention by the csrc kernel, reading blocks in place (no gather), and
 new keys and values written into the cache by one kernel call.
 
-Prefill: short chunks (fresh prompts of a few hundred tokens, short continuations of a cached context)
-go through the same paged kernel, one query row per token with its causal length, all in one call; longer
-chunks after a cached context are batched into padded SDPA calls (with a shared cached prefix attended
-once for all of them), longer fresh ones use SDPA's causal path one by one. `ops` (the csrc module) is public: the model's fused layers use the same kernels.
+Prefill: in bf16 on a CPU with AMX, every chunk goes through the same paged kernel, one query row per
+token with its causal length, all in one call; the kernel runs a chunk's rows as AMX tiles that read
+their keys once. Otherwise short chunks (fresh prompts of a few hundred tokens, short continuations of
+a cached context) take that path row by row; longer chunks after a cached context are batched into
+padded SDPA calls (with a shared cached prefix attended once for all of them), longer fresh ones use
+SDPA's causal path one by one. `ops` (the csrc module) is public: the model's fused layers use the same
+kernels.
 """
 
 from __future__ import annotations
