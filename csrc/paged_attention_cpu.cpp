@@ -399,9 +399,9 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
       for (int64_t t0 = 0; t0 < padded; t0 += 16) {
         for (int kd = 0; kd < KD; ++kd) {
           __m512i r[16];
-          for (int i = 0; i < 16; ++i) {
-            const bf16* key = row_of(t0 + i);
-            r[i] = key ? _mm512_loadu_si512(key + kd * 32) : _mm512_setzero_si512();
+          for (int j = 0; j < 16; ++j) {
+            const bf16* key = row_of(t0 + j);
+            r[j] = key ? _mm512_loadu_si512(key + kd * 32) : _mm512_setzero_si512();
           }
           transpose16(r);
           uint32_t* dst = keys.data() + (t0 / 16) * (HEAD_DIM / 2) * 16 + kd * 256;
@@ -437,7 +437,7 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
           lens[c] = j0 + c < num_vectors ? seq_lens[tile.first + (j0 + c) / group] : 0;
         const int64_t span = *std::max_element(lens, lens + 16);
         const int64_t span16 = (span + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;
-        // Scores, 16 keys at a time: tmm0 += Q (tmm1..) x K (tmm5).
+        // Scores: these 16 query vectors in tmm1..tmm4 (32 dims each), against 16 keys a tile product.
         const uint16_t* qv = q.data() + j0 * HEAD_DIM;
         _tile_loadd(1, qv, HEAD_DIM * 2);
         if constexpr (KD > 1) _tile_loadd(2, qv + 32, HEAD_DIM * 2);
