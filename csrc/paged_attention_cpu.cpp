@@ -450,6 +450,7 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
           const uint32_t* kb = ka + (HEAD_DIM / 2) * 16;
           _tile_zero(0);
           _tile_zero(6);
+          // Spelled out per 32-dim slice: the tile intrinsics take their register numbers as literals.
           _tile_loadd(5, ka, 64);
           _tile_dpbf16ps(0, 1, 5);
           if (two) {

@@ -19,13 +19,16 @@ def ops():  # type: ignore[no-untyped-def]
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
+EVERY_DTYPE = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# Query-head groups of 3, 1 and 4; head_dim 64, 32 (portable kernel) and 128; blocks of 16, 8 and 32.
+ATTENTION_SHAPES = pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16), (16, 4, 64, 32)],
 )
+
+
+@EVERY_DTYPE
+@ATTENTION_SHAPES
 def test_paged_decode_attention_matches_reference(
     ops, dtype, num_heads, num_kv_heads, head_dim, block_size
 ) -> None:  # type: ignore[no-untyped-def]
@@ -38,25 +41,28 @@ def test_paged_decode_attention_matches_reference(
         num_seqs, max_blocks
     )
     query = torch.randn(num_seqs, num_heads, head_dim, generator=generator).to(dtype)
+    check_paged_rows(ops, query, cache, tables, seq_lens)
+
+
+def check_paged_rows(ops, query, cache, tables, seq_lens) -> None:  # type: ignore[no-untyped-def]
+    """The kernel's rows (one block table and length each) against the reference, row by row."""
     metadata = AttentionMetadata(
-        num_decode_tokens=num_seqs,
+        num_decode_tokens=query.shape[0],
         slot_block_ids=torch.zeros(0, dtype=torch.long),
         slot_offsets=torch.zeros(0, dtype=torch.long),
         decode_block_tables=tables,
         decode_seq_lens=seq_lens,
     )
-    scale = head_dim**-0.5
+    scale = query.shape[-1] ** -0.5
     expected = TorchAttentionBackend().decode(query.float(), cache.float(), metadata, scale)
     actual = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
-    assert actual.dtype == dtype and actual.shape == query.shape
-    torch.testing.assert_close(actual.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert actual.dtype == query.dtype and actual.shape == query.shape
+    tolerance = TOLERANCE[query.dtype]
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16), (16, 4, 64, 32)],
-)
+@EVERY_DTYPE
+@ATTENTION_SHAPES
 def test_paged_rows_of_prefill_chunks_match_reference(
     ops, dtype, num_heads, num_kv_heads, head_dim, block_size
 ) -> None:  # type: ignore[no-untyped-def]
@@ -83,18 +89,7 @@ def test_paged_rows_of_prefill_chunks_match_reference(
     tables = torch.stack(rows_tables)
     seq_lens = torch.tensor(rows_lens)
     query = torch.randn(len(rows_lens), num_heads, head_dim, generator=generator).to(dtype)
-    metadata = AttentionMetadata(
-        num_decode_tokens=len(rows_lens),
-        slot_block_ids=torch.zeros(0, dtype=torch.long),
-        slot_offsets=torch.zeros(0, dtype=torch.long),
-        decode_block_tables=tables,
-        decode_seq_lens=seq_lens,
-    )
-    scale = head_dim**-0.5
-    expected = TorchAttentionBackend().decode(query.float(), cache.float(), metadata, scale)
-    actual = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
-    assert actual.dtype == dtype and actual.shape == query.shape
-    torch.testing.assert_close(actual.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    check_paged_rows(ops, query, cache, tables, seq_lens)
 
 
 # ---- fused element-wise kernels (csrc/fused_cpu.cpp) against the torch layers they replace ----
