@@ -16,7 +16,6 @@ Writes benchmarks/results/peers.json, peers.md (the table) and peers.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os
@@ -34,6 +33,7 @@ from typing import Any
 
 import httpx
 import psutil
+import uvloop
 
 from frontend.bench_serve import random_requests, run, summarize
 
@@ -264,7 +264,7 @@ def run_server(name: str, args: argparse.Namespace, cache: Path, hf: Path) -> di
         for workload in workloads(args):
             bench = bench_args(f"http://127.0.0.1:{port}", workload)
             requests = random_requests(bench, random.Random(bench.seed))
-            outcome, duration = asyncio.run(run(bench, requests))
+            outcome, duration = uvloop.run(run(bench, requests))
             summary = summarize(bench, outcome, duration, name)
             results["runs"][workload["name"]] = summary
             print(

@@ -16,6 +16,8 @@ import uuid
 from dataclasses import asdict
 from typing import Any
 
+import uvloop
+
 from frontend.async_client import AsyncEngineClient
 from frontend.bench_serve import (
     BenchRequest,
@@ -104,7 +106,7 @@ def frontend_cost(engine: dict[str, Any], serve: dict[str, Any]) -> dict[str, fl
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     args.endpoint = "completions"  # token-id prompts
     requests = random_requests(args, random.Random(args.seed))
-    results, duration, info = asyncio.run(run_engine(args, requests))
+    results, duration, info = uvloop.run(run_engine(args, requests))
     summary = summarize(args, results, duration, args.address)
     summary["model"] = info
     print(f"engine at {args.address} (ZMQ, token ids; no HTTP, no tokenizer)")
@@ -116,7 +118,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         args.model = args.served_model_name or first_model(args.base_url, args.api_key)
         # Fresh prompts of the same shapes: the engine's prefix cache must not favour the second pass.
         again = random_requests(args, random.Random(args.seed + 7919))
-        serve_results, serve_duration = asyncio.run(run(args, again))
+        serve_results, serve_duration = uvloop.run(run(args, again))
         serve_summary = summarize(args, serve_results, serve_duration, args.base_url)
         cost = frontend_cost(summary, serve_summary)
         print(f"\nthe same requests through {args.base_url} (HTTP, SSE)")

@@ -75,6 +75,16 @@ def test_zmq_harness_and_bench_serve_agree_with_metrics(smollm2_gguf: str, tmp_p
         assert delta("engine:prompt_tokens_total") == http["total_input_tokens"]
         assert delta("engine:generation_tokens_total") == http["total_output_tokens"]
         assert delta("engine:request_success_total") == 6
+
+        # A refused request is a failure with the server's answer, and the run's status says so.
+        out = tmp_path / "refused.json"
+        run = bench(
+            "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "no-such-model", "--endpoint",
+            "chat", "--num-prompts", "2", "--warmup", "0", "--quiet", "--output-json", str(out),
+        )  # fmt: skip
+        assert run.returncode == 1, run.stdout + run.stderr
+        summary = json.loads(out.read_text())["summary"]
+        assert summary["failed"] == 2 and summary["errors"][0].startswith("HTTP 404"), summary
     finally:
         stop(server)
 
