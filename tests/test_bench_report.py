@@ -9,7 +9,7 @@ import sys
 
 import psutil
 
-from benchmarks.peers import PeakRss, bench_args, plot, table, workloads
+from benchmarks.peers import PeakRss, bench_args, combine_rounds, plot, table, workloads
 from tests.serve_helpers import wait_until
 
 
@@ -56,6 +56,26 @@ def test_table_gives_each_figure_and_ours_over_peer() -> None:
     assert "| whole run | peak RSS, process tree (MiB) | 900.0 | 1800.0 | n/a | 0.50x | n/a |" in lines
     assert "| whole run | startup (s) | 10.0 | 100.0 | n/a | 0.10x | n/a |" in lines
     assert len(lines) == 2 + 3 * 7 + 2
+
+
+def test_rounds_combine_into_medians_and_the_worst_memory() -> None:
+    names = ["random c=16"]
+
+    def round_(tok_s: float, ttft_s: float, rss: float) -> dict:  # type: ignore[type-arg]
+        return {"runs": {n: summary(tok_s, ttft_s) for n in names}, "peak_rss_mib": rss, "startup_s": 10.0}
+
+    rounds = [
+        round_(300.0, 0.4, 900.0),
+        {"error": "exited", "runs": {}},
+        round_(500.0, 0.2, 950.0),
+        round_(400.0, 0.9, 920.0),
+    ]
+    combined = combine_rounds(rounds)
+    run = combined["runs"]["random c=16"]
+    assert run["output_throughput"] == 400.0 and run["ttft_s"]["p50"] == 0.4 and run["ttft_s"]["p99"] == 0.8
+    assert combined["peak_rss_mib"] == 950.0 and combined["rounds"] == rounds
+    failed = combine_rounds([{"error": "exited", "runs": {}}])
+    assert failed["error"] == "exited" and failed["runs"] == {}
 
 
 def test_plot_writes_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
