@@ -25,7 +25,8 @@ from frontend.serving import OpenAIServing, clamp_top, engine_error, new_id
 router = APIRouter()
 
 
-def get_serving(request: Request) -> OpenAIServing:
+async def get_serving(request: Request) -> OpenAIServing:
+    # async: FastAPI runs a plain `def` dependency in its thread pool, a thread hop for every request.
     return request.app.state.deps.serving  # type: ignore[no-any-return]
 
 
@@ -250,7 +251,8 @@ def completion_prompts(serving: OpenAIServing, body: CompletionRequest) -> list[
                 raise OpenAIError(
                     f"token ids must be in [0, {serving.model_info.vocab_size}).", param="prompt"
                 )
-            text = serving.tokenizer.decode(item) if serving.tokenizer is not None else None
+            # The prompt's text is only ever sent back by echo.
+            text = serving.tokenizer.decode(item) if body.echo and serving.tokenizer is not None else None
             result.append((text, list(item)))
     return result
 

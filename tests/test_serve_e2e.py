@@ -133,6 +133,14 @@ def test_completions_n_stop_logprobs_echo(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5, temperature=0, stream=True)
     )
     assert stream[-1].choices[0].finish_reason in ("length", "stop")
+    # Token-id prompts are decoded for echo (and only then).
+    ids = [504, 3458, 314, 2063]
+    plain, echoed = (
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=echo)
+        for echo in (False, True)
+    )
+    assert len(echoed.choices[0].text) > len(plain.choices[0].text) > 0
+    assert echoed.choices[0].text.endswith(plain.choices[0].text)
 
 
 def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
