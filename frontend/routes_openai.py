@@ -20,7 +20,7 @@ from frontend.openai_format import (
     usage,
 )
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, OpenAIError
-from frontend.serving import OpenAIServing, clamp_top, engine_error, new_id
+from frontend.serving import OpenAIServing, clamp_top, engine_error, merged, new_id
 
 router = APIRouter()
 
@@ -341,39 +341,45 @@ async def _completion_stream(
         return sse({**payload, **(extra or {})})
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    total_prompt, total_completion, cached = 0, 0, 0
+    total_prompt = sum(len(ids) for _, ids in prompts)
+    total_completion = 0
+    cached: dict[int, int] = {}
     try:
-        for p, ((text, ids), params) in enumerate(zip(prompts, params_list, strict=True)):
-            total_prompt += len(ids)
+        for p, (text, _) in enumerate(prompts):
             if body.echo and text:
                 for index in range(body.n):
                     yield chunk(
                         [{"index": p * body.n + index, "text": text, "logprobs": None, "finish_reason": None}]
                     )
-            async for delta in serving.generate(f"{request_id}-{p}", ids, params, body.priority):
-                total_completion += len(delta.output.new_token_ids)
-                logprobs = None
-                if top is not None and delta.output.new_logprobs is not None:
-                    logprobs = completion_logprobs(delta.output.new_logprobs, top, serving.token_text, 0)
-                index = p * body.n + delta.choice.index
-                if delta.text or logprobs is not None or delta.choice.finish_reason is not None:
-                    yield chunk(
-                        [
-                            {
-                                "index": index,
-                                "text": delta.text,
-                                "logprobs": logprobs,
-                                "finish_reason": delta.choice.finish_reason,
-                                "stop_reason": delta.choice.stop_reason,
-                            }
-                        ]
-                    )
-                if delta.choice.finish_reason is not None:
-                    cached = delta.output.num_cached_tokens
+        # Every prompt runs at once (the engine batches them), their chunks interleaved as they come.
+        streams = [
+            serving.generate(f"{request_id}-{p}", ids, params, body.priority)
+            for p, ((_, ids), params) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        async for p, delta in merged(streams):
+            total_completion += len(delta.output.new_token_ids)
+            logprobs = None
+            if top is not None and delta.output.new_logprobs is not None:
+                logprobs = completion_logprobs(delta.output.new_logprobs, top, serving.token_text, 0)
+            index = p * body.n + delta.choice.index
+            if delta.text or logprobs is not None or delta.choice.finish_reason is not None:
+                yield chunk(
+                    [
+                        {
+                            "index": index,
+                            "text": delta.text,
+                            "logprobs": logprobs,
+                            "finish_reason": delta.choice.finish_reason,
+                            "stop_reason": delta.choice.stop_reason,
+                        }
+                    ]
+                )
+            if delta.choice.finish_reason is not None:
+                cached[p] = delta.output.num_cached_tokens
     except Exception as error:
         yield sse(engine_error(error).body())
         yield SSE_DONE
         return
     if include_usage:
-        yield chunk([], {"usage": usage(total_prompt, total_completion, cached)})
+        yield chunk([], {"usage": usage(total_prompt, total_completion, sum(cached.values()))})
     yield SSE_DONE

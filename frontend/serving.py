@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from frontend.async_client import SHUTDOWN_REASON, AsyncEngineClient
 from frontend.detokenizer import IncrementalDetokenizer
@@ -19,6 +19,8 @@ from frontend.openai_models import ChatCompletionRequest, OpenAIError, SamplingF
 from protocol.errors import EngineDeadError, InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger("engine.requests")
 
@@ -270,6 +272,42 @@ class OpenAIServing:
                 await self.client.abort(sorted(open_ids))
 
 
+async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as they come, each with its stream's index. Closing the merged
+    stream (the client left) cancels every stream still running, which runs their cleanup (aborts)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    # (stream, (item,)) for an item, (stream, error) for a failure, (stream, None) when it is done
+    queue: asyncio.Queue[tuple[int, tuple[T] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, (item,)))
+        except Exception as error:
+            await queue.put((index, error))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, event = await queue.get()
+            if isinstance(event, BaseException):
+                raise event
+            if event is None:
+                running -= 1
+                continue
+            yield index, event[0]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def new_id(prefix: str, header_id: str | None) -> str:
     return f"{prefix}-{header_id or uuid.uuid4().hex}"
 
@@ -305,6 +343,7 @@ __all__ = [
     "clamp_top",
     "completion_logprobs",
     "engine_error",
+    "merged",
     "new_id",
     "sse",
     "usage",

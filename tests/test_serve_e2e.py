@@ -217,9 +217,10 @@ def engine_stats(server) -> dict:  # type: ignore[no-untyped-def]
     return httpx.get(f"{server['base']}/load", headers=auth()).json()["engine"]
 
 
-def test_client_disconnect_mid_stream_frees_blocks(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("prompts", [["Tell me a long story."], ["Tell me a long story.", "And another."]])
+def test_client_disconnect_mid_stream_frees_blocks(server, prompts: list[str]) -> None:  # type: ignore[no-untyped-def]
     with httpx.Client(timeout=60) as raw:
-        body = {"prompt": "Tell me a long story.", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        body = {"prompt": prompts, "max_tokens": 900, "ignore_eos": True, "stream": True}
         with raw.stream("POST", f"{server['base']}/v1/completions", json=body, headers=auth()) as response:
             for count, _ in enumerate(response.iter_lines()):
                 if count > 5:
@@ -230,6 +231,37 @@ def test_client_disconnect_mid_stream_frees_blocks(server, client: openai.OpenAI
         8,
         "the aborted request's blocks to be freed",
     )
+
+
+def test_streamed_prompts_run_at_once(client: openai.OpenAI) -> None:
+    # Several prompts in one streamed request are generated together, their chunks interleaved (as in
+    # vLLM), not one prompt after the other; usage counts them all.
+    prompts = [[504, 3458, 314, 2063], [2063, 314, 3458], [42, 4242]]
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    order = [c.choices[0].index for c in chunks if c.choices]
+    assert set(order) == {0, 1, 2}
+    first_of = {index: order.index(index) for index in (0, 1, 2)}
+    last_of = {index: len(order) - 1 - order[::-1].index(index) for index in (0, 1, 2)}
+    assert max(first_of.values()) < min(last_of.values()), order
+    finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(c.index for c in finishes) == [0, 1, 2] and all(
+        c.finish_reason == "length" for c in finishes
+    )
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == 9 and chunks[-1].usage.completion_tokens == 36
+    texts = {
+        i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    }
+    for index, ids in enumerate(prompts):  # each the same as asked alone
+        alone = client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert texts[index] == alone.choices[0].text
 
 
 def test_client_disconnect_before_a_non_streamed_answer_frees_blocks(server) -> None:  # type: ignore[no-untyped-def]
