@@ -7,7 +7,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -190,7 +191,7 @@ class OpenAIServing:
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Run the n choices of one prompt; yield each piece of new text as it comes."""
         if self.log_requests and logger.isEnabledFor(logging.DEBUG):
             shown = self.tokenizer.decode(prompt_ids[:64]) if self.tokenizer is not None else prompt_ids[:64]
@@ -272,17 +273,19 @@ class OpenAIServing:
                 await self.client.abort(sorted(open_ids))
 
 
-async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merged(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """The items of several streams as they come, each with its stream's index. Closing the merged
-    stream (the client left) cancels every stream still running, which runs their cleanup (aborts)."""
+    stream (the client left) closes or cancels every stream still running, which runs their cleanup
+    (aborts)."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
         return
     # (stream, (item,)) for an item, (stream, error) for a failure, (stream, None) when it is done
     queue: asyncio.Queue[tuple[int, tuple[T] | BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
         try:
             async for item in stream:
                 await queue.put((index, (item,)))
