@@ -3,6 +3,7 @@
 The harness registers with the engine as one more frontend (as `engine serve --attach` does) and sends
 token ids, so neither HTTP nor tokenization is measured. With `--compare-base-url` it then sends the same
 requests through an API server of that engine and prints the difference: the frontend's cost.
+`--rounds N` repeats the pair N times, the two paths taking turns going first, and reports the medians.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 import uuid
 from dataclasses import asdict
@@ -103,35 +105,83 @@ def frontend_cost(engine: dict[str, Any], serve: dict[str, Any]) -> dict[str, fl
     }
 
 
-def cmd_bench_engine(args: argparse.Namespace) -> int:
-    args.endpoint = "completions"  # token-id prompts
-    requests = random_requests(args, random.Random(args.seed))
+def median_cost(costs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the rounds (one round: that round's figures)."""
+    return {name: statistics.median(cost[name] for cost in costs) for name in costs[0]}
+
+
+def engine_pass(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    requests = random_requests(args, random.Random(seed))
     results, duration, info = uvloop.run(run_engine(args, requests))
     summary = summarize(args, results, duration, args.address)
     summary["model"] = info
+    return {"summary": summary, "results": results}
+
+
+def serve_pass(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    serve_args = argparse.Namespace(**{**vars(args), "base_url": args.compare_base_url})
+    requests = random_requests(args, random.Random(seed))
+    results, duration = uvloop.run(run(serve_args, requests))
+    return {"summary": summarize(serve_args, results, duration, args.compare_base_url), "results": results}
+
+
+def print_cost(cost: dict[str, float]) -> None:
+    print(
+        f"{'TTFT mean / p99 (ms):':<36}{1000 * cost['ttft_mean_s']:+.1f} / {1000 * cost['ttft_p99_s']:+.1f}"
+    )
+    print(f"{'ITL mean (ms):':<36}{1000 * cost['itl_mean_s']:+.2f}")
+    print(f"{'E2E mean (ms):':<36}{1000 * cost['e2el_mean_s']:+.1f}")
+    print(f"{'Output throughput, HTTP / ZMQ:':<36}{cost['output_throughput_ratio']:.3f}")
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    args.endpoint = "completions"  # token-id prompts
+    if args.rounds < 1 or (args.rounds > 1 and not args.compare_base_url):
+        raise SystemExit("--rounds takes a count >= 1, and more than one round needs --compare-base-url")
+    if args.compare_base_url:
+        args.model = args.served_model_name or first_model(args.compare_base_url, args.api_key)
+    # Every pass gets fresh prompts of the same shapes, so the engine's prefix cache favours none; in
+    # rounds the two paths take turns going first (ZMQ, HTTP, HTTP, ZMQ, ...), so a machine that speeds
+    # up or slows down over the run does not tilt the ratio one way.
+    rounds: list[dict[str, Any]] = []
+    for index in range(args.rounds):
+        seeds = (args.seed + 2 * index * 7919, args.seed + (2 * index + 1) * 7919)
+        order = ("engine", "serve") if index % 2 == 0 or not args.compare_base_url else ("serve", "engine")
+        passes: dict[str, dict[str, Any]] = {}
+        for kind in order:
+            if kind == "engine":
+                passes[kind] = engine_pass(args, seeds[0])
+            elif args.compare_base_url:
+                passes[kind] = serve_pass(args, seeds[1])
+        rounds.append(passes)
+    first = rounds[0]
+    summary = first["engine"]["summary"]
     print(f"engine at {args.address} (ZMQ, token ids; no HTTP, no tokenizer)")
     print(table(summary))
-    report: dict[str, Any] = {"summary": summary, "requests": [asdict(r) for r in results]}
-    failed = summary["failed"]
+    report: dict[str, Any] = {"summary": summary, "requests": [asdict(r) for r in first["engine"]["results"]]}
+    failed = sum(p["summary"]["failed"] for passes in rounds for p in passes.values())
     if args.compare_base_url:
-        args.base_url = args.compare_base_url
-        args.model = args.served_model_name or first_model(args.base_url, args.api_key)
-        # Fresh prompts of the same shapes: the engine's prefix cache must not favour the second pass.
-        again = random_requests(args, random.Random(args.seed + 7919))
-        serve_results, serve_duration = uvloop.run(run(args, again))
-        serve_summary = summarize(args, serve_results, serve_duration, args.base_url)
-        cost = frontend_cost(summary, serve_summary)
-        print(f"\nthe same requests through {args.base_url} (HTTP, SSE)")
-        print(table(serve_summary))
-        print("\nfrontend cost (HTTP minus ZMQ, same load)")
-        print(
-            f"{'TTFT mean / p99 (ms):':<36}{1000 * cost['ttft_mean_s']:+.1f} / {1000 * cost['ttft_p99_s']:+.1f}"
-        )
-        print(f"{'ITL mean (ms):':<36}{1000 * cost['itl_mean_s']:+.2f}")
-        print(f"{'E2E mean (ms):':<36}{1000 * cost['e2el_mean_s']:+.1f}")
-        print(f"{'Output throughput, HTTP / ZMQ:':<36}{cost['output_throughput_ratio']:.3f}")
-        report.update(serve_summary=serve_summary, frontend_cost=cost)
-        failed += serve_summary["failed"]
+        costs = [frontend_cost(p["engine"]["summary"], p["serve"]["summary"]) for p in rounds]
+        print(f"\nthe same requests through {args.compare_base_url} (HTTP, SSE)")
+        print(table(first["serve"]["summary"]))
+        cost = median_cost(costs)
+        if args.rounds > 1:
+            print(f"\nfrontend cost (HTTP minus ZMQ, same load), the median of {args.rounds} rounds")
+            ratios = ", ".join(f"{c['output_throughput_ratio']:.3f}" for c in costs)
+            print(f"{'Output throughput ratio by round:':<36}{ratios}")
+        else:
+            print("\nfrontend cost (HTTP minus ZMQ, same load)")
+        print_cost(cost)
+        report.update(serve_summary=first["serve"]["summary"], frontend_cost=cost)
+        if args.rounds > 1:
+            report["rounds"] = [
+                {
+                    "summary": p["engine"]["summary"],
+                    "serve_summary": p["serve"]["summary"],
+                    "frontend_cost": c,
+                }
+                for p, c in zip(rounds, costs, strict=True)
+            ]
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
@@ -151,5 +201,11 @@ def add_engine_bench_parser(kinds: Any) -> None:
     )
     engine.add_argument("--served-model-name", default=None, help="model name for --compare-base-url")
     engine.add_argument("--api-key", default=None, help="for --compare-base-url")
+    engine.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --compare-base-url: this many ZMQ and HTTP passes, taking turns; the medians are reported",
+    )
     add_workload_args(engine, ("random", "shared-prefix"))
     engine.set_defaults(func=cmd_bench_engine)

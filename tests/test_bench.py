@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 
@@ -52,29 +53,37 @@ def test_zmq_harness_and_bench_serve_agree_with_metrics(smollm2_gguf: str, tmp_p
             "engine", "--address", address, "--compare-base-url", f"http://127.0.0.1:{port}",
             "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "24", "--range-ratio", "0.5",
             "--output-len", "6", "--ignore-eos", "--warmup", "0", "--quiet", "--output-json", str(out),
+            "--rounds", "2",
         )  # fmt: skip
         assert run.returncode == 0, run.stdout + run.stderr
-        assert "frontend cost" in run.stdout
+        assert "frontend cost" in run.stdout and "the median of 2 rounds" in run.stdout
         report = json.loads(out.read_text())
-        zmq, http = report["summary"], report["serve_summary"]
-        assert zmq["completed"] == http["completed"] == 6
-        assert zmq["total_output_tokens"] >= 18 and http["total_output_tokens"] >= 18  # ignore_eos, 3..9 each
-        assert zmq["ttft_s"]["p50"] > 0 and http["ttft_s"]["p50"] > 0
+        rounds = report["rounds"]
+        assert len(rounds) == 2 and rounds[0]["summary"] == report["summary"]
+        ratios = [r["frontend_cost"]["output_throughput_ratio"] for r in rounds]
+        assert report["frontend_cost"]["output_throughput_ratio"] == pytest.approx(statistics.median(ratios))
+        zmq = [r["summary"] for r in rounds]
+        http = [r["serve_summary"] for r in rounds]
+        for summary in zmq + http:
+            assert summary["completed"] == 6 and summary["ttft_s"]["p50"] > 0
+            assert summary["total_output_tokens"] >= 18  # ignore_eos, 3..9 each
 
         def delta(name: str) -> float:
             return counters(port).get(name, 0.0) - before.get(name, 0.0)
 
         # Engine-wide counters see both harnesses; they reach /metrics with the next stats message.
-        generated = zmq["total_output_tokens"] + http["total_output_tokens"]
+        generated = sum(s["total_output_tokens"] for s in zmq + http)
         wait_until(lambda: delta("engine:engine_generation_tokens_total") == generated, 10, "engine counters")
         computed = delta("engine:engine_prompt_tokens_computed_total") + delta(
             "engine:prefix_cache_hits_total"
         )
-        assert computed == zmq["total_input_tokens"] + http["total_input_tokens"]
-        # Per-request counters belong to the API servers: exactly the HTTP pass.
-        assert delta("engine:prompt_tokens_total") == http["total_input_tokens"]
-        assert delta("engine:generation_tokens_total") == http["total_output_tokens"]
-        assert delta("engine:request_success_total") == 6
+        assert computed == sum(s["total_input_tokens"] for s in zmq + http)
+        # Every pass had prompts of its own: no pass was served from another's prefix cache.
+        assert delta("engine:prefix_cache_hits_total") == 0
+        # Per-request counters belong to the API servers: exactly the HTTP passes.
+        assert delta("engine:prompt_tokens_total") == sum(s["total_input_tokens"] for s in http)
+        assert delta("engine:generation_tokens_total") == sum(s["total_output_tokens"] for s in http)
+        assert delta("engine:request_success_total") == 12
 
         # A refused request is a failure with the server's answer, and the run's status says so.
         out = tmp_path / "refused.json"
@@ -87,6 +96,11 @@ def test_zmq_harness_and_bench_serve_agree_with_metrics(smollm2_gguf: str, tmp_p
         assert summary["failed"] == 2 and summary["errors"][0].startswith("HTTP 404"), summary
     finally:
         stop(server)
+
+
+def test_rounds_need_a_comparison() -> None:
+    run = bench("engine", "--address", "tcp://127.0.0.1:9", "--rounds", "3")
+    assert run.returncode != 0 and "needs --compare-base-url" in run.stderr
 
 
 def test_offline_throughput_and_latency(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
