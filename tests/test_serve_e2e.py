@@ -594,3 +594,14 @@ def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -
     assert error.value.status_code == 503
     # Then the launcher stops everything and exits non-zero, so a supervisor restarts it.
     assert server["process"].wait(timeout=60) != 0
+
+
+def test_served_prompts_are_prefilled_in_short_steps(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    # `engine serve` budgets 256 tokens a step (frontend.cli.SERVE_MAX_NUM_BATCHED_TOKENS): a 700-token
+    # prompt takes three prefill steps; with the offline budget of 2,048 it would take one.
+    prompt = [1000 + (i * 37) % 20000 for i in range(700)]  # no other test's prefix: nothing cached
+    before = engine_stats(server)["num_steps"]
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert completion.usage.prompt_tokens == 700 and completion.usage.completion_tokens == 1
+    wait_until(lambda: engine_stats(server)["num_steps"] >= before + 3, 10, "the engine's step count")
+    assert engine_stats(server)["num_steps"] - before == 3  # 256 + 256 + 188 prompt tokens, the last samples
