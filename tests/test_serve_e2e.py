@@ -264,6 +264,31 @@ def test_streamed_prompts_run_at_once(client: openai.OpenAI) -> None:
         assert texts[index] == alone.choices[0].text
 
 
+def settled_steps(server) -> int:  # type: ignore[no-untyped-def]
+    """The engine's step count once it is idle and both API servers report it: each keeps the stats the
+    engine last sent it, refreshed for all by the idle heartbeat; reads on fresh connections reach both."""
+    seen: list[int] = []
+
+    def agreed() -> bool:
+        reads = [engine_stats(server) for _ in range(8)]
+        seen[:] = [r["num_steps"] for r in reads]
+        return all(r["num_running"] == 0 for r in reads) and len(set(seen)) == 1
+
+    wait_until(agreed, 15, "both API servers to report the idle engine's steps")
+    return seen[0]
+
+
+def test_served_prompts_are_prefilled_in_short_steps(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    # `engine serve` budgets 256 tokens a step (frontend.cli.SERVE_MAX_NUM_BATCHED_TOKENS): a 700-token
+    # prompt takes three prefill steps; with the offline budget of 2,048 it would take one.
+    prompt = [1000 + (i * 37) % 20000 for i in range(700)]  # no other test's prefix: nothing cached
+    before = settled_steps(server)
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert completion.usage.prompt_tokens == 700 and completion.usage.completion_tokens == 1
+    wait_until(lambda: settled_steps(server) > before, 15, "the engine's step count")
+    assert settled_steps(server) - before == 3  # 256 + 256 + 188 prompt tokens, the last samples
+
+
 def test_client_disconnect_before_a_non_streamed_answer_frees_blocks(server) -> None:  # type: ignore[no-untyped-def]
     body = {"prompt": ["Tell me a long story.", "And another one."], "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
@@ -594,14 +619,3 @@ def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -
     assert error.value.status_code == 503
     # Then the launcher stops everything and exits non-zero, so a supervisor restarts it.
     assert server["process"].wait(timeout=60) != 0
-
-
-def test_served_prompts_are_prefilled_in_short_steps(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
-    # `engine serve` budgets 256 tokens a step (frontend.cli.SERVE_MAX_NUM_BATCHED_TOKENS): a 700-token
-    # prompt takes three prefill steps; with the offline budget of 2,048 it would take one.
-    prompt = [1000 + (i * 37) % 20000 for i in range(700)]  # no other test's prefix: nothing cached
-    before = engine_stats(server)["num_steps"]
-    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
-    assert completion.usage.prompt_tokens == 700 and completion.usage.completion_tokens == 1
-    wait_until(lambda: engine_stats(server)["num_steps"] >= before + 3, 10, "the engine's step count")
-    assert engine_stats(server)["num_steps"] - before == 3  # 256 + 256 + 188 prompt tokens, the last samples
