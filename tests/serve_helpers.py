@@ -17,6 +17,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_engine_port() -> int:
+    """A port P for `--engine-address tcp://127.0.0.1:P`: the engine binds P and P + 1, so both must be free
+    (a P + 1 held by some other socket made a headless engine exit with "Address already in use")."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
 def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from tests.serve_helpers import free_port, stop, wait_until
+from tests.serve_helpers import free_engine_port, free_port, stop, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 
 def test_zmq_harness_and_bench_serve_agree_with_metrics(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    port, engine_port = free_port(), free_port()
+    port, engine_port = free_port(), free_engine_port()
     address = f"tcp://127.0.0.1:{engine_port}"
     server = subprocess.Popen(
         [

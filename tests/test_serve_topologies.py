@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from tests.serve_helpers import free_port, stop, wait_until
+from tests.serve_helpers import free_engine_port, free_port, stop, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks"
 
 
 def test_attach_a_frontend_to_a_running_server(smollm2_gguf: str) -> None:
-    engine_port, first_port, second_port = free_port(), free_port(), free_port()
+    engine_port, first_port, second_port = free_engine_port(), free_port(), free_port()
     address = f"tcp://127.0.0.1:{engine_port}"
     first = start(smollm2_gguf, "--port", str(first_port), "--engine-address", address, *ENGINE_ARGS)
     second = None
@@ -57,7 +57,7 @@ def test_attach_a_frontend_to_a_running_server(smollm2_gguf: str) -> None:
 
 
 def test_headless_engine_with_two_attached_frontends(smollm2_gguf: str) -> None:
-    engine_port, port_a, port_b = free_port(), free_port(), free_port()
+    engine_port, port_a, port_b = free_engine_port(), free_port(), free_port()
     address = f"tcp://127.0.0.1:{engine_port}"
     headless = start(smollm2_gguf, "--headless", "--engine-address", address, *ENGINE_ARGS)
     frontends = []
