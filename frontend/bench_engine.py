@@ -146,13 +146,10 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     rounds: list[dict[str, Any]] = []
     for index in range(args.rounds):
         seeds = (args.seed + 2 * index * 7919, args.seed + (2 * index + 1) * 7919)
-        order = ("engine", "serve") if index % 2 == 0 or not args.compare_base_url else ("serve", "engine")
+        kinds = ["engine", "serve"] if args.compare_base_url else ["engine"]
         passes: dict[str, dict[str, Any]] = {}
-        for kind in order:
-            if kind == "engine":
-                passes[kind] = engine_pass(args, seeds[0])
-            elif args.compare_base_url:
-                passes[kind] = serve_pass(args, seeds[1])
+        for kind in kinds if index % 2 == 0 else kinds[::-1]:
+            passes[kind] = engine_pass(args, seeds[0]) if kind == "engine" else serve_pass(args, seeds[1])
         rounds.append(passes)
     first = rounds[0]
     summary = first["engine"]["summary"]
