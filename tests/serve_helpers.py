@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
@@ -11,25 +12,46 @@ import httpx
 import psutil
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` adjacent ports, all free now, chosen below the kernel's ephemeral range: a port
+    that `bind(("", 0))` hands out can be handed out again, or taken by an outgoing connection, between the
+    test's check and the server's bind (an engine's P + 1 taken that way made it exit with "Address already
+    in use"). Below the range only another test's explicit bind can take it; the choice is random so the
+    tests of one run rarely meet."""
+    low = 20000
+    high = min(_ephemeral_range()[0], 32768) - count
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(low, high)
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for offset, sock in enumerate(sockets):
+                sock.bind(("127.0.0.1", first + offset))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return first
+    raise RuntimeError(f"no {count} adjacent free ports in [{low}, {high})")
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return _free_ports(1)
 
 
 def free_engine_port() -> int:
-    """A port P for `--engine-address tcp://127.0.0.1:P`: the engine binds P and P + 1, so both must be free
-    (a P + 1 held by some other socket made a headless engine exit with "Address already in use")."""
-    for _ in range(100):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two adjacent free ports")
+    """A port P for `--engine-address tcp://127.0.0.1:P`: the engine binds P and P + 1, so both must be free."""
+    return _free_ports(2)
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
