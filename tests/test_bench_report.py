@@ -9,7 +9,7 @@ import sys
 
 import psutil
 
-from benchmarks.peers import PeakRss, bench_args, combine_rounds, plot, table, workloads
+from benchmarks.peers import PeakRss, bench_args, combine_rounds, plot, table, turn_order, workloads
 from tests.serve_helpers import wait_until
 
 
@@ -93,6 +93,15 @@ def test_every_run_has_its_own_prompt_seed() -> None:
     assert len({w["seed"] for w in runs}) == len(runs)
     first = bench_args("http://x", runs[0])
     assert first.max_concurrency == 1 and first.ignore_eos and first.num_prompts == 64 and first.seed == 7
+    # Side by side a server keeps its prefix cache across rounds: every round's prompts are new.
+    seeds = [w["seed"] for index in range(4) for w in workloads(args, index)]
+    assert len(set(seeds)) == len(seeds) == 16
+
+
+def test_side_by_side_turns_alternate_who_goes_first() -> None:
+    servers = ["ours", "vllm", "llamacpp"]
+    assert [turn_order(servers, index)[0] for index in range(4)] == ["ours", "llamacpp", "ours", "llamacpp"]
+    assert turn_order(servers, 1) == ["llamacpp", "vllm", "ours"] and servers == ["ours", "vllm", "llamacpp"]
 
 
 def test_peak_rss_counts_the_whole_process_tree() -> None:
