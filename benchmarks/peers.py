@@ -341,7 +341,8 @@ def side_by_side(args: argparse.Namespace, cache: Path, hf: Path) -> dict[str, l
                         print(f"{name} failed: {error}", flush=True)
                         failed[name] = str(error)
             for name, result in results.items():
-                rounds[name].append(result)
+                if name not in failed:  # a round cut short is the error below, not a partial round
+                    rounds[name].append(result)
     finally:
         for name, (process, _, _, rss) in up.items():
             peak = rss.stop()
