@@ -123,3 +123,42 @@ def test_peak_rss_counts_the_whole_process_tree() -> None:
         for p in [*root.children(recursive=True), root]:
             p.kill()
         process.wait()
+
+
+def test_side_by_side_keeps_going_when_a_server_fails(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The orchestration only: each "server" a real sleeping process (so stopping and RSS sampling run
+    # for real), the benchmark pass replaced; vLLM's pass fails in the second round.
+    import benchmarks.peers as peers
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start_server(name, cache, hf, port):  # type: ignore[no-untyped-def]
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+        )
+        started.append(process)
+        return process, 1.0
+
+    calls: list[tuple[int, str, str]] = []
+
+    def run_workload(name, port, workload):  # type: ignore[no-untyped-def]
+        round_index = (workload["seed"] - 7) // 100_003
+        calls.append((round_index, workload["name"], name))
+        if name == "vllm" and round_index == 1:
+            raise RuntimeError("connection refused")
+        return summary(100.0, 0.1)
+
+    monkeypatch.setattr(peers, "start_server", start_server)
+    monkeypatch.setattr(peers, "run_workload", run_workload)
+    args = argparse.Namespace(
+        servers=["ours", "vllm"], rounds=3, port=18123, concurrency=[16], input_len=100, output_len=128,
+        num_prompts=64, prefix_len=512, seed=7,
+    )  # fmt: skip
+    rounds = peers.side_by_side(args, None, None)  # type: ignore[arg-type]
+
+    assert [name for r, w, name in calls if w == "random c=16"] == ["ours", "vllm", "vllm", "ours", "ours"]
+    assert len(rounds["ours"]) == 3 and all("error" not in r for r in rounds["ours"])
+    assert [("error" in r) for r in rounds["vllm"]] == [False, True]  # round 1, then the failure
+    assert all(process.poll() is not None for process in started)  # every server stopped
+    combined = combine_rounds(rounds["vllm"])
+    assert combined["runs"]["random c=16"]["output_throughput"] == 100.0
