@@ -12,35 +12,41 @@ import httpx
 import psutil
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_start() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(part) for part in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()  # ports this process has already given a test: never handed out twice
 
 
 def _free_ports(count: int) -> int:
     """The first of `count` adjacent ports, all free now, chosen below the kernel's ephemeral range: a port
     that `bind(("", 0))` hands out can be handed out again, or taken by an outgoing connection, between the
     test's check and the server's bind (an engine's P + 1 taken that way made it exit with "Address already
-    in use"). Below the range only another test's explicit bind can take it; the choice is random so the
-    tests of one run rarely meet."""
+    in use"). Below the range only another test's explicit bind can take it: the ports given out here are
+    remembered, and the choice is random so that separate test processes rarely meet."""
     low = 20000
-    high = min(_ephemeral_range()[0], 32768) - count
+    high = min(_ephemeral_start(), 32768) - count
     rng = random.Random()
     for _ in range(200):
         first = rng.randrange(low, high)
-        sockets = [socket.socket() for _ in range(count)]
+        ports = range(first, first + count)
+        if _handed_out.intersection(ports):
+            continue
+        sockets = [socket.socket() for _ in ports]
         try:
-            for offset, sock in enumerate(sockets):
-                sock.bind(("127.0.0.1", first + offset))
+            for port, sock in zip(ports, sockets, strict=True):
+                sock.bind(("127.0.0.1", port))
         except OSError:
             continue
         finally:
             for sock in sockets:
                 sock.close()
+        _handed_out.update(ports)
         return first
     raise RuntimeError(f"no {count} adjacent free ports in [{low}, {high})")
 
