@@ -3,12 +3,15 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
-// Whether paged_decode_attention runs prefill rows as AMX tiles (bf16; built and run on a CPU with AMX).
-bool prefill_tiles();
+// How paged_decode_attention runs bf16 prefill rows as tiles: "amx", "avx512_bf16", or "" (row by row).
+std::string prefill_tiles();
+// Chooses that ("auto": the best the build and CPU allow, "none", "avx512_bf16", "amx"); returns prefill_tiles().
+std::string use_prefill_tiles(const std::string& kind);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

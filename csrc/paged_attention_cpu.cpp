@@ -10,9 +10,10 @@
 // A row is a decode token or a token of a prefill chunk. Decode rows: a task is one row and a run of
 // its kv heads (all of them when there are enough rows to keep every thread busy, so each cache line
 // is read once and in order). Prefill chunks arrive as runs of rows with one block table and lengths
-// growing by one; in bf16 on a CPU with AMX they run as tiles of up to 64 such rows whose keys are read
-// once for the tile, with the matrix products on AMX (tiled_amx below). Scores are float32, the softmax
-// is exact (two passes), values are accumulated in float32 (the AMX path weighs them in bf16).
+// growing by one; in bf16 on a CPU with AVX-512 BF16 they run as tiles of up to 64 such rows whose keys
+// are read once for the tile, with the matrix products on AMX where the CPU has it, else as AVX-512 BF16
+// dot products (`tiled` below). Scores are float32, the softmax is exact (two passes), values are
+// accumulated in float32 (the tiles weigh them in bf16).
 #include "ops.h"
 #include "cpu_math.h"
 
@@ -27,7 +28,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define ENGINE_TILES 1  // prefill rows as tiles: AVX-512 BF16 products, or AMX's where the CPU has it
+#endif
+#if defined(ENGINE_TILES) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define ENGINE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -61,6 +65,13 @@ static inline void softmax_in_place(float* s, int64_t len) {
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, heads_per_task;
 };
+
+// How bf16 prefill rows run: one by one (the decode kernel's row), or as tiles whose products are
+// AVX-512 BF16 instructions or AMX tile products. The best the build and the CPU allow unless
+// use_prefill_tiles says otherwise (benchmarks and tests compare them on one machine).
+enum class Tiles : int { none = 0, avx512_bf16 = 1, amx = 2 };
+const char* const TILES_NAMES[] = {"", "avx512_bf16", "amx"};
+std::atomic<int> chosen_tiles{-1};  // a Tiles, or -1: the best available
 
 // HEAD_DIM > 0 fixes head_dim at compile time (unrolled, vectorized loops); 0 reads it at run time.
 template <typename scalar_t, int HEAD_DIM>
@@ -274,8 +285,9 @@ template <typename scalar_t>
 using RowKernel = void (*)(const scalar_t*, const scalar_t*, const int64_t*, int64_t, int64_t, scalar_t*,
                            const Shape&, float, RowScratch<scalar_t>&);
 
-#if defined(ENGINE_AMX)
+#if defined(ENGINE_TILES)
 
+#if defined(ENGINE_AMX)
 // Linux hands out the AMX tile state on request, once per process (oneDNN asks too; asking twice is fine).
 inline bool amx_permitted() {
   static const bool permitted = [] {
@@ -294,6 +306,7 @@ struct alignas(64) TileConfig {
     for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
   }
 };
+#endif
 
 // 2^x of 16 floats to ~4e-5 relative (degree-4 polynomial of the fraction, scalef for the integer
 // part): enough for probabilities that are then rounded to bf16 (2^-9).
@@ -334,21 +347,183 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
-// Prefill rows a tile at a time with AMX (bf16 in, float32 out): a task is one (tile of a chunk's rows,
-// kv head), whose query vectors (rows x the kv head's query-head group) go 16 at a time through
-// scores = Q K^T (tile products over 16-key blocks), an exact softmax per vector over its own causal
-// length (AVX-512), then P V (tile products over 32-key blocks). The task's keys and values are copied
-// once into the pair-interleaved layout the tile product reads (keys: [dim pair][key][2]; values:
-// [key pair][dim][2]), zero beyond the tile's longest row. Single-row tiles (decode rows of a mixed step)
-// take the decode kernel's row. The probabilities are rounded to bf16 for the P V product (as GPU flash
-// kernels do), their sums are kept in float32.
+// The two products of a tile task, for 16 query vectors at a time, in the layouts `tiled` prepares:
+//   q:      [16 vectors][HEAD_DIM] bf16
+//   keys:   [key block of 16][HEAD_DIM / 2 dim pairs][16 keys] bf16 pairs
+//   values: [key block of 32][HEAD_DIM / 16 dim groups][16 key pairs][16 dims][2] bf16
+//   probs:  [16 vectors][padded] bf16, scores: [16 vectors][padded] float32
+// scores() fills keys [0, span) rounded up to 32 (the buffers hold `padded` >= that, zero past the
+// keys); outputs() gives dim groups n0..n0 + 3 of the 16 vectors' P V as result[n - n0][vector][16 dims].
+
+#if defined(ENGINE_AMX)
+// On AMX tiles: the vectors in tmm1..tmm4 (32 dims each), two key blocks in flight (tmm0 with tmm5, tmm6
+// with tmm7); P V into four output tiles (tmm4..7), 32 keys at a time.
 template <int HEAD_DIM>
-void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int64_t* tables,
-               const int64_t* seq_lens, c10::BFloat16* out, Shape shape, float scale, const std::vector<Tile>& tiles,
-               RowKernel<c10::BFloat16> row) {
+struct AmxProducts {
+  static constexpr int KD = HEAD_DIM / 32;  // query / key tiles along head_dim
+  bool configured = false;
+  void begin() {
+    if (configured) return;
+    static const TileConfig config;
+    _tile_loadconfig(&config);
+    configured = true;
+  }
+  ~AmxProducts() {
+    if (configured) _tile_release();
+  }
+  void scores(const uint16_t* qv, const uint32_t* keys, float* scores, int64_t padded, int64_t span) {
+    const int64_t span16 = (span + 15) / 16 * 16;
+    _tile_loadd(1, qv, HEAD_DIM * 2);
+    if constexpr (KD > 1) _tile_loadd(2, qv + 32, HEAD_DIM * 2);
+    if constexpr (KD > 2) _tile_loadd(3, qv + 64, HEAD_DIM * 2);
+    if constexpr (KD > 3) _tile_loadd(4, qv + 96, HEAD_DIM * 2);
+    for (int64_t t0 = 0; t0 < span16; t0 += 32) {
+      const bool two = t0 + 16 < span16;
+      const uint32_t* ka = keys + (t0 / 16) * (HEAD_DIM / 2) * 16;
+      const uint32_t* kb = ka + (HEAD_DIM / 2) * 16;
+      _tile_zero(0);
+      _tile_zero(6);
+      // Spelled out per 32-dim slice: the tile intrinsics take their register numbers as literals.
+      _tile_loadd(5, ka, 64);
+      _tile_dpbf16ps(0, 1, 5);
+      if (two) {
+        _tile_loadd(7, kb, 64);
+        _tile_dpbf16ps(6, 1, 7);
+      }
+      if constexpr (KD > 1) {
+        _tile_loadd(5, ka + 256, 64);
+        _tile_dpbf16ps(0, 2, 5);
+        if (two) {
+          _tile_loadd(7, kb + 256, 64);
+          _tile_dpbf16ps(6, 2, 7);
+        }
+      }
+      if constexpr (KD > 2) {
+        _tile_loadd(5, ka + 512, 64);
+        _tile_dpbf16ps(0, 3, 5);
+        if (two) {
+          _tile_loadd(7, kb + 512, 64);
+          _tile_dpbf16ps(6, 3, 7);
+        }
+      }
+      if constexpr (KD > 3) {
+        _tile_loadd(5, ka + 768, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (two) {
+          _tile_loadd(7, kb + 768, 64);
+          _tile_dpbf16ps(6, 4, 7);
+        }
+      }
+      _tile_stored(0, scores + t0, padded * 4);
+      if (two) _tile_stored(6, scores + t0 + 16, padded * 4);
+    }
+  }
+  void outputs(const uint16_t* probs, const uint16_t* values, int64_t padded, int64_t span32, int n0,
+               float (*result)[256]) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t t0 = 0; t0 < span32; t0 += 32) {
+      _tile_loadd(0, probs + t0, padded * 2);
+      const uint16_t* vb = values + t0 * HEAD_DIM + n0 * 16 * 32;
+      _tile_loadd(1, vb, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, vb + 512, 64);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_loadd(1, vb + 1024, 64);
+      _tile_dpbf16ps(6, 0, 1);
+      _tile_loadd(1, vb + 1536, 64);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, result[0], 64);
+    _tile_stored(5, result[1], 64);
+    _tile_stored(6, result[2], 64);
+    _tile_stored(7, result[3], 64);
+  }
+};
+#endif
+
+inline __m512bh as_bf16_pairs(__m512i x) {
+  __m512bh r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+}
+
+// With AVX-512 BF16 (vdpbf16ps: 16 lanes, each the sum of two bf16 products into float32), for CPUs
+// without AMX. Scores: a lane is a key; each dim pair of a vector is broadcast against the 16 keys' pair
+// at that dim pair; 8 vectors x 32 keys of accumulators. P V: a lane is a dim; each key pair of a
+// vector's probabilities is broadcast against the 16 dims' values at that key pair; 4 vectors x 4 dim
+// groups of accumulators.
+template <int HEAD_DIM>
+struct Avx512Bf16Products {
+  static constexpr int ND = HEAD_DIM / 16;
+  void begin() {}
+  void scores(const uint16_t* qv, const uint32_t* keys, float* scores, int64_t padded, int64_t span) {
+    const int64_t span32 = (span + 31) / 32 * 32;
+    for (int c0 = 0; c0 < 16; c0 += 8)
+      for (int64_t t0 = 0; t0 < span32; t0 += 32) {
+        const uint32_t* ka = keys + (t0 / 16) * (HEAD_DIM / 2) * 16;
+        const uint32_t* kb = ka + (HEAD_DIM / 2) * 16;
+        __m512 acc[8][2];
+        for (int c = 0; c < 8; ++c) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+        for (int p = 0; p < HEAD_DIM / 2; ++p) {
+          const __m512bh k0 = as_bf16_pairs(_mm512_loadu_si512(ka + p * 16));
+          const __m512bh k1 = as_bf16_pairs(_mm512_loadu_si512(kb + p * 16));
+          for (int c = 0; c < 8; ++c) {
+            int32_t pair;
+            std::memcpy(&pair, qv + (c0 + c) * HEAD_DIM + 2 * p, sizeof pair);
+            const __m512bh q = as_bf16_pairs(_mm512_set1_epi32(pair));
+            acc[c][0] = _mm512_dpbf16_ps(acc[c][0], k0, q);
+            acc[c][1] = _mm512_dpbf16_ps(acc[c][1], k1, q);
+          }
+        }
+        for (int c = 0; c < 8; ++c) {
+          _mm512_storeu_ps(scores + (c0 + c) * padded + t0, acc[c][0]);
+          _mm512_storeu_ps(scores + (c0 + c) * padded + t0 + 16, acc[c][1]);
+        }
+      }
+  }
+  void outputs(const uint16_t* probs, const uint16_t* values, int64_t padded, int64_t span32, int n0,
+               float (*result)[256]) {
+    const int groups = std::min(4, ND - n0);
+    for (int c0 = 0; c0 < 16; c0 += 4) {
+      __m512 acc[4][4];
+      for (int c = 0; c < 4; ++c)
+        for (int n = 0; n < 4; ++n) acc[c][n] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < span32; t0 += 32)
+        for (int kp = 0; kp < 16; ++kp) {
+          const uint16_t* vb = values + t0 * HEAD_DIM + n0 * 512 + kp * 32;
+          __m512bh v[4];
+          for (int n = 0; n < 4; ++n) v[n] = as_bf16_pairs(n < groups ? _mm512_loadu_si512(vb + n * 512) : _mm512_setzero_si512());
+          for (int c = 0; c < 4; ++c) {
+            int32_t pair;
+            std::memcpy(&pair, probs + (c0 + c) * padded + t0 + 2 * kp, sizeof pair);
+            const __m512bh p = as_bf16_pairs(_mm512_set1_epi32(pair));
+            for (int n = 0; n < 4; ++n) acc[c][n] = _mm512_dpbf16_ps(acc[c][n], v[n], p);
+          }
+        }
+      for (int c = 0; c < 4; ++c)
+        for (int n = 0; n < groups; ++n) _mm512_store_ps(result[n] + (c0 + c) * 16, acc[c][n]);
+    }
+  }
+};
+
+// Prefill rows a tile at a time (bf16 in, float32 products): a task is one (tile of a chunk's rows, kv
+// head), whose query vectors (rows x the kv head's query-head group) go 16 at a time through
+// scores = Q K^T, an exact softmax per vector over its own causal length (AVX-512), then P V, the two
+// products by `Products` (AMX tiles, or AVX-512 BF16). The task's keys and values are copied once into
+// the pair-interleaved layout both read (keys: [dim pair][key][2]; values: [key pair][dim][2]), zero
+// beyond the tile's longest row. Single-row tiles (decode rows of a mixed step) take the decode kernel's
+// row. The probabilities are rounded to bf16 for the P V product (as GPU flash kernels do), their sums
+// are kept in float32.
+template <int HEAD_DIM, typename Products>
+void tiled(const c10::BFloat16* query, const c10::BFloat16* cache, const int64_t* tables, const int64_t* seq_lens,
+           c10::BFloat16* out, Shape shape, float scale, const std::vector<Tile>& tiles,
+           RowKernel<c10::BFloat16> row) {
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 128, "4 query tiles at most");
-  constexpr int KD = HEAD_DIM / 32;  // query / key tiles along head_dim
-  constexpr int ND = HEAD_DIM / 16;  // output tiles along head_dim
+  constexpr int KD = HEAD_DIM / 32;  // 32-dim slices of a key row
+  constexpr int ND = HEAD_DIM / 16;  // 16-dim groups of an output row
   using bf16 = c10::BFloat16;
   const int64_t group = shape.num_heads / shape.num_kv_heads;
   const int64_t block_size = shape.block_size;
@@ -366,13 +541,13 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     RowScratch<bf16> scratch;
+    Products products;
     std::vector<uint32_t> keys;      // [key block of 16][KD][16 dim pairs][16 keys]: bf16 pairs
     std::vector<uint16_t> values;    // [key block of 32][ND][16 key pairs][16 dims][2]
     std::vector<uint16_t> q;         // [vectors][HEAD_DIM]
     std::vector<float> scores;       // [16][padded]
     std::vector<uint16_t> probs;     // [16][padded32]
-    alignas(64) float result[16 * 16];
-    bool configured = false;
+    alignas(64) float result[4][256];
     for (int64_t i = next++; i < num_tasks; i = next++) {
       const Tile tile = tiles[order[i / shape.num_kv_heads]];
       const int64_t kv = i % shape.num_kv_heads;
@@ -382,11 +557,7 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
         row(query + offset, cache, table, seq_lens[tile.first], kv, out + offset, shape, scale, scratch);
         continue;
       }
-      if (!configured) {
-        static const TileConfig config;
-        _tile_loadconfig(&config);
-        configured = true;
-      }
+      products.begin();
       const int64_t len = seq_lens[tile.first + tile.rows - 1];  // the longest row: the tile's last
       const int64_t padded = (len + 31) / 32 * 32;
       keys.resize(padded * HEAD_DIM / 2);
@@ -436,54 +607,8 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
         for (int c = 0; c < 16; ++c)
           lens[c] = j0 + c < num_vectors ? seq_lens[tile.first + (j0 + c) / group] : 0;
         const int64_t span = *std::max_element(lens, lens + 16);
-        const int64_t span16 = (span + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;
-        // Scores: these 16 query vectors in tmm1..tmm4 (32 dims each), against 16 keys a tile product.
-        const uint16_t* qv = q.data() + j0 * HEAD_DIM;
-        _tile_loadd(1, qv, HEAD_DIM * 2);
-        if constexpr (KD > 1) _tile_loadd(2, qv + 32, HEAD_DIM * 2);
-        if constexpr (KD > 2) _tile_loadd(3, qv + 64, HEAD_DIM * 2);
-        if constexpr (KD > 3) _tile_loadd(4, qv + 96, HEAD_DIM * 2);
-        // Two key blocks at a time (tmm0 with tmm5, tmm6 with tmm7): the products of one overlap the other's.
-        for (int64_t t0 = 0; t0 < span16; t0 += 32) {
-          const bool two = t0 + 16 < span16;
-          const uint32_t* ka = keys.data() + (t0 / 16) * (HEAD_DIM / 2) * 16;
-          const uint32_t* kb = ka + (HEAD_DIM / 2) * 16;
-          _tile_zero(0);
-          _tile_zero(6);
-          // Spelled out per 32-dim slice: the tile intrinsics take their register numbers as literals.
-          _tile_loadd(5, ka, 64);
-          _tile_dpbf16ps(0, 1, 5);
-          if (two) {
-            _tile_loadd(7, kb, 64);
-            _tile_dpbf16ps(6, 1, 7);
-          }
-          if constexpr (KD > 1) {
-            _tile_loadd(5, ka + 256, 64);
-            _tile_dpbf16ps(0, 2, 5);
-            if (two) {
-              _tile_loadd(7, kb + 256, 64);
-              _tile_dpbf16ps(6, 2, 7);
-            }
-          }
-          if constexpr (KD > 2) {
-            _tile_loadd(5, ka + 512, 64);
-            _tile_dpbf16ps(0, 3, 5);
-            if (two) {
-              _tile_loadd(7, kb + 512, 64);
-              _tile_dpbf16ps(6, 3, 7);
-            }
-          }
-          if constexpr (KD > 3) {
-            _tile_loadd(5, ka + 768, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (two) {
-              _tile_loadd(7, kb + 768, 64);
-              _tile_dpbf16ps(6, 4, 7);
-            }
-          }
-          _tile_stored(0, scores.data() + t0, padded * 4);
-          if (two) _tile_stored(6, scores.data() + t0 + 16, padded * 4);
-        }
+        const int64_t span32 = (span + 31) / 32 * 32;
+        products.scores(q.data() + j0 * HEAD_DIM, keys.data(), scores.data(), padded, span);
         // Softmax per vector over its own keys; probabilities in bf16, zero past them. Sums kept apart.
         float inv_sum[16];
         const float log2_scale = scale * 1.44269504088896341f;  // exp(scale * s) = 2^(log2_scale * s)
@@ -507,43 +632,20 @@ void tiled_amx(const c10::BFloat16* query, const c10::BFloat16* cache, const int
           }
           inv_sum[c] = n > 0 ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
         }
-        // Outputs, 16 dims a tile (tmm4..7, four at a time): += P (tmm0) x V (tmm1), 32 keys at a time.
+        // Outputs, four 16-dim groups at a time.
         for (int n0 = 0; n0 < ND; n0 += 4) {
-          _tile_zero(4);
-          _tile_zero(5);
-          _tile_zero(6);
-          _tile_zero(7);
-          for (int64_t t0 = 0; t0 < span32; t0 += 32) {
-            _tile_loadd(0, probs.data() + t0, padded * 2);
-            const uint16_t* vb = values.data() + t0 * HEAD_DIM + n0 * 16 * 32;
-            _tile_loadd(1, vb, 64);
-            _tile_dpbf16ps(4, 0, 1);
-            _tile_loadd(1, vb + 512, 64);
-            _tile_dpbf16ps(5, 0, 1);
-            _tile_loadd(1, vb + 1024, 64);
-            _tile_dpbf16ps(6, 0, 1);
-            _tile_loadd(1, vb + 1536, 64);
-            _tile_dpbf16ps(7, 0, 1);
-          }
-          for (int n = n0; n < std::min(n0 + 4, ND); ++n) {
-            switch (n - n0) {
-              case 0: _tile_stored(4, result, 64); break;
-              case 1: _tile_stored(5, result, 64); break;
-              case 2: _tile_stored(6, result, 64); break;
-              default: _tile_stored(7, result, 64); break;
-            }
+          products.outputs(probs.data(), values.data(), padded, span32, n0, result);
+          for (int n = n0; n < std::min(n0 + 4, ND); ++n)
             for (int c = 0; c < 16 && j0 + c < num_vectors; ++c) {
               const int64_t j = j0 + c;
               bf16* dst = out + ((tile.first + j / group) * shape.num_heads + kv * group + j % group) * HEAD_DIM + n * 16;
-              const __m256bh half =
-                  _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(result + c * 16), _mm512_set1_ps(inv_sum[c])));
+              const __m256bh half = _mm512_cvtneps_pbh(
+                  _mm512_mul_ps(_mm512_load_ps(result[n - n0] + c * 16), _mm512_set1_ps(inv_sum[c])));
               _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(half));
             }
-          }
         }
       }
     }
-    if (configured) _tile_release();
   });
 }
 #endif
@@ -559,15 +661,18 @@ template <typename scalar_t>
 struct Kernels {
   Kernel<scalar_t> decode = nullptr;
   RowKernel<scalar_t> row = nullptr;
-  TiledKernel<scalar_t> tiled = nullptr;
+  TiledKernel<scalar_t> tiled[3] = {};  // by Tiles: none, AVX-512 BF16, AMX
 };
 
 template <typename scalar_t, int HEAD_DIM, int GROUP>
 Kernels<scalar_t> kernels() {
-  Kernels<scalar_t> picked{decode<scalar_t, HEAD_DIM, GROUP>, decode_row<scalar_t, HEAD_DIM, GROUP>, nullptr};
-#if defined(ENGINE_AMX)
+  Kernels<scalar_t> picked{decode<scalar_t, HEAD_DIM, GROUP>, decode_row<scalar_t, HEAD_DIM, GROUP>};
+#if defined(ENGINE_TILES)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (amx_permitted()) picked.tiled = tiled_amx<HEAD_DIM>;
+    picked.tiled[static_cast<int>(Tiles::avx512_bf16)] = tiled<HEAD_DIM, Avx512Bf16Products<HEAD_DIM>>;
+#if defined(ENGINE_AMX)
+    picked.tiled[static_cast<int>(Tiles::amx)] = tiled<HEAD_DIM, AmxProducts<HEAD_DIM>>;
+#endif
   }
 #endif
   return picked;
@@ -620,6 +725,23 @@ inline std::vector<Tile> find_tiles(const int64_t* tables, const int64_t* seq_le
 }  // namespace avx512
 #endif
 
+// The best tiles this build and CPU run (AMX needs the kernel's permission too).
+static Tiles best_tiles() {
+#if defined(ENGINE_AMX)
+  if (avx512::amx_permitted()) return Tiles::amx;
+#endif
+#if defined(ENGINE_TILES)
+  return Tiles::avx512_bf16;
+#else
+  return Tiles::none;
+#endif
+}
+
+static Tiles current_tiles() {
+  const int chosen = chosen_tiles;
+  return chosen < 0 ? best_tiles() : static_cast<Tiles>(chosen);
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [seqs, heads, head_dim]");
@@ -642,14 +764,15 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     const int64_t group = shape.num_heads / shape.num_kv_heads;
     const auto avx = avx512::pick<scalar_t>(shape.head_dim, group);
     if (avx.decode != nullptr) {
-      // Rows of prefill chunks (runs of rows that share a table, lengths growing by one): tiles on AMX.
-      if (avx.tiled != nullptr) {
+      // Rows of prefill chunks (runs of rows that share a table, lengths growing by one): as tiles.
+      const auto tiled = avx.tiled[static_cast<int>(current_tiles())];
+      if (tiled != nullptr) {
         const auto tiles = avx512::find_tiles(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                               shape.num_seqs, shape.max_blocks);
         if (!tiles.empty()) {
-          return avx.tiled(query.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
-                           lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale),
-                           tiles, avx.row);
+          return tiled(query.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                       lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale),
+                       tiles, avx.row);
         }
       }
       // Enough (sequence, kv head) tasks for every thread: the register-blocked decode kernel.
@@ -666,10 +789,17 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   return out;
 }
 
-bool prefill_tiles() {
-#if defined(ENGINE_AMX)
-  return avx512::amx_permitted();
-#else
-  return false;
-#endif
+std::string prefill_tiles() {
+  return TILES_NAMES[static_cast<int>(current_tiles())];
+}
+
+std::string use_prefill_tiles(const std::string& kind) {
+  int wanted = -1;
+  for (int i = 0; i < 3; ++i)
+    if (kind == TILES_NAMES[i] || (i == 0 && kind == "none")) wanted = i;
+  TORCH_CHECK(wanted >= 0 || kind == "auto", "prefill tiles: 'auto', 'none', 'avx512_bf16' or 'amx', not '", kind, "'");
+  TORCH_CHECK(wanted <= static_cast<int>(best_tiles()), "prefill tiles '", kind, "' are not available here (best: '",
+              TILES_NAMES[static_cast<int>(best_tiles())], "')");
+  chosen_tiles = wanted;
+  return prefill_tiles();
 }

@@ -67,19 +67,15 @@ def check_paged_rows(ops, query, cache, tables, seq_lens) -> None:  # type: igno
     torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@EVERY_DTYPE
-@ATTENTION_SHAPES
-def test_paged_rows_of_prefill_chunks_match_reference(
-    ops, dtype, num_heads, num_kv_heads, head_dim, block_size
-) -> None:  # type: ignore[no-untyped-def]
+def prefill_rows(num_heads, num_kv_heads, head_dim, block_size, dtype, seed):  # type: ignore[no-untyped-def]
     """A mixed step's rows as the native decoder stack passes them: decode rows, then prefill chunks, one
-    row per token with its causal length (the kernel runs a chunk's rows as tiles sharing their keys).
-    Chunks shorter and longer than a tile, after a cached context and fresh, one a single token."""
-    generator = torch.Generator().manual_seed(7 * num_heads + head_dim + block_size)
+    row per token with its causal length. Chunks shorter and longer than a tile (64 rows), after a cached
+    context and fresh, one a single token. (query, cache, tables, seq_lens)"""
+    generator = torch.Generator().manual_seed(seed)
     num_blocks = 256
     cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     decode_lens = [5, 3 * block_size]
-    chunks = [(0, 37), (2 * block_size + 3, 20), (0, 1), (block_size, 16), (0, 2)]  # (context, new tokens)
+    chunks = [(0, 37), (2 * block_size + 3, 20), (0, 1), (block_size, 16), (0, 2), (block_size + 5, 150)]
     width = max(
         -(-(context + n) // block_size) for context, n in chunks + [(length, 0) for length in decode_lens]
     )
@@ -92,10 +88,46 @@ def test_paged_rows_of_prefill_chunks_match_reference(
         for j in range(n):
             rows_tables.append(perm[i * width : (i + 1) * width])
             rows_lens.append(context + j + 1)
-    tables = torch.stack(rows_tables)
-    seq_lens = torch.tensor(rows_lens)
     query = torch.randn(len(rows_lens), num_heads, head_dim, generator=generator).to(dtype)
+    return query, cache, torch.stack(rows_tables), torch.tensor(rows_lens)
+
+
+@EVERY_DTYPE
+@ATTENTION_SHAPES
+def test_paged_rows_of_prefill_chunks_match_reference(
+    ops, dtype, num_heads, num_kv_heads, head_dim, block_size
+) -> None:  # type: ignore[no-untyped-def]
+    """With the best prefill tiles this CPU has (bf16), else row by row."""
+    seed = 7 * num_heads + head_dim + block_size
+    check_paged_rows(ops, *prefill_rows(num_heads, num_kv_heads, head_dim, block_size, dtype, seed))
+
+
+@pytest.fixture(params=["avx512_bf16", "amx"])
+def tiles(ops, request):  # type: ignore[no-untyped-def]
+    """Prefill rows as these tiles for the test, whatever this CPU's best; skipped where not available."""
+    try:
+        ops.use_prefill_tiles(request.param)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    yield request.param
+    ops.use_prefill_tiles("auto")
+
+
+@ATTENTION_SHAPES
+def test_each_kind_of_prefill_tiles_matches_reference(
+    ops, tiles, num_heads, num_kv_heads, head_dim, block_size
+) -> None:  # type: ignore[no-untyped-def]
+    """Every tile kind the CPU runs, not only its best (AMX CPUs have AVX-512 BF16 too). The tiles round
+    the probabilities to bf16, so their results differ from the rows' in the last bits: that shows
+    the tiles ran (head_dim 32 has no tiled kernel: rows there)."""
+    query, cache, tables, seq_lens = prefill_rows(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, 3)
     check_paged_rows(ops, query, cache, tables, seq_lens)
+    scale = head_dim**-0.5
+    tiled = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
+    ops.use_prefill_tiles("none")
+    rows = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
+    assert ops.prefill_tiles() == ""
+    assert torch.equal(tiled, rows) == (head_dim == 32)
 
 
 # ---- fused element-wise kernels (csrc/fused_cpu.cpp) against the torch layers they replace ----

@@ -1,9 +1,10 @@
 """The fast CPU backend: decode attention by the csrc kernel, reading blocks in place (no gather), and
 new keys and values written into the cache by one kernel call.
 
-Prefill: in bf16 on a CPU with AMX, every chunk goes through the same paged kernel, one query row per
-token with its causal length, all in one call; the kernel runs a chunk's rows as AMX tiles that read
-their keys once. Otherwise short chunks (fresh prompts of a few hundred tokens, short continuations of
+Prefill: in bf16 on a CPU with AVX-512 BF16 (and so on every CPU with AMX), every chunk goes through the
+same paged kernel, one query row per token with its causal length, all in one call; the kernel runs a
+chunk's rows as tiles that read their keys once, the products on AMX where the CPU has it, else as
+AVX-512 BF16 dot products. Otherwise (float32, other CPUs) short chunks (fresh prompts of a few hundred tokens, short continuations of
 a cached context) take that path row by row; longer chunks after a cached context are batched into
 padded SDPA calls (with a shared cached prefix attended once for all of them), longer fresh ones use
 SDPA's causal path one by one. `ops` (the csrc module) is public: the model's fused layers use the same
@@ -32,12 +33,14 @@ CASCADE_MIN_BLOCKS = 8
 # prompts of ~100 tokens 97 vs 198 ms; 4 x 16 new after 512 cached 21 vs 36 ms; 4 fresh x 200 even;
 # 4 x 128 after 128 even; 4 fresh x 300: 163 vs 108 ms.
 PAGED_PREFILL_PAIRS = 16 * 1024
-# The same limit where the kernel runs a chunk's rows as AMX tiles (bf16 on CPUs with AMX; csrc
-# `prefill_tiles`): each tile of up to 64 rows reads its keys once, the products run on AMX. It wins or
-# ties at every length measured, so every chunk takes it. Whole in-process steps, bf16, alternating with
-# the SDPA paths (2026-11-30, /tmp scripts): 15 x 64 new after 512 shared 315 vs 426 ms; 2 fresh x 1024
-# 689 vs 823; one fresh 2,000-token prompt 1173 vs 1150; a 6,000-token prompt in 2,048-token chunks
-# 5.0 vs 7.3 s.
+# The same limit where the kernel runs a chunk's rows as tiles (bf16; csrc `prefill_tiles`: "amx" or
+# "avx512_bf16"): each tile of up to 64 rows reads its keys once. It wins or ties at every length
+# measured, so every chunk takes it. Whole in-process steps against the SDPA paths, alternating:
+# with AMX (Xeon, 2026-11-30): 15 x 64 new after 512 shared 315 vs 426 ms; 2 fresh x 1024 689 vs 823;
+# one fresh 2,000-token prompt 1173 vs 1150; a 6,000-token prompt in 2,048-token chunks 5.0 vs 7.3 s.
+# With AVX-512 BF16 (EPYC, no AMX, 2026-11-30 16:00): the shared-prefix wave's 256-token steps 181-189 vs
+# 283-292 ms; 2 fresh x 1024 1365 vs 1932 ms; one fresh 2,000-token prompt 1563 vs 2408 ms; 4,000 in
+# two chunks 3959 vs 8096 ms; 16 fresh x 100 896 vs 913 ms (docs/performance.md).
 TILED_PREFILL_PAIRS = 1 << 62
 
 
