@@ -120,7 +120,9 @@ def test_each_kind_of_prefill_tiles_matches_reference(
     """Every tile kind the CPU runs, not only its best (AMX CPUs have AVX-512 BF16 too). The tiles round
     the probabilities to bf16, so their results differ from the rows' in the last bits: that shows
     the tiles ran (head_dim 32 has no tiled kernel: rows there)."""
-    query, cache, tables, seq_lens = prefill_rows(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, 3)
+    query, cache, tables, seq_lens = prefill_rows(
+        num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, 3
+    )
     check_paged_rows(ops, query, cache, tables, seq_lens)
     scale = head_dim**-0.5
     tiled = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
