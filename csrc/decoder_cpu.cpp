@@ -7,11 +7,12 @@
 //                seq_lens, config) -> (output, residual): their sum is the hidden state after the last layer
 //
 // x:         [T, hidden]  the embedded tokens; becomes the residual stream (modified in place)
-// layers:    per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm]; an empty
-//            tensor is an absent bias or norm. Products use oneDNN's packed weights when config.packed,
-//            else at::linear on plain [out, in] weights.
+// layers:    per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm, qkv_pairs,
+//            o_pairs, gate_up_pairs, down_pairs]; an empty tensor is an absent bias, norm or packing.
+//            Products of at most config.pairs_rows rows use the pairs packing (linear_pairs) where given;
+//            the others oneDNN's packed weights when config.packed, else at::linear on plain [out, in] ones.
 // block_tables, seq_lens: one paged-attention row per token, as paged_decode_attention takes them
-// config:    num_heads, num_kv_heads, head_dim, packed (0/1); floats: eps, scale
+// config:    num_heads, num_kv_heads, head_dim, packed (0/1), pairs_rows; floats: eps, scale
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,14 +22,27 @@
 
 namespace {
 
-enum Weight { kInputNorm, kQkv, kQkvBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kNumWeights };
+enum Weight {
+  kInputNorm, kQkv, kQkvBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm,
+  kQkvPairs, kOPairs, kGateUpPairs, kDownPairs, kNumWeights
+};
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// What worker/models/layers.py Linear.forward calls: oneDNN's product on a weight packed at load.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool packed) {
+// What worker/models/layers.py Linear.forward calls: few rows against the pairs packing, else oneDNN's
+// product on a weight packed at load.
+struct Product {
+  bool packed;
+  int64_t pairs_rows;
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                        const at::Tensor& pairs) const;
+};
+
+at::Tensor Product::operator()(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& pairs) const {
+  if (pairs.numel() && x.size(0) <= pairs_rows) return linear_pairs(x, pairs, bias);
   if (!packed) return at::linear(x, weight, present(bias));
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;
@@ -55,12 +69,13 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
                                           torch::Tensor slot_offsets, torch::Tensor block_tables,
                                           torch::Tensor seq_lens, std::vector<int64_t> config,
                                           std::vector<double> scalars) {
-  TORCH_CHECK(config.size() == 4 && scalars.size() == 2, "config: heads, kv heads, head_dim, packed; eps, scale");
+  TORCH_CHECK(config.size() == 5 && scalars.size() == 2,
+              "config: heads, kv heads, head_dim, packed, pairs_rows; eps, scale");
   TORCH_CHECK(layers.size() == kv_caches.size() && !layers.empty(), "one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && block_tables.size(0) == x.size(0) && seq_lens.size(0) == x.size(0),
               "one attention row per token");
   const int64_t heads = config[0], kv_heads = config[1], head_dim = config[2];
-  const bool packed = config[3] != 0;
+  const Product linear{config[3] != 0, config[4]};
   const double eps = scalars[0], scale = scalars[1];
   const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
 
@@ -74,7 +89,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     } else {
       fused_add_rms_norm(hidden, residual, w[kInputNorm], eps);  // hidden: the norm; residual: the sum
     }
-    const at::Tensor qkv = linear(hidden, w[kQkv], w[kQkvBias], packed);  // [T, q + 2 kv]
+    const at::Tensor qkv = linear(hidden, w[kQkv], w[kQkvBias], w[kQkvPairs]);  // [T, q + 2 kv]
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
@@ -86,9 +101,10 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     write_kv(k, v, kv_caches[l], slot_block_ids, slot_offsets);
     const at::Tensor attention =
         paged_decode_attention(q.contiguous(), kv_caches[l], block_tables, seq_lens, scale);  // [T, heads, d]
-    hidden = linear(attention.view({tokens, q_size}), w[kO], at::Tensor(), packed);
+    hidden = linear(attention.view({tokens, q_size}), w[kO], at::Tensor(), w[kOPairs]);
     fused_add_rms_norm(hidden, residual, w[kPostNorm], eps);
-    hidden = linear(silu_and_mul(linear(hidden, w[kGateUp], at::Tensor(), packed)), w[kDown], at::Tensor(), packed);
+    hidden = linear(silu_and_mul(linear(hidden, w[kGateUp], at::Tensor(), w[kGateUpPairs])), w[kDown], at::Tensor(),
+                    w[kDownPairs]);
   }
   return {hidden, residual};
 }

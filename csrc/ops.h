@@ -13,6 +13,11 @@ std::string prefill_tiles();
 // Chooses that ("auto": the best the build and CPU allow, "none", "avx512_bf16", "amx"); returns prefill_tiles().
 std::string use_prefill_tiles(const std::string& kind);
 
+// Few-row products with AVX-512 BF16 (csrc/gemm_cpu.cpp): the weight packed once, then x W^T (+ bias).
+bool pairs_available();
+torch::Tensor pack_pairs(torch::Tensor weight);
+torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,

@@ -162,10 +162,12 @@ def prompt_logprobs(
 
 
 def test_bf16_fast_path_matches_the_torch_reference(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    """bf16 through the csrc kernels and oneDNN-packed weights vs the plain torch layers: same prompt
-    logprobs up to bf16 rounding (the two paths round the same steps; products sum in other orders)."""
+    """bf16 through the csrc kernels and packed weights (oneDNN's, and on CPUs with AVX-512 BF16 and no
+    AMX the pair layout for few rows: these 16-token chunks take it) vs the plain torch layers: same
+    prompt logprobs up to bf16 rounding (the two paths round the same steps; products sum in other
+    orders)."""
     from worker.csrc_ops import load_cpu_ops
-    from worker.models.layers import Linear
+    from worker.models.layers import Linear, use_pairs
 
     if load_cpu_ops() is None:
         pytest.skip("no C++ compiler: the csrc kernels did not build")
@@ -175,6 +177,7 @@ def test_bf16_fast_path_matches_the_torch_reference(tiny_model) -> None:  # type
     runner = core.executor.runner  # type: ignore[attr-defined]
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears), "bf16 weights were meant to be packed"
+    assert all((m.pairs is not None) == use_pairs(load_cpu_ops()) for m in linears)
     for ours, expected in zip(fast, reference, strict=True):
         assert len(ours) == len(expected) > 0
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(expected), atol=0.15, rtol=0.05)

@@ -132,6 +132,26 @@ def test_each_kind_of_prefill_tiles_matches_reference(
     assert torch.equal(tiled, rows) == (head_dim == 32)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_pairs_matches_linear(ops, rows, bias) -> None:  # type: ignore[no-untyped-def]
+    """Few-row products on the pair layout (passes of 6 rows, 64 columns a group) against at::linear in
+    float32, with and without a bias; more rows than a block of passes too."""
+    if not ops.pairs_available():
+        pytest.skip("the csrc kernels were built without AVX-512 BF16")
+    generator = torch.Generator().manual_seed(rows + 1000 * bias)
+    for out_features, in_features in ((128, 96), (192, 64)):
+        weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+        x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+        b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+        expected = torch.nn.functional.linear(x.float(), weight.float(), b.float() if bias else None)
+        actual = ops.linear_pairs(x, ops.pack_pairs(weight), b if bias else torch.empty(0))
+        assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
+        torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.pack_pairs(torch.zeros(100, 64, dtype=torch.bfloat16))
+
+
 # ---- fused element-wise kernels (csrc/fused_cpu.cpp) against the torch layers they replace ----
 
 

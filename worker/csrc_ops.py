@@ -16,7 +16,14 @@ logger = logging.getLogger("engine.worker")
 
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = [
-    CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "decoder_cpu.cpp")
+    CSRC / name
+    for name in (
+        "bindings.cpp",
+        "paged_attention_cpu.cpp",
+        "fused_cpu.cpp",
+        "decoder_cpu.cpp",
+        "gemm_cpu.cpp",
+    )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
 # compiled with OpenMP (ATen's header-only invoke_parallel); libgomp resolves to the copy torch loaded.

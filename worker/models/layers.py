@@ -56,23 +56,41 @@ class Linear(nn.Linear):
 
     A bf16 product on the CPU otherwise reorders the weight into oneDNN's blocked layout on every call,
     which costs more than the product itself at decode batch sizes (docs/performance.md). The packed
-    copy replaces the plain weight, so memory does not grow.
+    copy replaces the plain weight. Where the csrc kernels have AVX-512 BF16 and no AMX, a second copy
+    in csrc's pair layout serves products of up to PAIRS_ROWS rows (decode steps), which oneDNN's
+    kernels there run well below the rate the machine reads the weights at.
     """
 
     packed: torch.Tensor | None = None
+    pairs: torch.Tensor | None = None
+    ops: Any = None
 
-    def pack(self) -> None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
-        self.packed = packed
+    def pack(self, ops: Any = None) -> None:
+        weight = self.weight.detach()
+        if use_pairs(ops) and weight.shape[0] % 64 == 0 and weight.shape[1] % 2 == 0:
+            self.pairs, self.ops = ops.pack_pairs(weight), ops
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pairs is not None and x.shape[0] <= PAIRS_ROWS:
+            return self.ops.linear_pairs(x, self.pairs, self.bias if self.bias is not None else NO_BIAS)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
 PACK_BATCH_HINT = 64  # oneDNN picks the blocked layout for this many rows; any number of rows works
+# Products of up to this many rows take the pair layout where it is used (use_pairs).
+PAIRS_ROWS = 64
+NO_BIAS = torch.empty(0)
+
+
+def use_pairs(ops: Any) -> bool:
+    """Where the csrc kernels have AVX-512 BF16 and the CPU has no AMX. Not measured on AMX CPUs with
+    this kernel; there a GEMV of this kind was level with oneDNN at one row and slower from two rows on
+    (docs/performance.md, "Tried and not landed")."""
+    return ops is not None and bool(ops.pairs_available()) and ops.prefill_tiles() == "avx512_bf16"
 
 
 def can_pack(dtype: torch.dtype) -> bool:

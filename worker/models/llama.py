@@ -14,7 +14,7 @@ from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
-from worker.models.layers import Linear, RMSNorm, Rope, RotaryEmbedding, can_pack, silu_and_mul
+from worker.models.layers import PAIRS_ROWS, Linear, RMSNorm, Rope, RotaryEmbedding, can_pack, silu_and_mul
 
 
 class Attention(nn.Module):
@@ -134,7 +134,13 @@ class LlamaForCausalLM(nn.Module):
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
             if rows is not None:  # every layer in one native call: the same kernels, no Python between them
                 attention, packed = self.layers[0].self_attn, self.layers[0].mlp.down_proj.packed is not None
-                shape = [attention.num_heads, attention.num_kv_heads, attention.head_dim, int(packed)]
+                shape = [
+                    attention.num_heads,
+                    attention.num_kv_heads,
+                    attention.head_dim,
+                    int(packed),
+                    PAIRS_ROWS,
+                ]
                 x, residual = self.ops.decoder_layers(
                     x, self.native_layers, rope.cos, rope.sin, positions, kv_caches, metadata.slot_block_ids,
                     metadata.slot_offsets, *rows, shape, [self.config.rms_norm_eps, attention.scale],
@@ -157,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         if can_pack(self.embed_tokens.weight.dtype):
             for module in self.modules():
                 if isinstance(module, Linear):
-                    module.pack()  # the tied lm_head packs a copy: the embedding keeps its plain weight
+                    module.pack(self.ops)  # the tied lm_head packs a copy: the embedding keeps its plain one
         if self.ops is not None and hasattr(self.ops, "decoder_layers"):
             self.native_layers = [native_weights(layer) for layer in self.layers]
 
@@ -221,8 +227,11 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
         tensor = getattr(module, name, None) if module is not None else None
         return tensor.detach() if tensor is not None else none
 
+    linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
     return [
         layer.input_layernorm.weight.detach(), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
         weight(attention.o_proj), layer.post_attention_layernorm.weight.detach(), weight(mlp.gate_up_proj),
         weight(mlp.down_proj), optional(attention.q_norm, "weight"), optional(attention.k_norm, "weight"),
+        *(optional(linear, "pairs") for linear in linears),
     ]  # fmt: skip

@@ -1,0 +1,144 @@
+// Products of a few rows (decode steps) against bf16 weights, with AVX-512 BF16 dot products.
+// Reference: at::linear (worker/models/layers.py Linear).
+//
+// pack_pairs(weight [N, K] bf16) -> [N / 64, K / 2, 64, 2] bf16: for each group of 64 output columns, for
+//   each pair of input dims, the 64 columns' two weights side by side: one 256-byte line a dim pair,
+//   read once, in order, by a product (`linear_pairs`).
+// linear_pairs(x [M, K] bf16, packed, bias [N] or empty) -> [M, N] bf16: x W^T (+ bias), float32 sums
+//   rounded once, as oneDNN's product does; vdpbf16ps sums each pair of products before adding it.
+//
+// At a few rows a step's products are bound by reading the weights (~270 MB for SmolLM2). On an EPYC
+// (Zen 4: AVX-512 BF16, no AMX) oneDNN's kernels read them at ~16 GB/s, where a plain sum reads them at
+// ~28 GB/s; here each weight line is read once per call, in order, and every row it meets is done with
+// it (up to 6 rows x 64 columns of float32 sums in registers). The step's 121 products, 30 layers'
+// copies (2026-11-30): 9.6 vs 17.0 ms at 1 row, 15.3 vs 20.2 at 16, 48.7 vs 54.2 at 64, level at 96-256,
+// 5-10% slower from 512 rows on (docs/performance.md).
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define ENGINE_PAIRS 1
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 64;  // output columns of one packed line: four vectors of 16 float32 sums
+constexpr int MAX_ROWS = 6;    // rows a pass: 6 x 4 sums + 4 weight vectors + 1 broadcast in 32 registers
+constexpr int64_t BLOCK_PASSES = 32;  // passes of rows a block: 192 rows, their dim pairs 216-576 KB
+
+#if defined(ENGINE_PAIRS)
+inline __m512bh as_pairs(__m512i x) {
+  __m512bh r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+}
+
+// ROWS rows (their dim pairs at xp[kp * MAX_ROWS + m]) against one group of 64 columns.
+template <int ROWS>
+void group_rows(const uint32_t* xp, const uint32_t* wp, int64_t kpairs, const float* bias, c10::BFloat16* y,
+                int64_t y_stride) {
+  __m512 acc[ROWS][4];
+  for (int m = 0; m < ROWS; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    const uint32_t* line = wp + kp * GROUP;
+    _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP + 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP + 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP + 48), _MM_HINT_T0);
+    __m512bh w[4];
+    for (int j = 0; j < 4; ++j) w[j] = as_pairs(_mm512_loadu_si512(line + 16 * j));
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512bh x = as_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[kp * MAX_ROWS + m])));
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], w[j], x);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m)
+    for (int j = 0; j < 4; ++j) {
+      __m512 sum = acc[m][j];
+      if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias + 16 * j));
+      const __m256bh half = _mm512_cvtneps_pbh(sum);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride + 16 * j),
+                          reinterpret_cast<const __m256i&>(half));
+    }
+}
+
+using GroupRows = void (*)(const uint32_t*, const uint32_t*, int64_t, const float*, c10::BFloat16*, int64_t);
+constexpr GroupRows GROUP_ROWS[MAX_ROWS + 1] = {nullptr,         group_rows<1>, group_rows<2>, group_rows<3>,
+                                                group_rows<4>,   group_rows<5>, group_rows<6>};
+#endif
+
+}  // namespace
+
+bool pairs_available() {
+#if defined(ENGINE_PAIRS)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor pack_pairs(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_pairs takes a 2-d bf16 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % GROUP == 0 && k % 2 == 0, "pack_pairs: out features a multiple of 64, in features even");
+  const auto w = weight.contiguous();
+  auto packed = torch::empty({n / GROUP, k / 2, GROUP, 2}, weight.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, n / GROUP, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t kp = 0; kp < k / 2; ++kp)
+        for (int64_t c = 0; c < GROUP; ++c) {
+          uint16_t* out = dst + ((g * (k / 2) + kp) * GROUP + c) * 2;
+          const uint16_t* row = src + (g * GROUP + c) * k + 2 * kp;
+          out[0] = row[0];
+          out[1] = row[1];
+        }
+  });
+  return packed;
+}
+
+torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_pairs takes 2-d bf16 rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 2, "weight from pack_pairs");
+  const int64_t rows = x.size(0), k = x.size(1), groups = packed.size(0), n = groups * GROUP;
+  TORCH_CHECK(packed.size(1) * 2 == k, "linear_pairs: in features differ");
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has_bias || bias.numel() == n, "linear_pairs: bias size");
+  auto y = torch::empty({rows, n}, x.options());
+#if defined(ENGINE_PAIRS)
+  const int64_t kpairs = k / 2;
+  const auto xc = x.contiguous();
+  const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
+  const float* b = has_bias ? bias32.data_ptr<float>() : nullptr;
+  // The rows' dim pairs, MAX_ROWS rows side by side per dim pair, one pass of rows after another.
+  const int64_t passes = (rows + MAX_ROWS - 1) / MAX_ROWS;
+  std::vector<uint32_t> xp(passes * kpairs * MAX_ROWS, 0);
+  const auto* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>());
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t kp = 0; kp < kpairs; ++kp)
+      xp[((m / MAX_ROWS) * kpairs + kp) * MAX_ROWS + m % MAX_ROWS] = xs[m * kpairs + kp];
+  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
+  auto* out = y.data_ptr<c10::BFloat16>();
+  // Each thread streams its own run of groups; every pass of rows reuses a group's lines from cache. Many
+  // rows go in blocks of passes, so that a block's rows stay in cache while the groups go by.
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = 0; p0 < passes; p0 += BLOCK_PASSES)
+      for (int64_t g = begin; g < end; ++g)
+        for (int64_t p = p0; p < std::min(passes, p0 + BLOCK_PASSES); ++p) {
+          const int pass_rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, rows - p * MAX_ROWS));
+          GROUP_ROWS[pass_rows](xp.data() + p * kpairs * MAX_ROWS, wp + g * kpairs * GROUP, kpairs,
+                                b != nullptr ? b + g * GROUP : nullptr, out + p * MAX_ROWS * n + g * GROUP, n);
+        }
+  });
+#else
+  TORCH_CHECK(false, "linear_pairs needs a build with AVX-512 BF16");
+#endif
+  return y;
+}
