@@ -4,11 +4,11 @@ new keys and values written into the cache by one kernel call.
 Prefill: in bf16 on a CPU with AVX-512 BF16 (and so on every CPU with AMX), every chunk goes through the
 same paged kernel, one query row per token with its causal length, all in one call; the kernel runs a
 chunk's rows as tiles that read their keys once, the products on AMX where the CPU has it, else as
-AVX-512 BF16 dot products. Otherwise (float32, other CPUs) short chunks (fresh prompts of a few hundred tokens, short continuations of
-a cached context) take that path row by row; longer chunks after a cached context are batched into
-padded SDPA calls (with a shared cached prefix attended once for all of them), longer fresh ones use
-SDPA's causal path one by one. `ops` (the csrc module) is public: the model's fused layers use the same
-kernels.
+AVX-512 BF16 dot products. Otherwise (float32, other CPUs) short chunks (fresh prompts of a few hundred
+tokens, short continuations of a cached context) take that path row by row; longer chunks after a
+cached context are batched into padded SDPA calls (with a shared cached prefix attended once for all of
+them), longer fresh ones use SDPA's causal path one by one. `ops` (the csrc module) is public: the
+model's fused layers use the same kernels.
 """
 
 from __future__ import annotations
