@@ -25,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged attention of decode and prefill rows (CPU)");
   m.def("prefill_tiles", &prefill_tiles, "How bf16 prefill rows run as tiles: 'amx', 'avx512_bf16' or ''");
   m.def("use_prefill_tiles", &use_prefill_tiles, "Choose the prefill tiles ('auto', 'none', 'avx512_bf16', 'amx')");
+  m.def("has_amx", &has_amx, "Whether the AMX kernels are built and this CPU runs them");
   m.def("pairs_available", &pairs_available, "Whether linear_pairs is built (AVX-512 BF16)");
   m.def("pack_pairs", &pack_pairs, "A bf16 [N, K] weight in linear_pairs' layout");
   m.def("linear_pairs", &linear_pairs, "x W^T (+ bias) of a few bf16 rows, W from pack_pairs (CPU)");

@@ -27,3 +27,14 @@ static inline float exp_f32(float x) {
   return p * scale;
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+// 32 bf16 as the 16 pairs vdpbf16ps multiplies (a bit copy; the compiler emits no instruction).
+static inline __m512bh as_bf16_pairs(__m512i x) {
+  __m512bh r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+}
+#endif

@@ -14,6 +14,7 @@
 // copies (2026-11-30): 9.6 vs 17.0 ms at 1 row, 15.3 vs 20.2 at 16, 48.7 vs 54.2 at 64, level at 96-256,
 // 5-10% slower from 512 rows on (docs/performance.md).
 #include "ops.h"
+#include "cpu_math.h"
 
 #include <ATen/Parallel.h>
 
@@ -32,12 +33,6 @@ constexpr int MAX_ROWS = 6;    // rows a pass: 6 x 4 sums + 4 weight vectors + 1
 constexpr int64_t BLOCK_PASSES = 32;  // passes of rows a block: 192 rows, their dim pairs 216-576 KB
 
 #if defined(ENGINE_PAIRS)
-inline __m512bh as_pairs(__m512i x) {
-  __m512bh r;
-  std::memcpy(&r, &x, sizeof r);
-  return r;
-}
-
 // ROWS rows (their dim pairs at xp[kp * MAX_ROWS + m]) against one group of 64 columns.
 template <int ROWS>
 void group_rows(const uint32_t* xp, const uint32_t* wp, int64_t kpairs, const float* bias, c10::BFloat16* y,
@@ -52,9 +47,9 @@ void group_rows(const uint32_t* xp, const uint32_t* wp, int64_t kpairs, const fl
     _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP + 32), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP + 48), _MM_HINT_T0);
     __m512bh w[4];
-    for (int j = 0; j < 4; ++j) w[j] = as_pairs(_mm512_loadu_si512(line + 16 * j));
+    for (int j = 0; j < 4; ++j) w[j] = as_bf16_pairs(_mm512_loadu_si512(line + 16 * j));
     for (int m = 0; m < ROWS; ++m) {
-      const __m512bh x = as_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[kp * MAX_ROWS + m])));
+      const __m512bh x = as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[kp * MAX_ROWS + m])));
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], w[j], x);
     }
   }

@@ -12,6 +12,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
 std::string prefill_tiles();
 // Chooses that ("auto": the best the build and CPU allow, "none", "avx512_bf16", "amx"); returns prefill_tiles().
 std::string use_prefill_tiles(const std::string& kind);
+// Whether the build has the AMX kernels and the CPU (and kernel) let this process use AMX.
+bool has_amx();
 
 // Few-row products with AVX-512 BF16 (csrc/gemm_cpu.cpp): the weight packed once, then x W^T (+ bias).
 bool pairs_available();

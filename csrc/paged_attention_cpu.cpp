@@ -444,12 +444,6 @@ struct AmxProducts {
 };
 #endif
 
-inline __m512bh as_bf16_pairs(__m512i x) {
-  __m512bh r;
-  std::memcpy(&r, &x, sizeof r);
-  return r;
-}
-
 // With AVX-512 BF16 (vdpbf16ps: 16 lanes, each the sum of two bf16 products into float32), for CPUs
 // without AMX. Scores: a lane is a key; each dim pair of a vector is broadcast against the 16 keys' pair
 // at that dim pair; 8 vectors x 32 keys of accumulators. P V: a lane is a dim; each key pair of a
@@ -787,6 +781,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     }
   });
   return out;
+}
+
+bool has_amx() {
+  return best_tiles() == Tiles::amx;
 }
 
 std::string prefill_tiles() {

@@ -90,7 +90,7 @@ def use_pairs(ops: Any) -> bool:
     """Where the csrc kernels have AVX-512 BF16 and the CPU has no AMX. Not measured on AMX CPUs with
     this kernel; there a GEMV of this kind was level with oneDNN at one row and slower from two rows on
     (docs/performance.md, "Tried and not landed")."""
-    return ops is not None and bool(ops.pairs_available()) and ops.prefill_tiles() == "avx512_bf16"
+    return ops is not None and bool(ops.pairs_available()) and not ops.has_amx()
 
 
 def can_pack(dtype: torch.dtype) -> bool:
