@@ -12,7 +12,9 @@
 // ~28 GB/s; here each weight line is read once per call, in order, and every row it meets is done with
 // it (up to 6 rows x 64 columns of float32 sums in registers). The step's 121 products, 30 layers'
 // copies (2026-11-30): 9.6 vs 17.0 ms at 1 row, 15.3 vs 20.2 at 16, 48.7 vs 54.2 at 64, level at 96-256,
-// 5-10% slower from 512 rows on (docs/performance.md).
+// 5-10% slower from 512 rows on (docs/performance.md). More rows go in passes of 6 that reuse a group's
+// lines from cache; from 10 rows each pass also asks for a share of the next group's lines, so the read
+// overlaps the products (the first pass alone is bound by it): 16 rows 15.2 -> 13.3 ms, 64 rows 46.4 -> 44.4.
 #include "ops.h"
 #include "cpu_math.h"
 
@@ -33,19 +35,27 @@ constexpr int MAX_ROWS = 6;    // rows a pass: 6 x 4 sums + 4 weight vectors + 1
 constexpr int64_t BLOCK_PASSES = 32;  // passes of rows a block: 192 rows, their dim pairs 216-576 KB
 
 #if defined(ENGINE_PAIRS)
-// ROWS rows (their dim pairs at xp[kp * MAX_ROWS + m]) against one group of 64 columns.
-template <int ROWS>
+// ROWS rows (their dim pairs at xp[kp * MAX_ROWS + m]) against one group of 64 columns. Meanwhile, one in
+// `every` dim pairs, one line of the next group's weights at `ahead` is asked for: `ahead_lines` in all.
+template <int ROWS, int HINT>
 void group_rows(const uint32_t* xp, const uint32_t* wp, int64_t kpairs, const float* bias, c10::BFloat16* y,
-                int64_t y_stride) {
+                int64_t y_stride, const uint32_t* ahead, int64_t ahead_lines, int64_t every) {
   __m512 acc[ROWS][4];
   for (int m = 0; m < ROWS; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t next_kp = 0, issued = 0;
   for (int64_t kp = 0; kp < kpairs; ++kp) {
     const uint32_t* line = wp + kp * GROUP;
     _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP + 16), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP + 32), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(line + 16 * GROUP + 48), _MM_HINT_T0);
+    if (kp == next_kp && issued < ahead_lines) {
+      const char* next = reinterpret_cast<const char*>(ahead + issued * GROUP);
+      for (int b = 0; b < 256; b += 64) _mm_prefetch(next + b, static_cast<_mm_hint>(HINT));
+      ++issued;
+      next_kp += every;
+    }
     __m512bh w[4];
     for (int j = 0; j < 4; ++j) w[j] = as_bf16_pairs(_mm512_loadu_si512(line + 16 * j));
     for (int m = 0; m < ROWS; ++m) {
@@ -63,9 +73,18 @@ void group_rows(const uint32_t* xp, const uint32_t* wp, int64_t kpairs, const fl
     }
 }
 
-using GroupRows = void (*)(const uint32_t*, const uint32_t*, int64_t, const float*, c10::BFloat16*, int64_t);
-constexpr GroupRows GROUP_ROWS[MAX_ROWS + 1] = {nullptr,         group_rows<1>, group_rows<2>, group_rows<3>,
-                                                group_rows<4>,   group_rows<5>, group_rows<6>};
+using GroupRows = void (*)(const uint32_t*, const uint32_t*, int64_t, const float*, c10::BFloat16*, int64_t,
+                           const uint32_t*, int64_t, int64_t);
+// By rows, and by where the next group's lines go: into L2 while a group takes a few passes, straight into
+// L1 while it takes many (each pass then asks for a few lines only); measured both ways at 1-64 rows.
+template <int HINT>
+constexpr GroupRows GROUP_ROWS[MAX_ROWS + 1] = {nullptr,             group_rows<1, HINT>, group_rows<2, HINT>,
+                                                group_rows<3, HINT>, group_rows<4, HINT>, group_rows<5, HINT>,
+                                                group_rows<6, HINT>};
+constexpr int64_t MANY_PASSES = 4;
+// Below this many rows the passes after the first are too short to hide a read (7-8 rows were 3-4% slower
+// with the next group asked for, 10-16 rows 10-17% faster).
+constexpr int64_t AHEAD_ROWS = 10;
 #endif
 
 }  // namespace
@@ -126,10 +145,16 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = 0; p0 < passes; p0 += BLOCK_PASSES)
       for (int64_t g = begin; g < end; ++g)
-        for (int64_t p = p0; p < std::min(passes, p0 + BLOCK_PASSES); ++p) {
+        for (int64_t p = p0, p1 = std::min(passes, p0 + BLOCK_PASSES); p < p1; ++p) {
           const int pass_rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, rows - p * MAX_ROWS));
-          GROUP_ROWS[pass_rows](xp.data() + p * kpairs * MAX_ROWS, wp + g * kpairs * GROUP, kpairs,
-                                b != nullptr ? b + g * GROUP : nullptr, out + p * MAX_ROWS * n + g * GROUP, n);
+          // The next group's lines, asked for a share each pass of this one, so that reading them overlaps
+          // this group's products (a first pass of 6 rows reading its lines from memory is bound by the read).
+          const int64_t share = (kpairs + (p1 - p0) - 1) / (p1 - p0), first = (p - p0) * share;
+          const int64_t lines = g + 1 < end && rows >= AHEAD_ROWS ? std::max<int64_t>(0, std::min(share, kpairs - first)) : 0;
+          const auto* kernels = p1 - p0 >= MANY_PASSES ? GROUP_ROWS<_MM_HINT_T0> : GROUP_ROWS<_MM_HINT_T1>;
+          kernels[pass_rows](xp.data() + p * kpairs * MAX_ROWS, wp + g * kpairs * GROUP, kpairs,
+                                b != nullptr ? b + g * GROUP : nullptr, out + p * MAX_ROWS * n + g * GROUP, n,
+                                wp + ((g + 1) * kpairs + first) * GROUP, lines, kpairs / share);
         }
   });
 #else
