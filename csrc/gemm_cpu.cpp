@@ -150,11 +150,12 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor 
           // The next group's lines, asked for a share each pass of this one, so that reading them overlaps
           // this group's products (a first pass of 6 rows reading its lines from memory is bound by the read).
           const int64_t share = (kpairs + (p1 - p0) - 1) / (p1 - p0), first = (p - p0) * share;
-          const int64_t lines = g + 1 < end && rows >= AHEAD_ROWS ? std::max<int64_t>(0, std::min(share, kpairs - first)) : 0;
+          const bool ahead = g + 1 < end && rows >= AHEAD_ROWS;
+          const int64_t lines = ahead ? std::max<int64_t>(0, std::min(share, kpairs - first)) : 0;
           const auto* kernels = p1 - p0 >= MANY_PASSES ? GROUP_ROWS<_MM_HINT_T0> : GROUP_ROWS<_MM_HINT_T1>;
           kernels[pass_rows](xp.data() + p * kpairs * MAX_ROWS, wp + g * kpairs * GROUP, kpairs,
-                                b != nullptr ? b + g * GROUP : nullptr, out + p * MAX_ROWS * n + g * GROUP, n,
-                                wp + ((g + 1) * kpairs + first) * GROUP, lines, kpairs / share);
+                             b != nullptr ? b + g * GROUP : nullptr, out + p * MAX_ROWS * n + g * GROUP, n,
+                             wp + ((g + 1) * kpairs + first) * GROUP, lines, kpairs / share);
         }
   });
 #else
