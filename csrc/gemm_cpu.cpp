@@ -14,7 +14,8 @@
 // copies (2026-11-30): 9.6 vs 17.0 ms at 1 row, 15.3 vs 20.2 at 16, 48.7 vs 54.2 at 64, level at 96-256,
 // 5-10% slower from 512 rows on (docs/performance.md). More rows go in passes of 6 that reuse a group's
 // lines from cache; from 10 rows each pass also asks for a share of the next group's lines, so the read
-// overlaps the products (the first pass alone is bound by it): 16 rows 15.2 -> 13.3 ms, 64 rows 46.4 -> 44.4.
+// overlaps the products (the first pass alone is bound by it): 16 rows 15.2 -> 13.3 ms, 64 rows 46.4 -> 44.4;
+// the rows' pairs copied on both threads, and not zeroed first: 64 rows 52.0 -> 49.2, 96 rows 75.7 -> 70.3.
 #include "ops.h"
 #include "cpu_math.h"
 
@@ -22,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -33,6 +35,7 @@ namespace {
 constexpr int64_t GROUP = 64;  // output columns of one packed line: four vectors of 16 float32 sums
 constexpr int MAX_ROWS = 6;    // rows a pass: 6 x 4 sums + 4 weight vectors + 1 broadcast in 32 registers
 constexpr int64_t BLOCK_PASSES = 32;  // passes of rows a block: 192 rows, their dim pairs 216-576 KB
+constexpr int64_t COPY_GRAIN_PASSES = 4;  // passes of rows a thread copies at least
 
 #if defined(ENGINE_PAIRS)
 // ROWS rows (their dim pairs at xp[kp * MAX_ROWS + m]) against one group of 64 columns. Meanwhile, one in
@@ -131,13 +134,22 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   const auto xc = x.contiguous();
   const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
   const float* b = has_bias ? bias32.data_ptr<float>() : nullptr;
-  // The rows' dim pairs, MAX_ROWS rows side by side per dim pair, one pass of rows after another.
+  // The rows' dim pairs, MAX_ROWS rows side by side per dim pair, one pass of rows after another; the
+  // slots past a short last pass's rows stay unset (group_rows<ROWS> reads its ROWS only). Passes are
+  // copied on both threads once there are enough of them to pay for the handover.
   const int64_t passes = (rows + MAX_ROWS - 1) / MAX_ROWS;
-  std::vector<uint32_t> xp(passes * kpairs * MAX_ROWS, 0);
+  std::unique_ptr<uint32_t[]> xp_buffer(new uint32_t[passes * kpairs * MAX_ROWS]);
+  uint32_t* const xp = xp_buffer.get();
   const auto* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>());
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t kp = 0; kp < kpairs; ++kp)
-      xp[((m / MAX_ROWS) * kpairs + kp) * MAX_ROWS + m % MAX_ROWS] = xs[m * kpairs + kp];
+  at::parallel_for(0, passes, COPY_GRAIN_PASSES, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint32_t* dst = xp + p * kpairs * MAX_ROWS;
+      for (int64_t r = 0; r < std::min<int64_t>(MAX_ROWS, rows - p * MAX_ROWS); ++r) {
+        const uint32_t* src = xs + (p * MAX_ROWS + r) * kpairs;
+        for (int64_t kp = 0; kp < kpairs; ++kp) dst[kp * MAX_ROWS + r] = src[kp];
+      }
+    }
+  });
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
   auto* out = y.data_ptr<c10::BFloat16>();
   // Each thread streams its own run of groups; every pass of rows reuses a group's lines from cache. Many
@@ -153,7 +165,7 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor 
           const bool ahead = g + 1 < end && rows >= AHEAD_ROWS;
           const int64_t lines = ahead ? std::max<int64_t>(0, std::min(share, kpairs - first)) : 0;
           const auto* kernels = p1 - p0 >= MANY_PASSES ? GROUP_ROWS<_MM_HINT_T0> : GROUP_ROWS<_MM_HINT_T1>;
-          kernels[pass_rows](xp.data() + p * kpairs * MAX_ROWS, wp + g * kpairs * GROUP, kpairs,
+          kernels[pass_rows](xp + p * kpairs * MAX_ROWS, wp + g * kpairs * GROUP, kpairs,
                              b != nullptr ? b + g * GROUP : nullptr, out + p * MAX_ROWS * n + g * GROUP, n,
                              wp + ((g + 1) * kpairs + first) * GROUP, lines, kpairs / share);
         }
