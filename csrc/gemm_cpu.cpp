@@ -21,8 +21,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -138,13 +138,14 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   // slots past a short last pass's rows stay unset (group_rows<ROWS> reads its ROWS only). Passes are
   // copied on both threads once there are enough of them to pay for the handover.
   const int64_t passes = (rows + MAX_ROWS - 1) / MAX_ROWS;
+  auto rows_of = [&](int64_t p) { return static_cast<int>(std::min<int64_t>(MAX_ROWS, rows - p * MAX_ROWS)); };
   std::unique_ptr<uint32_t[]> xp_buffer(new uint32_t[passes * kpairs * MAX_ROWS]);
   uint32_t* const xp = xp_buffer.get();
   const auto* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>());
   at::parallel_for(0, passes, COPY_GRAIN_PASSES, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       uint32_t* dst = xp + p * kpairs * MAX_ROWS;
-      for (int64_t r = 0; r < std::min<int64_t>(MAX_ROWS, rows - p * MAX_ROWS); ++r) {
+      for (int64_t r = 0; r < rows_of(p); ++r) {
         const uint32_t* src = xs + (p * MAX_ROWS + r) * kpairs;
         for (int64_t kp = 0; kp < kpairs; ++kp) dst[kp * MAX_ROWS + r] = src[kp];
       }
@@ -153,22 +154,24 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
   auto* out = y.data_ptr<c10::BFloat16>();
   // Each thread streams its own run of groups; every pass of rows reuses a group's lines from cache. Many
-  // rows go in blocks of passes, so that a block's rows stay in cache while the groups go by.
+  // rows go in blocks of passes, so that a block's rows stay in cache while the groups go by. The next
+  // group's lines are asked for a share each pass, so that reading them overlaps this group's products
+  // (a first pass of 6 rows reading its lines from memory is bound by the read).
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = 0; p0 < passes; p0 += BLOCK_PASSES)
-      for (int64_t g = begin; g < end; ++g)
-        for (int64_t p = p0, p1 = std::min(passes, p0 + BLOCK_PASSES); p < p1; ++p) {
-          const int pass_rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, rows - p * MAX_ROWS));
-          // The next group's lines, asked for a share each pass of this one, so that reading them overlaps
-          // this group's products (a first pass of 6 rows reading its lines from memory is bound by the read).
-          const int64_t share = (kpairs + (p1 - p0) - 1) / (p1 - p0), first = (p - p0) * share;
-          const bool ahead = g + 1 < end && rows >= AHEAD_ROWS;
+    for (int64_t p0 = 0; p0 < passes; p0 += BLOCK_PASSES) {
+      const int64_t p1 = std::min(passes, p0 + BLOCK_PASSES), share = (kpairs + (p1 - p0) - 1) / (p1 - p0);
+      const auto* kernels = p1 - p0 >= MANY_PASSES ? GROUP_ROWS<_MM_HINT_T0> : GROUP_ROWS<_MM_HINT_T1>;
+      for (int64_t g = begin; g < end; ++g) {
+        const bool ahead = g + 1 < end && rows >= AHEAD_ROWS;
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t first = (p - p0) * share;
           const int64_t lines = ahead ? std::max<int64_t>(0, std::min(share, kpairs - first)) : 0;
-          const auto* kernels = p1 - p0 >= MANY_PASSES ? GROUP_ROWS<_MM_HINT_T0> : GROUP_ROWS<_MM_HINT_T1>;
-          kernels[pass_rows](xp + p * kpairs * MAX_ROWS, wp + g * kpairs * GROUP, kpairs,
-                             b != nullptr ? b + g * GROUP : nullptr, out + p * MAX_ROWS * n + g * GROUP, n,
-                             wp + ((g + 1) * kpairs + first) * GROUP, lines, kpairs / share);
+          kernels[rows_of(p)](xp + p * kpairs * MAX_ROWS, wp + g * kpairs * GROUP, kpairs,
+                              b != nullptr ? b + g * GROUP : nullptr, out + p * MAX_ROWS * n + g * GROUP, n,
+                              wp + ((g + 1) * kpairs + first) * GROUP, lines, kpairs / share);
         }
+      }
+    }
   });
 #else
   TORCH_CHECK(false, "linear_pairs needs a build with AVX-512 BF16");
