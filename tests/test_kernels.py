@@ -136,12 +136,13 @@ def test_each_kind_of_prefill_tiles_matches_reference(
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_pairs_matches_linear(ops, rows, bias) -> None:  # type: ignore[no-untyped-def]
     """Few-row products on the pair layout (passes of 6 rows, 64 columns a group) against at::linear in
-    float32, with and without a bias; more rows than a block of passes too, and groups enough that each
-    thread reads the next group's weights ahead while it works on one."""
+    float32, with and without a bias; more rows than a block of passes too, groups enough that each
+    thread reads the next group's weights ahead while it works on one, and odd group counts (3, 9), whose
+    middle group's passes the two threads split."""
     if not ops.pairs_available():
         pytest.skip("the csrc kernels were built without AVX-512 BF16")
     generator = torch.Generator().manual_seed(rows + 1000 * bias)
-    for out_features, in_features in ((128, 96), (192, 64), (640, 96)):
+    for out_features, in_features in ((128, 96), (192, 64), (640, 96), (576, 96)):
         weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
         x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
         b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
