@@ -137,8 +137,8 @@ def test_each_kind_of_prefill_tiles_matches_reference(
 def test_linear_pairs_matches_linear(ops, rows, bias) -> None:  # type: ignore[no-untyped-def]
     """Few-row products on the pair layout (passes of 6 rows, 64 columns a group) against at::linear in
     float32, with and without a bias; more rows than a block of passes too, groups enough that each
-    thread reads the next group's weights ahead while it works on one, and odd group counts (3, 9), whose
-    middle group's passes the two threads split."""
+    thread reads the next group's weights ahead while it works on one, and odd group counts (3, 9), where
+    the two threads split the middle group's passes (from 7 rows, two passes, on)."""
     if not ops.pairs_available():
         pytest.skip("the csrc kernels were built without AVX-512 BF16")
     generator = torch.Generator().manual_seed(rows + 1000 * bias)
