@@ -12,12 +12,9 @@
 // ~28 GB/s; here each weight line is read once per call, in order, and every row it meets is done with
 // it (up to 6 rows x 64 columns of float32 sums in registers). The step's 121 products, 30 layers'
 // copies (2026-11-30): 9.6 vs 17.0 ms at 1 row, 15.3 vs 20.2 at 16, 48.7 vs 54.2 at 64, level at 96-256,
-// 5-10% slower from 512 rows on (docs/performance.md). More rows go in passes of 6 that reuse a group's
-// lines from cache; from 10 rows each pass also asks for a share of the next group's lines, so the read
-// overlaps the products (the first pass alone is bound by it): 16 rows 15.2 -> 13.3 ms, 64 rows 46.4 -> 44.4;
-// the rows' pairs copied on both threads, and not zeroed first: 64 rows 52.0 -> 49.2, 96 rows 75.7 -> 70.3.
-// The threads split (group, pass) units rather than whole groups: o and down (9 groups), 64 rows, 30
-// copies: 3.59 -> 3.26 and 10.47 -> 9.69 ms; whole decode steps 1.3% faster at batch 16 and 64.
+// 5-10% slower from 512 rows on. More rows go in passes of 6 that reuse a group's lines from cache, each
+// pass asking for a share of the next group's lines; the threads split (group, pass) units. What each of
+// these choices measured: docs/performance.md, "On a CPU without AMX".
 #include "ops.h"
 #include "cpu_math.h"
 
@@ -155,13 +152,13 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   });
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
   auto* out = y.data_ptr<c10::BFloat16>();
-  // Each thread streams its own run of groups; every pass of rows reuses a group's lines from cache. Many
-  // rows go in blocks of passes, so that a block's rows stay in cache while the groups go by. The next
-  // group's lines are asked for a share each pass, so that reading them overlaps this group's products
-  // (a first pass of 6 rows reading its lines from memory is bound by the read).
-  // The threads split (group, pass) units, group by group, evenly: where the groups do not divide by the
-  // threads (SmolLM2's o and down products have 9, its qkv 15), a group's passes are split instead of one
-  // thread doing a whole group more than the other.
+  // Each thread streams its own run of (group, pass) units, group by group; every pass of rows reuses a
+  // group's lines from cache. Units rather than whole groups, so that a group count the threads do not
+  // divide (SmolLM2's o and down products have 9, its qkv 15) splits one group's passes instead of leaving
+  // one thread a whole group behind. Many rows go in blocks of passes, so that a block's rows stay in
+  // cache while the groups go by. The next group's lines are asked for a share each pass, so that reading
+  // them overlaps this group's products (a first pass of 6 rows reading its lines from memory is bound by
+  // the read).
   at::parallel_for(0, groups * passes, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = 0; p0 < passes; p0 += BLOCK_PASSES) {
       const int64_t p1 = std::min(passes, p0 + BLOCK_PASSES), share = (kpairs + (p1 - p0) - 1) / (p1 - p0);
