@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 import torch
 
+from tests.test_host_memory import mapping_of
 from worker.attention.base import AttentionMetadata, PrefillChunk
 from worker.attention.torch_ref import TorchAttentionBackend
 from worker.csrc_ops import load_cpu_ops
+from worker.host_memory import HUGE_PAGE_BYTES
+from worker.models.layers import Linear, pairs_onto_huge_pages, use_pairs
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +156,28 @@ def test_linear_pairs_matches_linear(ops, rows, bias) -> None:  # type: ignore[n
         torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=1e-2)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         ops.pack_pairs(torch.zeros(100, 64, dtype=torch.bfloat16))
+
+
+def test_pair_weights_move_onto_huge_pages(ops) -> None:  # type: ignore[no-untyped-def]
+    """finalize() moves every pair-layout weight into one buffer on huge pages; the products do not change."""
+    if not use_pairs(ops):
+        pytest.skip("no pair layout here (no AVX-512 BF16, or an AMX CPU)")
+    generator = torch.Generator().manual_seed(7)
+    linears = [Linear(96, out_features, bias=False, dtype=torch.bfloat16) for out_features in (128, 576, 64)]
+    x = torch.randn(5, 96, generator=generator).to(torch.bfloat16)
+    for linear in linears:
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator))
+        linear.pack(ops)
+    before = [linear(x) for linear in linears]
+    pairs_onto_huge_pages(linears)
+    assert [torch.equal(linear(x), out) for linear, out in zip(linears, before, strict=True)] == [True] * 3
+    pairs = [linear.pairs for linear in linears]
+    assert pairs[0].data_ptr() % HUGE_PAGE_BYTES == 0
+    for first, second in zip(pairs[:-1], pairs[1:], strict=True):
+        assert second.data_ptr() == first.data_ptr() + first.numel() * first.element_size()
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert "hg" in mapping_of(pairs[0].data_ptr())["VmFlags"].split()
 
 
 # ---- fused element-wise kernels (csrc/fused_cpu.cpp) against the torch layers they replace ----

@@ -18,7 +18,7 @@ from protocol.messages import Logprobs, ModelInfo
 from protocol.version import __version__
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from worker.attention import AttentionMetadata, PrefillChunk, get_attention_backend
-from worker.host_memory import keep_freed_memory
+from worker.host_memory import keep_freed_memory, trim_freed_memory, zeros_on_huge_pages
 from worker.input_batch import InputBatch, RequestState
 from worker.model_config import ModelConfig, open_gguf
 from worker.models import build_model
@@ -74,7 +74,8 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
         mc = self.model_config
         shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(mc.num_layers)]
+        self.kv_caches = zeros_on_huge_pages([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
+        trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
         keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)

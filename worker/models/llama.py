@@ -14,7 +14,16 @@ from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
-from worker.models.layers import PAIRS_ROWS, Linear, RMSNorm, Rope, RotaryEmbedding, can_pack, silu_and_mul
+from worker.models.layers import (
+    PAIRS_ROWS,
+    Linear,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    can_pack,
+    pairs_onto_huge_pages,
+    silu_and_mul,
+)
 
 
 class Attention(nn.Module):
@@ -164,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.pack(self.ops)  # the tied lm_head packs a copy: the embedding keeps its plain one
+            pairs_onto_huge_pages([module for module in self.modules() if isinstance(module, Linear)])
         if self.ops is not None and hasattr(self.ops, "decoder_layers"):
             self.native_layers = [native_weights(layer) for layer in self.layers]
 
