@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.config import DEFAULT_BLOCK_SIZE
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128  # requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_model_len: int = 2048  # prompt + output tokens of one request
-    block_size: int = 16  # tokens per KV block
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block
     num_kv_blocks: int = 1024  # size of the KV pool
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"

@@ -12,6 +12,7 @@ import enum
 import time
 
 from engine_core.block_hash import BlockHash, hash_block_tokens
+from protocol.config import DEFAULT_BLOCK_SIZE
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
 
@@ -52,7 +53,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         client_id: str = "",
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         extra_keys: tuple[str, ...] = (),
     ) -> None:
         self.request_id = request_id

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from protocol.config import DEFAULT_BLOCK_SIZE
 from protocol.log_format import configure_logging
 from protocol.version import __version__
 
@@ -34,7 +35,12 @@ def add_engine_args(parser: argparse.ArgumentParser, max_num_batched_tokens: int
         default=max_num_batched_tokens,
         help=f"token budget of one step (default {max_num_batched_tokens})",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})",
+    )
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size in GiB")
     parser.add_argument(
         "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides the above)"

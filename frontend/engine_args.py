@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
-from protocol.config import EngineConfig, WorkerConfig
+from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class EngineArgs:
     served_model_name: list[str] = field(default_factory=list)
     dtype: str = "auto"
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory_bytes: int = 1 << 30
     num_kv_blocks: int | None = None
     max_num_seqs: int = 128

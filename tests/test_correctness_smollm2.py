@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from frontend import LLM, SamplingParams
+from protocol.config import DEFAULT_BLOCK_SIZE
 from tests.hf_oracle import compare_greedy, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,7 @@ def test_chat_prompts_batched_match_hf(llm, oracle) -> None:  # type: ignore[no-
     [
         dict(enable_prefix_caching=False),
         dict(max_num_batched_tokens=16),
-        dict(num_kv_blocks=12, max_model_len=192, max_num_batched_tokens=256),
+        dict(num_kv_blocks=12, block_size=16, max_model_len=192, max_num_batched_tokens=256),
     ],
     ids=["no_prefix_caching", "chunk_16", "tiny_pool_preemption"],
 )
@@ -110,8 +111,11 @@ def test_shared_prefix_reports_cached_tokens_and_matches_hf(llm, oracle) -> None
     system = (
         "You are a meticulous assistant for a small bakery. You answer questions about opening hours, "
         "ingredients and allergens, always politely and in at most two sentences. The bakery opens at "
-        "7am and closes at 6pm, every day except Monday."
-    )
+        "7am and closes at 6pm, every day except Monday. It sells sourdough and rye bread, croissants, "
+        "cinnamon rolls and seasonal fruit tarts; the tarts and the rolls contain milk and eggs, the "
+        "croissants contain butter, and nothing on the counter contains peanuts. Orders for cakes are "
+        "taken two days in advance by phone."
+    )  # over two 64-token blocks with the chat template, so the second chat finds a cached prefix
     conversations = [
         [{"role": "system", "content": system}, {"role": "user", "content": question}]
         for question in ("When do you open on Sunday?", "Do your croissants contain nuts?")
@@ -119,7 +123,7 @@ def test_shared_prefix_reports_cached_tokens_and_matches_hf(llm, oracle) -> None
     first = llm.chat(conversations[0], GREEDY)[0]
     second = llm.chat(conversations[1], GREEDY)[0]
     assert second.num_cached_tokens > 0
-    assert second.num_cached_tokens % 16 == 0
+    assert second.num_cached_tokens % DEFAULT_BLOCK_SIZE == 0
     for result in (first, second):
         compare_greedy(
             result.outputs[0].token_ids, hf_greedy(model, result.prompt_token_ids, MAX_NEW_TOKENS, 2)

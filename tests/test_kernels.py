@@ -355,14 +355,15 @@ def test_cpu_prefill_plans_match_per_chunk_reference(ops, dtype) -> None:  # typ
 def test_cascade_over_shared_cached_blocks_matches_reference(ops, dtype) -> None:  # type: ignore[no-untyped-def]
     """Chunks after a cached context that begin with the same blocks (a shared system prompt): the
     shared keys are attended to once for all rows and merged with each chunk's own part by log-sum-exp;
-    the rows equal the per-chunk reference. Fewer shared blocks than CASCADE_MIN_BLOCKS: no cascade."""
+    the rows equal the per-chunk reference. Fewer shared tokens than CASCADE_MIN_TOKENS: no cascade."""
     from worker.attention import cpu
     from worker.attention.base import PrefillChunk
 
     heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 64, 16, 96
     generator = torch.Generator().manual_seed(5)
     cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=generator).to(dtype)
-    for shared_len, expect_cascade in ((cpu.CASCADE_MIN_BLOCKS, True), (cpu.CASCADE_MIN_BLOCKS - 1, False)):
+    min_blocks = cpu.CASCADE_MIN_TOKENS // block_size
+    for shared_len, expect_cascade in ((min_blocks, True), (min_blocks - 1, False)):
         shared = torch.arange(1, 1 + shared_len)
         # (own cached tokens after the shared blocks, new tokens): one chunk right after the shared part
         shapes = [(0, 130), (20, 140), (37, 100), (5, 120)]  # each too long for the paged kernel
