@@ -6,7 +6,7 @@ import msgspec
 
 # Tokens per KV block. Decode attention reads each block's rows in one sweep and then jumps to the next
 # block, wherever the pool put it; with 64-token blocks a batch-64 decode step took 2.7% less than with
-# 16 (docs/performance.md, "KV blocks of 64 tokens"). vLLM's CPU default is 128; 64 measured the same
+# 16 (docs/performance.md, "Huge pages and 64-token blocks"). vLLM's CPU default is 128; 64 measured the same
 # and keeps the prefix cache's granularity finer.
 DEFAULT_BLOCK_SIZE = 64
 

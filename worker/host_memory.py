@@ -1,4 +1,4 @@
-"""Host memory for a worker: glibc malloc settings for its steps, and the KV cache on huge pages.
+"""Host memory for a worker: glibc malloc settings for its steps; the KV cache and weights on huge pages.
 
 A step's activations are a few MB to tens of MB each, allocated and freed layer after layer. glibc
 serves blocks that large with fresh mmaps (its threshold adapts only up to the largest block freed so
