@@ -5,6 +5,7 @@ run the offline engine."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -125,3 +126,26 @@ def test_offline_throughput_and_latency(smollm2_gguf: str, tmp_path) -> None:  #
     report = json.loads(out.read_text())
     assert len(report["latencies_s"]) == 3 and report["avg_latency_s"] > 0
     assert report["percentiles_s"]["p99"] >= report["percentiles_s"]["p10"]
+
+
+def test_lockstep_runs_every_variant_to_the_end(smollm2_gguf: str) -> None:
+    """benchmarks.lockstep: each variant decodes the same prompts to the end with its own block size, and
+    a `:4k` variant's KV cache is not the huge-page buffer the worker allocates."""
+    from benchmarks import lockstep
+    from tests.test_host_memory import mapping_of
+
+    argv = ["--model", smollm2_gguf, "--variants", "16:4k", "64", "--concurrency", "2", "--input-len", "20"]
+    variants = lockstep.main([*argv, "--output-len", "4", "--rounds", "1", "--kv-tokens", "1024"])
+    assert [(v.name, v.block_size, v.default_pages) for v in variants] == [
+        ("16:4k", 16, True),
+        ("64", 64, False),
+    ]
+    for variant in variants:
+        assert variant.core is not None and not variant.core.has_unfinished_requests()
+        assert variant.core.scheduler.num_generation_tokens == 2 * 4
+        assert len(variant.decode_ms) == 3  # both prompts in the first step, then three decode steps
+        runner = variant.core.executor.runner  # type: ignore[attr-defined]
+        assert runner.kv_caches[0].shape[2] == variant.block_size
+        if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+            advised = "hg" in mapping_of(runner.kv_caches[0].data_ptr())["VmFlags"].split()
+            assert advised != variant.default_pages
