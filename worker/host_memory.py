@@ -63,7 +63,7 @@ def empty_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
     transparent huge pages before any of it is touched; default pages where madvise is refused."""
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     num_bytes = sum(sizes)
-    raw = torch.empty(num_bytes + HUGE_PAGE_BYTES, dtype=torch.uint8)  # not touched yet: no pages
+    raw = torch.empty(num_bytes + HUGE_PAGE_BYTES, dtype=torch.uint8)  # large: a fresh mapping, no pages yet
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     buffer = raw[start : start + num_bytes]
     if not _advise_huge_pages(buffer.data_ptr(), num_bytes):
