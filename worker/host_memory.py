@@ -19,6 +19,7 @@ import ctypes
 import logging
 import math
 import sys
+from typing import Any
 
 import torch
 
@@ -32,13 +33,20 @@ MADV_HUGEPAGE = 14  # madvise advice (linux/mman.h)
 HUGE_PAGE_BYTES = 2 << 20
 
 
+def _libc(name: str) -> Any | None:
+    """A function of the process's own C library on Linux (glibc's), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process; False where there is no glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
-    except (OSError, AttributeError):
+    mallopt = _libc("mallopt")
+    if mallopt is None:
         return False
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if not ok:
@@ -48,11 +56,8 @@ def keep_freed_memory() -> bool:
 
 def trim_freed_memory() -> bool:
     """Give the heap's free pages back to the system (malloc_trim); False where there is no glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _libc("malloc_trim")
+    if malloc_trim is None:
         return False
     malloc_trim(0)
     return True
@@ -84,11 +89,8 @@ def zeros_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
 
 
 def _advise_huge_pages(address: int, num_bytes: int) -> bool:
-    if not sys.platform.startswith("linux") or num_bytes == 0:
-        return False
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    madvise = _libc("madvise")
+    if madvise is None or num_bytes == 0:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return bool(madvise(address, num_bytes, MADV_HUGEPAGE) == 0)
