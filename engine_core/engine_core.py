@@ -1,4 +1,11 @@
-"""EngineCore.step() = schedule -> executor.execute_model -> update_from_output. No sockets here.
+"""EngineCore.step() = schedule -> executor.submit -> executor.collect -> update_from_output. No sockets.
+
+With async scheduling the step after the one running is scheduled and submitted before the running
+one's output is collected, so a worker finds its next step waiting when it finishes one (a batch queue
+of depth 2); the scheduler's bookkeeping for that is in engine_core/scheduler.py. The cost: a request
+that arrives while a step runs joins the step after next. Clients (a chat user's next turn, a benchmark
+at fixed concurrency) send a new request when one finishes, so after a step that finished requests the
+engine collects the step in flight before scheduling again, and the newcomer is a step late no more.
 
 Invariants: every request added is eventually returned with a finish reason (stop, length or
 abort), and once finished its blocks are back in the pool.
@@ -6,6 +13,7 @@ abort), and once finished its blocks are back in the pool.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from engine_core.config import SchedulerConfig
@@ -15,6 +23,7 @@ from engine_core.scheduler import Scheduler
 from protocol.config import EngineConfig
 from protocol.errors import InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
+from protocol.worker_messages import SchedulerOutput
 
 
 class EngineCore:
@@ -40,6 +49,9 @@ class EngineCore:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0
+        self.max_steps_in_flight = 2 if config.async_scheduling else 1
+        self.steps_in_flight: deque[SchedulerOutput] = deque()
+        self.finished_last_step = False
 
     def add_request(self, message: AddRequest, client_id: str = "") -> None:
         """Validate and queue; raises InvalidParameterError for what the frontend should have caught."""
@@ -66,17 +78,26 @@ class EngineCore:
         ]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.steps_in_flight)
 
     def step(self) -> list[tuple[Request, RequestOutput]]:
-        if not self.scheduler.has_unfinished_requests():
+        """Submit the next step if the queue has room, then collect the oldest once the queue is full
+        (or nothing more could be scheduled); the outputs of the step collected, if any."""
+        submitted = False
+        depth = 1 if self.finished_last_step else self.max_steps_in_flight
+        if len(self.steps_in_flight) < depth and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output is not None:
+                self.executor.submit(scheduler_output)
+                self.steps_in_flight.append(scheduler_output)
+                submitted = True
+        if not self.steps_in_flight or (submitted and len(self.steps_in_flight) < depth):
             return []
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_request_ids:
-            return []
-        model_output = self.executor.execute_model(scheduler_output)
+        model_output = self.executor.collect()
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self.scheduler.update_from_output(self.steps_in_flight.popleft(), model_output)
+        self.finished_last_step = any(output.finish_reason for _, output in outputs)
+        return outputs
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

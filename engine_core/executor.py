@@ -29,9 +29,14 @@ from protocol.worker_messages import (
 
 
 class Executor(Protocol):
+    """Steps go in with submit and their outputs come back with collect, in the order submitted; the
+    engine keeps at most two in flight (engine_core/engine_core.py)."""
+
     model_info: ModelInfo
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def collect(self) -> ModelRunnerOutput: ...
 
     def check_health(self) -> None: ...
 
@@ -43,7 +48,8 @@ class WorkerDiedError(RuntimeError):
 
 
 class MultiprocExecutor:
-    """One worker process (rank 0). The engine's busy loop blocks on its reply each step."""
+    """One worker process (rank 0). A step submitted while the worker runs another waits in its socket,
+    so the worker starts it as soon as it has sent the other's output."""
 
     POLL_INTERVAL_MS = 1000
 
@@ -82,8 +88,10 @@ class MultiprocExecutor:
             raise WorkerDiedError(f"worker failed: {message.message}")
         return message
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
         self._socket.send_multipart(self._input_codec.encode(scheduler_output), copy=False)
+
+    def collect(self) -> ModelRunnerOutput:
         message = self._receive()
         assert isinstance(message, ModelRunnerOutput)
         return message

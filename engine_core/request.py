@@ -2,6 +2,8 @@
 
 Invariants:
 - num_computed_tokens <= num_tokens; the KV of the first num_computed_tokens tokens is written.
+- num_computed_tokens + num_tokens_ahead <= num_tokens + num_outputs_ahead: a step in flight computes
+  only tokens that are known, or that the step before it samples.
 - status only moves forward through the finished states: once finished, a request never runs again.
 - block_hashes[i] is the chained hash of full block i of all_token_ids (prompt then output).
 """
@@ -67,6 +69,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Scheduled in steps whose outputs have not come back yet (async scheduling: at most one step
+        # ahead): their tokens, and how many of those steps sample an output token.
+        self.num_tokens_ahead = 0
+        self.num_outputs_ahead = 0
         self.num_cached_tokens = -1  # set at first schedule; -1 means not yet looked up
         self.num_preemptions = 0
         self.block_size = block_size

@@ -6,6 +6,12 @@ prefix-cache hits and mixed batches are one rule. When blocks run out, the lowes
 request is preempted: its blocks are freed and it goes back to the front of the queue to be
 recomputed (it usually hits its own blocks in the prefix cache).
 
+Async scheduling: the engine may schedule a step while the step before it is still running. A request
+in flight then has tokens ahead of its computed count (num_tokens_ahead) and, if that step samples
+for it, one output ahead (num_outputs_ahead) that only the worker knows yet; the next step computes
+that output as its input token. Outputs come back in step order and are matched to the Request objects
+they were scheduled for, so a request finished, aborted or preempted meanwhile drops its stale output.
+
 Invariants (check_invariants):
 - scheduled tokens never exceed max_num_batched_tokens; running requests never exceed max_num_seqs;
 - every running request holds blocks for its computed tokens; waiting ones hold none;
@@ -17,6 +23,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from engine_core.config import SchedulerConfig
 from engine_core.kv_cache_manager import KVCacheManager, cdiv
@@ -66,6 +73,13 @@ class WaitingQueue:
         return iter(self._heap if self.policy == "priority" else self._fcfs)
 
 
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int
+    samples: bool  # the step computes the request's last known token, so it samples the next
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
         self.config = config
@@ -77,6 +91,7 @@ class Scheduler:
         self.finished_request_ids: list[str] = []  # since the last schedule(): workers drop their state
         self.preempted_request_ids: list[str] = []
         self.sent_to_worker: set[str] = set()  # requests whose state the worker holds
+        self.steps_in_flight: deque[dict[str, ScheduledRequest]] = deque()  # scheduled, no output yet
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -124,7 +139,8 @@ class Scheduler:
 
     # ---- one step ----
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step, or None when there is nothing for a worker to do (no tokens, no state to drop)."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
@@ -133,7 +149,17 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._prefill_cap())
+            if request.num_outputs_ahead and self._length_capped_ahead(request):
+                index += 1  # the step in flight samples its last token
+                continue
+            num_new = min(
+                request.num_tokens
+                + request.num_outputs_ahead
+                - request.num_computed_tokens
+                - request.num_tokens_ahead,
+                budget,
+                self._prefill_cap(),
+            )
             if num_new <= 0:
                 index += 1
                 continue
@@ -182,6 +208,14 @@ class Scheduler:
 
         return self._make_output(num_scheduled, new_block_ids)
 
+    def _length_capped_ahead(self, request: Request) -> bool:
+        """Whether the outputs in flight take the request to max_tokens or max_model_len."""
+        max_tokens = request.sampling_params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_outputs_ahead
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            request.num_tokens + request.num_outputs_ahead >= self.config.max_model_len
+        )
+
     def _prefill_cap(self) -> int:
         cap = self.config.long_prefill_token_threshold
         return cap if cap > 0 else self.config.max_num_batched_tokens
@@ -196,6 +230,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_tokens_ahead = request.num_outputs_ahead = 0  # the output in flight is dropped
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self.sent_to_worker:
@@ -205,17 +240,19 @@ class Scheduler:
 
     def _make_output(
         self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]
-    ) -> SchedulerOutput:
+    ) -> SchedulerOutput | None:
+        if not num_scheduled and not self.finished_request_ids and not self.preempted_request_ids:
+            return None
         new_requests = []
         cached_requests = []
+        step: dict[str, ScheduledRequest] = {}
         for request in self.running:
             request_id = request.request_id
             if request_id not in num_scheduled:
                 continue
             if request_id in self.sent_to_worker:
-                cached_requests.append(
-                    CachedRequestData(request_id, new_block_ids[request_id], request.num_computed_tokens)
-                )
+                num_computed = request.num_computed_tokens + request.num_tokens_ahead  # once the worker ran
+                cached_requests.append(CachedRequestData(request_id, new_block_ids[request_id], num_computed))
             else:
                 new_requests.append(
                     NewRequestData(
@@ -228,6 +265,15 @@ class Scheduler:
                     )
                 )
                 self.sent_to_worker.add(request_id)
+            num_tokens = num_scheduled[request_id]
+            request.num_tokens_ahead += num_tokens
+            samples = (
+                request.num_computed_tokens + request.num_tokens_ahead
+                >= request.num_tokens + request.num_outputs_ahead
+            )
+            request.num_outputs_ahead += samples
+            step[request_id] = ScheduledRequest(request, num_tokens, samples)
+        self.steps_in_flight.append(step)
         output = SchedulerOutput(
             new_requests=new_requests,
             cached_requests=cached_requests,
@@ -245,14 +291,19 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> list[tuple[Request, RequestOutput]]:
-        """Advance computed counts, append sampled tokens, apply engine-side stops."""
+        """Advance computed counts, append sampled tokens, apply engine-side stops. Outputs come back in
+        the order their steps were scheduled."""
         self.num_steps += 1
         outputs = []
         stopped = []
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # preempted or aborted since it was scheduled
+        step = self.steps_in_flight.popleft()
+        assert step.keys() == scheduler_output.num_scheduled_tokens.keys(), "outputs out of step order"
+        for request_id, scheduled in step.items():
+            request, num_tokens = scheduled.request, scheduled.num_tokens
+            if request.status != RequestStatus.RUNNING or self.requests.get(request_id) is not request:
+                continue  # preempted, finished or aborted since it was scheduled: the output is stale
+            request.num_tokens_ahead -= num_tokens
+            request.num_outputs_ahead -= scheduled.samples
             was_prefill = request.num_computed_tokens < request.num_prompt_tokens
             if was_prefill:
                 self.num_prompt_tokens += min(
@@ -330,7 +381,10 @@ class Scheduler:
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, request
             num_blocks = len(self.kv_cache.req_to_blocks.get(request.request_id, []))
-            assert num_blocks >= cdiv(request.num_computed_tokens, block_size), request
+            num_ahead = request.num_computed_tokens + request.num_tokens_ahead
+            assert num_blocks >= cdiv(num_ahead, block_size), request
+            assert num_ahead <= request.num_tokens + request.num_outputs_ahead, request
+            assert request.num_outputs_ahead <= len(self.steps_in_flight), request
         for request in self.waiting:
             assert not request.is_finished, request
             assert request.request_id not in self.kv_cache.req_to_blocks, request

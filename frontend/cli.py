@@ -53,6 +53,13 @@ def add_engine_args(parser: argparse.ArgumentParser, max_num_batched_tokens: int
     )
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule each step while the one before it runs, so the worker never waits for the engine "
+        "(default on)",
+    )
+    parser.add_argument(
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "cpu"],
@@ -85,6 +92,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         seed=args.seed,

@@ -22,6 +22,9 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool = (
+        True  # each step scheduled while the one before it runs (engine_core/engine_core.py)
+    )
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"  # "auto", "torch" or "cpu"
@@ -67,6 +70,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            async_scheduling=self.async_scheduling,
             log_level=self.log_level,
             log_format=self.log_format,
             stats_log_interval_s=self.stats_log_interval_s,

@@ -38,6 +38,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0  # >0: cap each prefill chunk (chunked prefill below the budget)
+    async_scheduling: bool = False  # schedule step N+1 while step N runs
     input_address: str = ""  # ZMQ address the engine binds for frontend requests
     output_address: str = ""  # ZMQ address the engine binds for outputs
     executor: str = "mp"  # "mp": one worker process per device; "inproc": the model in the engine process

@@ -3,6 +3,8 @@ does, and 'samples' a deterministic token whenever a request's known tokens are 
 
 from __future__ import annotations
 
+from collections import deque
+
 from protocol.messages import ModelInfo
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 
@@ -19,6 +21,14 @@ class FakeExecutor:
         self.num_computed: dict[str, int] = {}
         self.token_for: dict[str, list[int]] = {}  # scripted outputs per request id
         self.steps: list[SchedulerOutput] = []
+        self.submitted: deque[SchedulerOutput] = deque()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self.submitted.append(scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        """Runs the oldest step submitted, as a worker process would have by now."""
+        return self.execute_model(self.submitted.popleft())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(scheduler_output)

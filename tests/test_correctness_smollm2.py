@@ -89,8 +89,9 @@ def test_chat_prompts_batched_match_hf(llm, oracle) -> None:  # type: ignore[no-
         dict(enable_prefix_caching=False),
         dict(max_num_batched_tokens=16),
         dict(num_kv_blocks=12, block_size=16, max_model_len=192, max_num_batched_tokens=256),
+        dict(async_scheduling=False),
     ],
-    ids=["no_prefix_caching", "chunk_16", "tiny_pool_preemption"],
+    ids=["no_prefix_caching", "chunk_16", "tiny_pool_preemption", "no_async_scheduling"],
 )
 def test_engine_configurations_match_hf(smollm2_gguf, oracle, engine_kwargs) -> None:  # type: ignore[no-untyped-def]
     prompts, runs, _ = oracle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -62,8 +63,12 @@ def test_block_pool_lru_and_lazy_eviction() -> None:
     pool.check_invariants()
 
 
-def test_chunked_prefill_respects_budget_and_finishes() -> None:
-    core, executor = make_core(max_num_batched_tokens=16)
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@ASYNC
+def test_chunked_prefill_respects_budget_and_finishes(async_scheduling: bool) -> None:
+    core, executor = make_core(max_num_batched_tokens=16, async_scheduling=async_scheduling)
     add(core, "a", list(range(40)), max_tokens=3)
     add(core, "b", list(range(100, 110)), max_tokens=3)
     outputs = run_to_completion(core)
@@ -84,8 +89,9 @@ def test_mixed_batch_decodes_with_prefill_chunks() -> None:
     run_to_completion(core)
 
 
-def test_eos_stop_tokens_min_tokens() -> None:
-    core, executor = make_core()
+@ASYNC
+def test_eos_stop_tokens_min_tokens(async_scheduling: bool) -> None:
+    core, executor = make_core(async_scheduling=async_scheduling)
     add(core, "eos", [1, 2], ignore_eos=False, max_tokens=10)
     executor.token_for["eos"] = [5, 2, 6]
     add(core, "stop_id", [1, 2], stop_token_ids=[6], max_tokens=10)
@@ -99,13 +105,17 @@ def test_eos_stop_tokens_min_tokens() -> None:
     assert len(outputs["ignore"]) == 3 and outputs["ignore"][-1].finish_reason == "length"
 
 
-def test_max_model_len_caps_output() -> None:
+@ASYNC
+def test_max_model_len_caps_output(async_scheduling: bool) -> None:
     core, executor = make_core()
     executor.model_info.max_model_len = 10
-    core2 = EngineCore(EngineConfig(worker=WorkerConfig(model="fake")), executor)
+    core2 = EngineCore(
+        EngineConfig(worker=WorkerConfig(model="fake"), async_scheduling=async_scheduling), executor
+    )
     add(core2, "a", list(range(8)), max_tokens=100)
     outputs = run_to_completion(core2)
     assert len(outputs["a"]) == 2 and outputs["a"][-1].finish_reason == "length"
+    assert sum(step.num_scheduled_tokens.get("a", 0) for step in executor.steps) == 9  # never past the limit
 
 
 def test_prefix_cache_hit_reports_cached_tokens() -> None:
@@ -129,8 +139,9 @@ def test_prefix_caching_off_never_hits() -> None:
     assert outputs["b"][-1].num_cached_tokens == 0
 
 
-def test_preemption_when_blocks_run_out() -> None:
-    core, executor = make_core(num_kv_blocks=8, block_size=4)
+@ASYNC
+def test_preemption_when_blocks_run_out(async_scheduling: bool) -> None:
+    core, executor = make_core(num_kv_blocks=8, block_size=4, async_scheduling=async_scheduling)
     for i in range(3):
         add(core, f"r{i}", list(range(i * 10, i * 10 + 6)), max_tokens=12)
     outputs = run_to_completion(core)
@@ -167,17 +178,67 @@ def test_priority_policy_runs_urgent_first_and_preempts_lowest() -> None:
     run_to_completion(core)
 
 
-def test_abort_frees_blocks_and_is_idempotent() -> None:
-    core, executor = make_core()
+@ASYNC
+def test_abort_frees_blocks_and_is_idempotent(async_scheduling: bool) -> None:
+    core, executor = make_core(async_scheduling=async_scheduling)
     add(core, "a", list(range(30)), max_tokens=50)
     add(core, "w", list(range(5)), max_tokens=50)
     core.step()
     aborted = core.abort_requests(["a", "a", "unknown", "w"])
     assert [o.finish_reason for _, o in aborted] == ["abort", "abort"]
     assert core.scheduler.kv_cache.pool.num_free_blocks == 64
-    core.step()  # tells the worker to drop "a"
-    assert "a" in executor.steps[-1].finished_request_ids or not core.has_unfinished_requests()
-    core.scheduler.check_invariants()
+    while core.has_unfinished_requests():  # async: the step in flight
+        assert core.step() == []  # nothing of an aborted request comes back
+        core.scheduler.check_invariants()
+    add(core, "b", [1, 2], max_tokens=1)
+    run_to_completion(core)  # the next step tells the worker to drop "a" and "w"
+    assert "a" in executor.steps[-1].finished_request_ids or "a" in executor.steps[-2].finished_request_ids
+    assert set(executor.num_tokens) == {"b"}
+
+
+def test_async_scheduling_submits_the_next_step_before_collecting_the_last() -> None:
+    core, executor = make_core(async_scheduling=True)
+    add(core, "a", [1, 2, 3], max_tokens=3)
+    assert core.step() == [] and len(executor.submitted) == 1  # the queue fills before anything returns
+    for expected in (1, 2):
+        ((_, output),) = core.step()
+        assert len(output.new_token_ids) == 1 and len(executor.steps) == expected
+        assert len(executor.submitted) == 1  # the next step was already waiting for the worker
+    # The third token is the last (max_tokens): nothing more is scheduled, the last step is collected.
+    ((_, output),) = core.step()
+    assert output.finish_reason == "length" and not executor.submitted
+    assert [step.num_scheduled_tokens for step in executor.steps] == [{"a": 3}, {"a": 1}, {"a": 1}]
+    assert not core.has_unfinished_requests()
+
+
+def test_async_scheduling_gives_each_request_the_outputs_sync_does() -> None:
+    def run(async_scheduling: bool) -> tuple[dict[str, list], FakeExecutor]:
+        core, executor = make_core(max_num_batched_tokens=12, async_scheduling=async_scheduling)
+        scripts = {
+            "eos": ([1, 2, 3], dict(ignore_eos=False, max_tokens=20), [5, 7, 2, 9, 9]),
+            "stop": ([4] * 9, dict(stop_token_ids=[8], max_tokens=20), [5, 8, 9, 9]),
+            "min": ([6] * 5, dict(ignore_eos=False, min_tokens=3, max_tokens=20), [5, 2, 9, 2, 9]),
+            "length": ([7] * 20, dict(max_tokens=4), [9] * 8),
+        }
+        for request_id, (prompt, params, script) in scripts.items():
+            add(core, request_id, prompt, **params)
+            executor.token_for[request_id] = list(script)
+        return run_to_completion(core), executor
+
+    sync_outputs, _ = run(False)
+    async_outputs, executor = run(True)
+    summary = {
+        request_id: ([t for o in outputs for t in o.new_token_ids], outputs[-1].finish_reason)
+        for request_id, outputs in async_outputs.items()
+    }
+    assert summary == {
+        request_id: ([t for o in outputs for t in o.new_token_ids], outputs[-1].finish_reason)
+        for request_id, outputs in sync_outputs.items()
+    }
+    assert summary["eos"] == ([5, 7, 2], "stop") and summary["min"] == ([5, 2, 9, 2], "stop")
+    # A request that stops on a token runs at most one step past it; one capped by length never does.
+    computed = {rid: sum(step.num_scheduled_tokens.get(rid, 0) for step in executor.steps) for rid in summary}
+    assert computed["length"] == 20 + 3 and computed["eos"] <= 3 + 3
 
 
 @settings(max_examples=40, deadline=None)
@@ -187,9 +248,10 @@ def test_abort_frees_blocks_and_is_idempotent() -> None:
     budget=st.integers(4, 64),
     caching=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority"]),
+    async_scheduling=st.booleans(),
 )
 def test_random_workload_keeps_invariants_and_leaks_nothing(
-    seed: int, num_blocks: int, budget: int, caching: bool, policy: str
+    seed: int, num_blocks: int, budget: int, caching: bool, policy: str, async_scheduling: bool
 ) -> None:
     rng = random.Random(seed)
     core, executor = make_core(
@@ -199,6 +261,7 @@ def test_random_workload_keeps_invariants_and_leaks_nothing(
         enable_prefix_caching=caching,
         scheduling_policy=policy,
         max_num_seqs=rng.randint(1, 8),
+        async_scheduling=async_scheduling,
     )
     shared = [rng.randrange(100) for _ in range(8)]
     live: list[str] = []
