@@ -93,3 +93,14 @@ def test_engine_death_is_an_error_not_a_hang(tiny_folder: str) -> None:
     llm.shutdown()
     gone, alive = psutil.wait_procs(workers, timeout=30)
     assert not alive, f"worker processes outlived their engine: {alive}"
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--no-async-scheduling"], False)])
+def test_async_scheduling_flag_reaches_the_engine_config(
+    tiny_folder: str, flag: list[str], expected: bool
+) -> None:
+    from frontend.cli import build_parser, engine_kwargs
+    from frontend.engine_args import EngineArgs
+
+    args = build_parser().parse_args(["serve", tiny_folder, *flag])
+    assert EngineArgs(args.model, **engine_kwargs(args)).engine_config().async_scheduling is expected
