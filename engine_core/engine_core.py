@@ -4,8 +4,9 @@ With async scheduling the step after the one running is scheduled and submitted 
 one's output is collected, so a worker finds its next step waiting when it finishes one (a batch queue
 of depth 2); the scheduler's bookkeeping for that is in engine_core/scheduler.py. The cost: a request
 that arrives while a step runs joins the step after next. Clients (a chat user's next turn, a benchmark
-at fixed concurrency) send a new request when one finishes, so after a step that finished requests the
-engine collects the step in flight before scheduling again, and the newcomer is a step late no more.
+at fixed concurrency) send a new request when one ends, so after a step that finished requests (or an
+abort) the engine collects the step in flight before scheduling again, and the newcomer is a step late
+no more.
 
 Invariants: every request added is eventually returned with a finish reason (stop, length or
 abort), and once finished its blocks are back in the pool.
@@ -51,7 +52,7 @@ class EngineCore:
         self.num_steps = 0
         self.max_steps_in_flight = 2 if config.async_scheduling else 1
         self.steps_in_flight: deque[SchedulerOutput] = deque()
-        self.finished_last_step = False
+        self.request_ended = False  # since the last collect: run one step at a time until the next
 
     def add_request(self, message: AddRequest, client_id: str = "") -> None:
         """Validate and queue; raises InvalidParameterError for what the frontend should have caught."""
@@ -72,6 +73,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> list[tuple[Request, RequestOutput]]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.request_ended |= bool(finished)
         return [
             (request, RequestOutput(request.request_id, [], finish_reason="abort", num_cached_tokens=0))
             for request in finished
@@ -84,7 +86,7 @@ class EngineCore:
         """Submit the next step if the queue has room, then collect the oldest once the queue is full
         (or nothing more could be scheduled); the outputs of the step collected, if any."""
         submitted = False
-        depth = 1 if self.finished_last_step else self.max_steps_in_flight
+        depth = 1 if self.request_ended else self.max_steps_in_flight
         if len(self.steps_in_flight) < depth and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is not None:
@@ -96,7 +98,7 @@ class EngineCore:
         model_output = self.executor.collect()
         self.num_steps += 1
         outputs = self.scheduler.update_from_output(self.steps_in_flight.popleft(), model_output)
-        self.finished_last_step = any(output.finish_reason for _, output in outputs)
+        self.request_ended = any(output.finish_reason for _, output in outputs)
         return outputs
 
     def make_stats(self) -> SchedulerStats:

@@ -144,5 +144,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
-            f"{self.num_tokens}, out={self.num_output_tokens})"
+            f"{self.num_tokens}, out={self.num_output_tokens}, ahead={self.num_tokens_ahead}/"
+            f"{self.num_outputs_ahead})"
         )

@@ -211,6 +211,31 @@ def test_async_scheduling_submits_the_next_step_before_collecting_the_last() -> 
     assert not core.has_unfinished_requests()
 
 
+def test_async_scheduling_collects_before_scheduling_once_a_request_ends() -> None:
+    """A client sends its next request when one ends: the step after an ending is scheduled only once the
+    step in flight is back, so a request that arrives meanwhile is not a step late."""
+    core, executor = make_core(async_scheduling=True)
+    add(core, "short", [1, 2], max_tokens=2)
+    add(core, "long", [3, 4], max_tokens=20)
+    add(core, "aborted", [5, 6], max_tokens=20)
+    core.step()  # submits the first step
+    core.step()  # submits the second, collects the first
+    assert len(executor.submitted) == 1
+    (finished,) = [output for _, output in core.step() if output.finish_reason]  # "short" ends
+    assert finished.request_id == "short" and len(executor.submitted) == 1
+    core.step()  # one step at a time now: nothing submitted, the step in flight collected
+    assert not executor.submitted
+    add(core, "next", [7, 8], max_tokens=5)  # arrives while no step is in flight
+    core.step()
+    assert "next" in executor.submitted[0].num_scheduled_tokens
+    assert all(not output.finish_reason for _, output in core.step())  # two in flight again
+    assert len(executor.submitted) == 1
+    core.abort_requests(["aborted"])
+    core.step()
+    assert not executor.submitted  # an abort ends a request too
+    run_to_completion(core)
+
+
 def test_async_scheduling_gives_each_request_the_outputs_sync_does() -> None:
     def run(async_scheduling: bool) -> tuple[dict[str, list], FakeExecutor]:
         core, executor = make_core(max_num_batched_tokens=12, async_scheduling=async_scheduling)
