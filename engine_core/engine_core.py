@@ -14,7 +14,6 @@ abort), and once finished its blocks are back in the pool.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 from engine_core.config import SchedulerConfig
@@ -24,7 +23,6 @@ from engine_core.scheduler import Scheduler
 from protocol.config import EngineConfig
 from protocol.errors import InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
-from protocol.worker_messages import SchedulerOutput
 
 
 class EngineCore:
@@ -51,7 +49,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0
         self.max_steps_in_flight = 2 if config.async_scheduling else 1
-        self.steps_in_flight: deque[SchedulerOutput] = deque()
         self.request_ended = False  # since the last collect: run one step at a time until the next
 
     def add_request(self, message: AddRequest, client_id: str = "") -> None:
@@ -80,24 +77,24 @@ class EngineCore:
         ]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.steps_in_flight)
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.steps_in_flight)
 
     def step(self) -> list[tuple[Request, RequestOutput]]:
         """Submit the next step if the queue has room, then collect the oldest once the queue is full
         (or nothing more could be scheduled); the outputs of the step collected, if any."""
+        in_flight = self.scheduler.steps_in_flight
         submitted = False
         depth = 1 if self.request_ended else self.max_steps_in_flight
-        if len(self.steps_in_flight) < depth and self.scheduler.has_unfinished_requests():
+        if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is not None:
                 self.executor.submit(scheduler_output)
-                self.steps_in_flight.append(scheduler_output)
                 submitted = True
-        if not self.steps_in_flight or (submitted and len(self.steps_in_flight) < depth):
+        if not in_flight or (submitted and len(in_flight) < depth):
             return []
         model_output = self.executor.collect()
         self.num_steps += 1
-        outputs = self.scheduler.update_from_output(self.steps_in_flight.popleft(), model_output)
+        outputs = self.scheduler.update_from_output(model_output)
         self.request_ended = any(output.finish_reason for _, output in outputs)
         return outputs
 

@@ -288,16 +288,14 @@ class Scheduler:
 
     # ---- after the step ----
 
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
-    ) -> list[tuple[Request, RequestOutput]]:
-        """Advance computed counts, append sampled tokens, apply engine-side stops. Outputs come back in
-        the order their steps were scheduled."""
+    def update_from_output(self, model_output: ModelRunnerOutput) -> list[tuple[Request, RequestOutput]]:
+        """Advance computed counts, append sampled tokens, apply engine-side stops, for the oldest step in
+        flight: outputs come back in the order their steps were scheduled."""
         self.num_steps += 1
         outputs = []
         stopped = []
         step = self.steps_in_flight.popleft()
-        assert step.keys() == scheduler_output.num_scheduled_tokens.keys(), "outputs out of step order"
+        assert model_output.sampled_token_ids.keys() <= step.keys(), "outputs out of step order"
         for request_id, scheduled in step.items():
             request, num_tokens = scheduled.request, scheduled.num_tokens
             if request.status != RequestStatus.RUNNING or self.requests.get(request_id) is not request:
