@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> list[Variant]:
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=100, help="prompt tokens, +-10%")
+    parser.add_argument("--input-len", type=int, default=100, help="prompt tokens, +-10%%")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", type=int, default=256, help="token budget of a step (engine serve's)")

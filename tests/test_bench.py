@@ -149,3 +149,16 @@ def test_lockstep_runs_every_variant_to_the_end(smollm2_gguf: str) -> None:
         if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
             advised = "hg" in mapping_of(runner.kv_caches[0].data_ptr())["VmFlags"].split()
             assert advised != variant.default_pages
+
+
+@pytest.mark.parametrize(
+    "module", ["burst_ttft", "cpu_kernels", "lockstep", "offline_throughput", "peers", "profile_step"]
+)
+def test_every_benchmark_prints_its_help(module: str) -> None:
+    """argparse formats each help string with `%` at `--help` time only, so a stray `%` (lockstep's
+    `+-10%`) broke the help and nothing else."""
+    run = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: "), run.stdout
