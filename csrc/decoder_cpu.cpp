@@ -4,7 +4,8 @@
 // Python's per-op cost (module calls, views, bindings: ~100 us a layer, a tenth of a small decode step).
 //
 // decoder_layers(x, layers, cos, sin, positions, kv_caches, slot_block_ids, slot_offsets, block_tables,
-//                seq_lens, config) -> (output, residual): their sum is the hidden state after the last layer
+//                seq_lens, config, scalars, out_rows) -> (output, residual): their sum is the hidden state
+//                after the last layer, of the rows out_rows names (all rows when None)
 //
 // x:         [T, hidden]  the embedded tokens; becomes the residual stream (modified in place)
 // layers:    per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm, qkv_pairs,
@@ -13,6 +14,9 @@
 //            the others oneDNN's packed weights when config.packed, else at::linear on plain [out, in] ones.
 // block_tables, seq_lens: one paged-attention row per token, as paged_decode_attention takes them
 // config:    num_heads, num_kv_heads, head_dim, packed (0/1), pairs_rows; floats: eps, scale
+// out_rows:  int64 [n], the rows whose hidden state the step scores (sampled tokens, prompt logprobs). Past
+//            the last layer's KV write no other row is read, so its attention, o and MLP run on those rows
+//            alone (as llama.cpp's inp_out_ids does): in a prefill step most of a layer's products.
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -68,7 +72,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
                                           std::vector<torch::Tensor> kv_caches, torch::Tensor slot_block_ids,
                                           torch::Tensor slot_offsets, torch::Tensor block_tables,
                                           torch::Tensor seq_lens, std::vector<int64_t> config,
-                                          std::vector<double> scalars) {
+                                          std::vector<double> scalars, std::optional<torch::Tensor> out_rows) {
   TORCH_CHECK(config.size() == 5 && scalars.size() == 2,
               "config: heads, kv heads, head_dim, packed, pairs_rows; eps, scale");
   TORCH_CHECK(layers.size() == kv_caches.size() && !layers.empty(), "one KV cache per layer");
@@ -78,6 +82,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
   const Product linear{config[3] != 0, config[4]};
   const double eps = scalars[0], scale = scalars[1];
   const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  TORCH_CHECK(!out_rows || (out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong),
+              "out_rows must be int64 [n]");
 
   at::Tensor hidden, residual;
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -99,9 +105,19 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     }
     rotary_embedding(q, k, cos, sin, positions);
     write_kv(k, v, kv_caches[l], slot_block_ids, slot_offsets);
+    at::Tensor tables = block_tables, lens = seq_lens;
+    int64_t rows = tokens;
+    if (out_rows && l + 1 == layers.size()) {  // the last layer: only the scored rows go on
+      q = q.index_select(0, *out_rows);
+      tables = block_tables.index_select(0, *out_rows);
+      lens = seq_lens.index_select(0, *out_rows);
+      residual = residual.index_select(0, *out_rows);
+      rows = out_rows->numel();
+      if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
+    }
     const at::Tensor attention =
-        paged_decode_attention(q.contiguous(), kv_caches[l], block_tables, seq_lens, scale);  // [T, heads, d]
-    hidden = linear(attention.view({tokens, q_size}), w[kO], at::Tensor(), w[kOPairs]);
+        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale);  // [rows, heads, d]
+    hidden = linear(attention.view({rows, q_size}), w[kO], at::Tensor(), w[kOPairs]);
     fused_add_rms_norm(hidden, residual, w[kPostNorm], eps);
     hidden = linear(silu_and_mul(linear(hidden, w[kGateUp], at::Tensor(), w[kGateUpPairs])), w[kDown], at::Tensor(),
                     w[kDownPairs]);

@@ -33,4 +33,4 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
                                           std::vector<torch::Tensor> kv_caches, torch::Tensor slot_block_ids,
                                           torch::Tensor slot_offsets, torch::Tensor block_tables,
                                           torch::Tensor seq_lens, std::vector<int64_t> config,
-                                          std::vector<double> scalars);
+                                          std::vector<double> scalars, std::optional<torch::Tensor> out_rows);

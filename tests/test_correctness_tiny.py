@@ -126,6 +126,46 @@ def test_greedy_matches_hf(tiny_model, config_name: str) -> None:  # type: ignor
         assert core.scheduler.config.max_num_batched_tokens == 16
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_the_last_layer_runs_on_the_scored_rows_only(tiny_model, native: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Past the last layer's KV write only the rows a step scores are needed: the model returns those
+    rows alone, in 16-token chunks most prefill steps score none, and the tokens still equal HF's."""
+    from worker.csrc_ops import load_cpu_ops
+
+    if native and load_cpu_ops() is None:
+        pytest.skip("no C++ compiler: the csrc kernels did not build")
+    from worker.models.llama import LlamaForCausalLM
+
+    steps: list[tuple[int, int | None, int]] = []  # (tokens, scored rows or None for all, rows returned)
+    mlp_rows: list[int] = []
+    forward, finalize = LlamaForCausalLM.forward, LlamaForCausalLM.finalize
+
+    def recording_forward(self, input_ids, *args):  # type: ignore[no-untyped-def]
+        hidden = forward(self, input_ids, *args)
+        out_rows = args[-1]
+        steps.append((len(input_ids), None if out_rows is None else len(out_rows), hidden.shape[0]))
+        return hidden
+
+    def finalize_and_hook(self):  # type: ignore[no-untyped-def]
+        finalize(self)
+        if not native:
+            self.native_layers = None
+        self.layers[-1].mlp.register_forward_hook(lambda _m, args, _out: mlp_rows.append(args[0].shape[0]))
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", recording_forward)
+    monkeypatch.setattr(LlamaForCausalLM, "finalize", finalize_and_hook)
+    folder, prompts, oracle = tiny_model
+    outputs, _ = run_engine(folder, prompts, max_num_batched_tokens=16)
+    for ours, expected in zip(outputs, oracle, strict=True):
+        compare_greedy(ours, expected)
+    assert all(returned == (tokens if scored is None else scored) for tokens, scored, returned in steps)
+    assert any(scored == 0 for _, scored, _ in steps), "a chunk that samples nothing scores no row"
+    assert any(scored is not None and 0 < scored < tokens for tokens, scored, _ in steps)
+    assert any(scored is None for _, scored, _ in steps), "a decode step scores every row"
+    if not native:  # the Python layers: the last MLP saw the scored rows only
+        assert mlp_rows == [returned for _, _, returned in steps if returned]
+
+
 def test_shared_prefix_hits_cache_and_still_matches(tiny_model) -> None:  # type: ignore[no-untyped-def]
     folder, prompts, oracle = tiny_model
     worker = WorkerConfig(model=folder, dtype="float32", block_size=16)

@@ -118,8 +118,6 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend)
-
         ends = np.cumsum(inputs.counts)
         sample_pos = [
             i
@@ -128,7 +126,13 @@ class ModelRunner:
         ]
         prompt_rows = self._prompt_logprob_rows(inputs, ends)
         score_rows = [int(ends[i]) - 1 for i in sample_pos] + [r for _, rows, _ in prompt_rows for r in rows]
-        logits = self.model.compute_logits(hidden[score_rows]) if score_rows else None  # [n, vocab]
+        # The model returns the scored rows only (a decode step scores every row, in order).
+        every_row = len(score_rows) == len(inputs.input_ids) and score_rows == list(range(len(score_rows)))
+        out_rows = None if every_row else torch.tensor(score_rows, dtype=torch.long)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend, out_rows
+        )  # [len(score_rows), hidden]
+        logits = self.model.compute_logits(hidden) if score_rows else None  # [n, vocab]
 
         output = ModelRunnerOutput({})
         if sample_pos:

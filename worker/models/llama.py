@@ -51,7 +51,9 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """out_rows: the rows to return (all when None); every row's keys and values are written."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -62,7 +64,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        if out_rows is not None:
+            out = out.index_select(0, out_rows)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -93,8 +97,10 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        out_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's output, the residual stream before it); their sum is the hidden state.
+        """Returns (this layer's output, the residual stream before it); their sum is the hidden state,
+        of the rows out_rows names (all when None).
 
         Keeping the two apart lets the next norm fuse the residual add (HF's rounding is the same).
         """
@@ -102,7 +108,11 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, metadata, backend)
+        x = self.self_attn(x, rope, kv_cache, metadata, backend, out_rows)
+        if out_rows is not None:
+            residual = residual.index_select(0, out_rows)
+            if not len(out_rows):
+                return x, residual  # nothing scored: the keys and values were all this layer had to give
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
 
@@ -135,7 +145,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [len(out_rows) or num_tokens, hidden], before the final norm
+        """out_rows: the rows the step scores (sampled tokens, prompt logprobs), in the order wanted; None
+        for all. Past the last layer's KV write no other row is needed, so that layer's attention, o and
+        MLP run on these rows alone (llama.cpp's inp_out_ids): in a prefill step most of a layer."""
         assert self.rotary is not None
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary.prepare(positions, x.dtype, self.ops)
@@ -152,12 +166,15 @@ class LlamaForCausalLM(nn.Module):
                 ]
                 x, residual = self.ops.decoder_layers(
                     x, self.native_layers, rope.cos, rope.sin, positions, kv_caches, metadata.slot_block_ids,
-                    metadata.slot_offsets, *rows, shape, [self.config.rms_norm_eps, attention.scale],
+                    metadata.slot_offsets, *rows, shape, [self.config.rms_norm_eps, attention.scale], out_rows,
                 )  # fmt: skip
                 return x + residual
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, metadata, backend)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, residual = layer(
+                x, residual, rope, kv_cache, metadata, backend, out_rows if i == last else None
+            )
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
