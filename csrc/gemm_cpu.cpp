@@ -1,4 +1,5 @@
-// Products of a few rows (decode steps) against bf16 weights, with AVX-512 BF16 dot products.
+// Products of up to a few hundred rows (decode steps, short prefill steps) against bf16 weights, with
+// AVX-512 BF16 dot products.
 // Reference: at::linear (worker/models/layers.py Linear).
 //
 // pack_pairs(weight [N, K] bf16) -> [N / 64, K / 2, 64, 2] bf16: for each group of 64 output columns, for
@@ -7,14 +8,15 @@
 // linear_pairs(x [M, K] bf16, packed, bias [N] or empty) -> [M, N] bf16: x W^T (+ bias), float32 sums
 //   rounded once, as oneDNN's product does; vdpbf16ps sums each pair of products before adding it.
 //
-// At a few rows a step's products are bound by reading the weights (~270 MB for SmolLM2). On an EPYC
-// (Zen 4: AVX-512 BF16, no AMX) oneDNN's kernels read them at ~16 GB/s, where a plain sum reads them at
-// ~28 GB/s; here each weight line is read once per call, in order, and every row it meets is done with
-// it (up to 6 rows x 64 columns of float32 sums in registers). The step's 121 products, 30 layers'
-// copies (2026-11-30): 9.6 vs 17.0 ms at 1 row, 15.3 vs 20.2 at 16, 48.7 vs 54.2 at 64, level at 96-256,
-// 5-10% slower from 512 rows on. More rows go in passes of 6 that reuse a group's lines from cache, each
-// pass asking for a share of the next group's lines; the threads split (group, pass) units. What each of
-// these choices measured: docs/performance.md, "On a CPU without AMX".
+// At a few rows a step's products are bound by reading the weights (~270 MB for SmolLM2). On an EPYC (Zen 4:
+// AVX-512 BF16, no AMX) oneDNN's kernels read them at ~16 GB/s, where a plain sum reads them at ~28 GB/s;
+// here each weight line is read once per call, in order, and every row it meets is done with it (up to 6 rows
+// x 64 columns of float32 sums in registers). The step's 121 products, 30 layers' copies (2026-11-30): 9.6 vs
+// 17.0 ms at 1 row, 15.3 vs 20.2 at 16, 48.7 vs 54.2 at 64, level at 96-256, 5-10% slower from 512 rows on,
+// each product alone; in the model, where each product's weights come from memory, whole steps ran faster
+// this way up to 512 rows (worker/models/layers.py PAIRS_ROWS). More rows go in passes of 6 that reuse a
+// group's lines from cache, each pass asking for a share of the next group's lines; the threads split (group,
+// pass) units. What each of these choices measured: docs/performance.md, "On a CPU without AMX".
 #include "ops.h"
 #include "cpu_math.h"
 

@@ -136,7 +136,7 @@ def test_each_kind_of_prefill_tiles_matches_reference(
     assert torch.equal(tiled, rows) == (head_dim == 32)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 64, 200])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 64, 200, 512])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_pairs_matches_linear(ops, rows, bias) -> None:  # type: ignore[no-untyped-def]
     """Few-row products on the pair layout (passes of 6 rows, 64 columns a group) against at::linear in

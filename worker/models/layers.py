@@ -59,8 +59,9 @@ class Linear(nn.Linear):
     A bf16 product on the CPU otherwise reorders the weight into oneDNN's blocked layout on every call,
     which costs more than the product itself at decode batch sizes (docs/performance.md). The packed
     copy replaces the plain weight. Where the csrc kernels have AVX-512 BF16 and no AMX, a second copy
-    in csrc's pair layout serves products of up to PAIRS_ROWS rows (decode steps), which oneDNN's
-    kernels there run well below the rate the machine reads the weights at.
+    in csrc's pair layout serves products of up to PAIRS_ROWS rows: decode steps, which oneDNN's
+    kernels there run well below the rate the machine reads the weights at, and prefill steps of up to
+    512 tokens, where the pair kernel's reading ahead keeps the next weights coming.
     """
 
     packed: torch.Tensor | None = None
@@ -96,8 +97,12 @@ def pairs_onto_huge_pages(linears: list[Linear]) -> None:
 
 
 PACK_BATCH_HINT = 64  # oneDNN picks the blocked layout for this many rows; any number of rows works
-# Products of up to this many rows take the pair layout where it is used (use_pairs).
-PAIRS_ROWS = 64
+# Products of up to this many rows take the pair layout where it is used (use_pairs). Isolated, the two
+# kernels are level from 96 to 256 rows and oneDNN is ahead from 512; in the model, where each product's
+# weights come from memory, whole steps on the pair kernel against oneDNN above 64 rows (one engine,
+# switching every step; EPYC, 2026-12-01): 128-row steps 0.958, 256 0.968 (0.989 for chunks of 1,000-token
+# prompts), 512 0.984 (0.963), 1,024 1.022, 2,048 1.035 (docs/performance.md).
+PAIRS_ROWS = 512
 NO_BIAS = torch.empty(0)
 
 
