@@ -56,11 +56,7 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Reserve blocks for num_new_tokens more tokens; None (and no change) if the pool is short."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = (
-            request.num_computed_tokens
-            + request.num_tokens_ahead
-            + len(new_computed_blocks) * self.block_size
-        )
+        num_computed = request.num_computed_after_flight + len(new_computed_blocks) * self.block_size
         num_needed = (
             cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         )

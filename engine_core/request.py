@@ -2,8 +2,8 @@
 
 Invariants:
 - num_computed_tokens <= num_tokens; the KV of the first num_computed_tokens tokens is written.
-- num_computed_tokens + num_tokens_ahead <= num_tokens + num_outputs_ahead: a step in flight computes
-  only tokens that are known, or that the step before it samples.
+- num_computed_after_flight <= num_tokens_after_flight: a step in flight computes only tokens that are
+  known, or that the step before it samples.
 - status only moves forward through the finished states: once finished, a request never runs again.
 - block_hashes[i] is the chained hash of full block i of all_token_ids (prompt then output).
 """
@@ -116,6 +116,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_computed_after_flight(self) -> int:
+        """Tokens with KV once the steps in flight come back."""
+        return self.num_computed_tokens + self.num_tokens_ahead
+
+    @property
+    def num_tokens_after_flight(self) -> int:
+        """Tokens known once the steps in flight come back (their sampled outputs included)."""
+        return self.num_tokens + self.num_outputs_ahead
 
     @property
     def is_finished(self) -> bool:

@@ -153,10 +153,7 @@ class Scheduler:
                 index += 1  # the step in flight samples its last token
                 continue
             num_new = min(
-                request.num_tokens
-                + request.num_outputs_ahead
-                - request.num_computed_tokens
-                - request.num_tokens_ahead,
+                request.num_tokens_after_flight - request.num_computed_after_flight,
                 budget,
                 self._prefill_cap(),
             )
@@ -213,7 +210,7 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         num_outputs = request.num_output_tokens + request.num_outputs_ahead
         return (max_tokens is not None and num_outputs >= max_tokens) or (
-            request.num_tokens + request.num_outputs_ahead >= self.config.max_model_len
+            request.num_tokens_after_flight >= self.config.max_model_len
         )
 
     def _prefill_cap(self) -> int:
@@ -251,7 +248,7 @@ class Scheduler:
             if request_id not in num_scheduled:
                 continue
             if request_id in self.sent_to_worker:
-                num_computed = request.num_computed_tokens + request.num_tokens_ahead  # once the worker ran
+                num_computed = request.num_computed_after_flight  # once the worker ran the steps before
                 cached_requests.append(CachedRequestData(request_id, new_block_ids[request_id], num_computed))
             else:
                 new_requests.append(
@@ -267,10 +264,7 @@ class Scheduler:
                 self.sent_to_worker.add(request_id)
             num_tokens = num_scheduled[request_id]
             request.num_tokens_ahead += num_tokens
-            samples = (
-                request.num_computed_tokens + request.num_tokens_ahead
-                >= request.num_tokens + request.num_outputs_ahead
-            )
+            samples = request.num_computed_after_flight >= request.num_tokens_after_flight
             request.num_outputs_ahead += samples
             step[request_id] = ScheduledRequest(request, num_tokens, samples)
         self.steps_in_flight.append(step)
@@ -379,9 +373,8 @@ class Scheduler:
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, request
             num_blocks = len(self.kv_cache.req_to_blocks.get(request.request_id, []))
-            num_ahead = request.num_computed_tokens + request.num_tokens_ahead
-            assert num_blocks >= cdiv(num_ahead, block_size), request
-            assert num_ahead <= request.num_tokens + request.num_outputs_ahead, request
+            assert num_blocks >= cdiv(request.num_computed_after_flight, block_size), request
+            assert request.num_computed_after_flight <= request.num_tokens_after_flight, request
             assert request.num_outputs_ahead <= len(self.steps_in_flight), request
         for request in self.waiting:
             assert not request.is_finished, request
