@@ -22,9 +22,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
-    async_scheduling: bool = (
-        True  # each step scheduled while the one before it runs (engine_core/engine_core.py)
-    )
+    # Each step scheduled while the one before it runs (engine_core/engine_core.py).
+    async_scheduling: bool = True
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"  # "auto", "torch" or "cpu"
