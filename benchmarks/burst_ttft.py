@@ -5,7 +5,8 @@ budget, bursts alternating between them so a noisy machine slows them alike.
 
 Each round sends every engine a burst of `--burst` random 100-token prompts (greedy, 128 tokens out,
 ignore_eos) and runs it to the end; it prints, per budget and round, the burst's median time to first
-token and its output tokens/s. The reading: docs/performance.md.
+token and its output tokens/s. The reading: benchmarks/results/2026-11-29-lab-notes-performance.md, "Where a
+step goes now".
 """
 
 from __future__ import annotations

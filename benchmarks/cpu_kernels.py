@@ -8,7 +8,8 @@
 - prefill attention: 30 layers of paged prefill rows in four shapes, the rows one by one against each
   kind of tiles this CPU runs (`use_prefill_tiles`: AVX-512 BF16, AMX).
 
-Prints medians (ms) and each candidate's ratio to the first column. The reading: docs/performance.md.
+Prints medians (ms) and each candidate's ratio to the first column. The reading:
+benchmarks/results/2026-11-29-lab-notes-performance.md, "On a CPU without AMX".
 """
 
 from __future__ import annotations

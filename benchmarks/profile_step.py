@@ -3,7 +3,8 @@
     python -m benchmarks.profile_step [--batch 16] [--dtype bfloat16] [--steps 40]
 
 Prints the wall-clock time per decode step and torch profiler's table of the top ops over 20 steps.
-Prompts are 100 random tokens, greedy, ignore_eos. The figures and their reading: docs/performance.md.
+Prompts are 100 random tokens, greedy, ignore_eos. The figures and their reading:
+benchmarks/results/2026-11-29-lab-notes-performance.md, "Decode step, in-process".
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@
 // each product alone; in the model, where each product's weights come from memory, whole steps ran faster
 // this way up to 512 rows (worker/models/layers.py PAIRS_ROWS). More rows go in passes of 6 that reuse a
 // group's lines from cache, each pass asking for a share of the next group's lines; the threads split (group,
-// pass) units. What each of these choices measured: docs/performance.md, "On a CPU without AMX".
+// pass) units. What each of these choices measured: benchmarks/results/2026-11-29-lab-notes-performance.md, "On a CPU without AMX".
 #include "ops.h"
 #include "cpu_math.h"
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from engine_core.config import SchedulerConfig
 from engine_core.executor import Executor
 from engine_core.request import Request, RequestStatus
@@ -28,7 +30,12 @@ from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerSta
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.executor = executor
-        self.model_info: ModelInfo = executor.model_info
+        # The worker reports the model and the pool; only the engine knows its prefix caching and policy.
+        self.model_info: ModelInfo = msgspec.structs.replace(
+            executor.model_info,
+            enable_prefix_caching=config.enable_prefix_caching,
+            scheduling_policy=config.scheduling_policy,
+        )
         capacity = self.model_info.num_kv_blocks * self.model_info.block_size
         if self.model_info.max_model_len > capacity:
             # NOTE: a request that cannot fit the pool alone would preempt itself forever.

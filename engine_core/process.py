@@ -33,6 +33,7 @@ from protocol.messages import (
     Ready,
     Register,
     Rejected,
+    RequestError,
     RequestOutput,
     UtilityCall,
     UtilityResult,
@@ -265,7 +266,11 @@ class EngineCoreProc:
             try:
                 self.engine.add_request(message, client_id)
             except (InvalidParameterError, ValueError) as error:
-                output = RequestOutput(message.request_id, [], finish_reason="abort", stop_reason=str(error))
+                param = error.param if isinstance(error, InvalidParameterError) else "prompt"
+                message_text = error.message if isinstance(error, InvalidParameterError) else str(error)
+                output = RequestOutput(
+                    message.request_id, [], finish_reason="error", error=RequestError(param, message_text)
+                )
                 self.output_queue.put((client_id, EngineOutputs([output], time.time())))
         elif isinstance(message, AbortRequests):
             self._send(self.engine.abort_requests(message.request_ids))

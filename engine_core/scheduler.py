@@ -15,11 +15,13 @@ they were scheduled for, so a request finished, aborted or preempted meanwhile d
 Invariants (check_invariants):
 - scheduled tokens never exceed max_num_batched_tokens; running requests never exceed max_num_seqs;
 - every running request holds blocks for its computed tokens; waiting ones hold none;
-- a finished request is in neither queue and holds no blocks.
+- a finished request is in neither queue and holds no blocks;
+- the step-token histogram (iteration_tokens_buckets) counts each step executed once: it sums to num_steps.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from collections import deque
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 from engine_core.config import SchedulerConfig
 from engine_core.kv_cache_manager import KVCacheManager, cdiv
 from engine_core.request import Request, RequestStatus
-from protocol.messages import RequestOutput, SchedulerStats
+from protocol.errors import InvalidParameterError
+from protocol.messages import ITERATION_TOKENS_BUCKETS, RequestOutput, SchedulerStats
 from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
@@ -96,12 +99,14 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.iteration_tokens_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # SchedulerStats' layout
+        self.iteration_tokens_sum = 0
 
     # ---- requests in and out ----
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidParameterError("request_id", f"request id {request.request_id!r} is already in use")
         if request.num_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens does not fit max_model_len {self.config.max_model_len}"
@@ -290,6 +295,10 @@ class Scheduler:
         stopped = []
         step = self.steps_in_flight.popleft()
         assert model_output.sampled_token_ids.keys() <= step.keys(), "outputs out of step order"
+        # NOTE: every token scheduled counts, stale ones included: the worker computed them.
+        num_step_tokens = sum(scheduled.num_tokens for scheduled in step.values())
+        self.iteration_tokens_buckets[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_step_tokens)] += 1
+        self.iteration_tokens_sum += num_step_tokens
         for request_id, scheduled in step.items():
             request, num_tokens = scheduled.request, scheduled.num_tokens
             if request.status != RequestStatus.RUNNING or self.requests.get(request_id) is not request:
@@ -362,6 +371,8 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
             num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
             num_steps=self.num_steps,
+            iteration_tokens_buckets=list(self.iteration_tokens_buckets),  # a copy: sent from another thread
+            iteration_tokens_sum=self.iteration_tokens_sum,
         )
 
     def check_invariants(self, scheduler_output: SchedulerOutput | None = None) -> None:
@@ -380,3 +391,4 @@ class Scheduler:
             assert not request.is_finished, request
             assert request.request_id not in self.kv_cache.req_to_blocks, request
         assert len(self.running) + len(self.waiting) == len(self.requests)
+        assert sum(self.iteration_tokens_buckets) == self.num_steps

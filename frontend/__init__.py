@@ -1,7 +1,7 @@
 """API servers and the offline API. Imports protocol and the tokenizer stack, never engine_core or worker."""
 
-from frontend.llm import LLM
-from frontend.outputs import CompletionOutput, Logprob, RequestResult
+from frontend.offline.llm import LLM
+from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
 from protocol.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestResult", "SamplingParams"]

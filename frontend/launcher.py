@@ -3,7 +3,6 @@ that share the socket, and supervises them until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -17,9 +16,10 @@ from typing import Any
 
 import msgspec
 
-from frontend.api_server import ServerConfig
-from frontend.engine_args import EngineArgs
-from frontend.engine_process import EngineProcess
+from frontend.config.engine_args import EngineArgs
+from frontend.config.server_args import ServerArgs
+from frontend.engine.process import EngineProcess
+from frontend.server.deps import ServerConfig
 from protocol.log_format import configure_logging
 
 logger = logging.getLogger("engine.launcher")
@@ -49,18 +49,6 @@ def check_exposure(address: str, allow_remote: bool) -> None:
         )
 
 
-def read_api_keys(flags: list[str] | None, path: str | None, env: str | None) -> list[str]:
-    """API keys from --api-key (repeatable), --api-key-file (one a line, # comments) and ENGINE_API_KEY
-    (comma-separated)."""
-    keys = list(flags or [])
-    if path:
-        with open(path) as f:
-            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-    if env:
-        keys += [key.strip() for key in env.split(",") if key.strip()]
-    return list(dict.fromkeys(keys))
-
-
 def bind_http_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -85,7 +73,7 @@ class Supervisor:
 
     def start_api_server(self, sock: socket.socket, config: ServerConfig) -> None:
         process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.api_server", str(sock.fileno())],
+            [sys.executable, "-m", "frontend.server.main", str(sock.fileno())],
             stdin=subprocess.PIPE,
             pass_fds=(sock.fileno(),),
         )
@@ -140,19 +128,16 @@ class Supervisor:
         return 0
 
 
-def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     from frontend.model_files import resolve_model
 
-    configure_logging(args.log_level, args.log_format)
-    supervisor = Supervisor(getattr(args, "shutdown_timeout", 30.0))
-    attach = args.attach
-    if attach:
-        input_address, output_address = engine_addresses(attach)
-        model = resolve_model(args.model) if args.model else ""  # "": the tokenizer of the engine's model
+    configure_logging(engine_args.log_level, engine_args.log_format)
+    supervisor = Supervisor(args.shutdown_timeout_s)
+    if args.attach:
+        input_address, output_address = engine_addresses(args.attach)
+        # "": the tokenizer of the engine's model
+        model = resolve_model(engine_args.model) if engine_args.model else ""
     else:
-        engine_args = EngineArgs(
-            model=args.model, served_model_name=args.served_model_name or [], **engine_kwargs
-        )
         config = engine_args.engine_config()
         model = config.worker.model
         if args.engine_address:
@@ -175,7 +160,6 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         chat_template = (
             open(args.chat_template).read() if os.path.exists(args.chat_template) else args.chat_template
         )
-    api_keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get("ENGINE_API_KEY"))
     for index in range(args.api_server_count):
         supervisor.start_api_server(
             sock,
@@ -184,22 +168,23 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 input_address=input_address,
                 output_address=output_address,
                 server_index=index,
-                api_keys=api_keys,
+                api_keys=args.api_keys(),
                 chat_template=chat_template,
-                allowed_origins=args.allowed_origins or [],
-                tokenizer_cache_dir=os.path.join(os.path.expanduser("~"), ".cache", "engine"),
-                log_level=args.log_level,
+                allowed_origins=args.allowed_origins,
+                tokenizer_cache_dir=engine_args.tokenizer_cache_dir,
+                log_level=engine_args.log_level,
                 generation_config=args.generation_config,
-                log_format=args.log_format,
-                log_requests=not args.disable_log_requests,
+                log_format=engine_args.log_format,
+                log_requests=args.enable_log_requests,
                 max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
                 max_queued_requests=args.max_queued_requests,
                 max_queued_tokens=args.max_queued_tokens,
                 max_inflight_requests=args.max_inflight_requests,
-                shutdown_timeout_s=args.shutdown_timeout,
-                engine_stall_timeout_s=args.engine_stall_timeout,
-                enable_docs=not args.disable_fastapi_docs,
-                register_timeout_s=args.engine_connect_timeout,
+                shutdown_timeout_s=args.shutdown_timeout_s,
+                engine_stall_timeout_s=args.engine_stall_timeout_s,
+                enable_docs=args.enable_fastapi_docs,
+                register_timeout_s=args.engine_connect_timeout_s,
+                metrics_prefix=args.metrics_prefix,
             ),
         )
     sock.close()  # the API servers hold it now

@@ -1,15 +1,18 @@
-"""Prometheus metrics of an API server, prefix `engine:`.
+"""Prometheus metrics of an API server, prefix `engine:` (or `vllm:`, so dashboards built for vLLM work).
 
 Per-request counters and histograms are kept by the API server that owns the request, in
 prometheus-client's multiprocess mode (the launcher sets PROMETHEUS_MULTIPROC_DIR), so /metrics on any
 API server sums over all of them and nothing is counted twice. Engine-wide values (running, waiting,
-KV usage, prefix-cache queries/hits, preemptions) come from the engine's own SchedulerStats, which
-every API server receives at least once a second, and are exported once by a collector.
+KV usage, prefix-cache queries/hits, preemptions, tokens per step) come from the engine's own
+SchedulerStats, which every API server receives at least once a second, and are exported once by a
+collector. A family that vLLM also exports has vLLM's name (after the prefix) and meaning.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -21,9 +24,10 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from protocol.messages import ModelInfo, RequestOutput, SchedulerStats
+from protocol.messages import ITERATION_TOKENS_BUCKETS, ModelInfo, RequestOutput, SchedulerStats
 
 LATENCY_BUCKETS = (
     0.005,
@@ -46,50 +50,67 @@ LATENCY_BUCKETS = (
     80.0,
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for request_params_n
 UNMETERED_PATHS = frozenset({"/metrics", "/health", "/ping", "/load", "/version"})
 
 
 class Metrics:
-    def __init__(self, model_info: ModelInfo) -> None:
+    """The per-request families, named `{prefix}:...`. `registry` is for tests: render() reads REGISTRY."""
+
+    def __init__(
+        self, model_info: ModelInfo, prefix: str = "engine", *, registry: CollectorRegistry | None = REGISTRY
+    ) -> None:
         self.model_name = model_info.served_model_names[0]
-        labels = ["model_name"]
-        self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens of finished requests.", labels)
-        self.generation_tokens = Counter("engine:generation_tokens", "Generated tokens.", labels)
-        self.request_success = Counter(
-            "engine:request_success", "Finished requests by finish reason.", [*labels, "finished_reason"]
+        labels = ("model_name",)
+
+        def counter(name: str, doc: str, labelnames: Sequence[str]) -> Counter:
+            return Counter(f"{prefix}:{name}", doc, labelnames, registry=registry)
+
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], labelnames: Sequence[str] = labels
+        ) -> Histogram:
+            return Histogram(f"{prefix}:{name}", doc, labelnames, buckets=buckets, registry=registry)
+
+        def info(name: str, doc: str, labelnames: Sequence[str]) -> Gauge:
+            return Gauge(
+                f"{prefix}:{name}", doc, labelnames, multiprocess_mode="mostrecent", registry=registry
+            )
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.", labels)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.", labels)
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"]
         )
-        self.ttft = Histogram(
-            "engine:time_to_first_token_seconds", "Time to first token.", labels, buckets=LATENCY_BUCKETS
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", LATENCY_BUCKETS)
+        # NOTE: vLLM's older name for inter_token_latency_seconds, with the same observations (one per
+        # token after the first); vLLM's own Grafana dashboard plots it as "Time Per Output Token".
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Time between tokens (vLLM's older name).", LATENCY_BUCKETS
         )
-        self.itl = Histogram(
-            "engine:inter_token_latency_seconds", "Time between tokens.", labels, buckets=LATENCY_BUCKETS
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: decode time / (generated tokens - 1); 0 for a request of one token.",
+            LATENCY_BUCKETS,
         )
-        self.e2e = Histogram(
-            "engine:e2e_request_latency_seconds", "Request latency.", labels, buckets=LATENCY_BUCKETS
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time waiting in the engine.", LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "Prefill time.", LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "Decode time.", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
         )
-        self.queue = Histogram(
-            "engine:request_queue_time_seconds",
-            "Time waiting in the engine.",
-            labels,
-            buckets=LATENCY_BUCKETS,
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
-        self.prefill = Histogram(
-            "engine:request_prefill_time_seconds", "Prefill time.", labels, buckets=LATENCY_BUCKETS
+        self.request_params_n = histogram("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens request parameter, when set.", TOKEN_BUCKETS
         )
-        self.decode = Histogram(
-            "engine:request_decode_time_seconds", "Decode time.", labels, buckets=LATENCY_BUCKETS
-        )
-        self.request_prompt_tokens = Histogram(
-            "engine:request_prompt_tokens", "Prompt tokens per request.", labels, buckets=TOKEN_BUCKETS
-        )
-        self.request_generation_tokens = Histogram(
-            "engine:request_generation_tokens", "Generated tokens per request.", labels, buckets=TOKEN_BUCKETS
-        )
-        self.engine_info = Gauge(
-            "engine:engine_info",
+        self.engine_info = info(
+            "engine_info",
             "The model and engine this server fronts.",
             ["model_name", "model", "dtype", "block_size", "version"],
-            multiprocess_mode="mostrecent",
         )
         self.engine_info.labels(
             self.model_name,
@@ -98,12 +119,21 @@ class Metrics:
             str(model_info.block_size),
             model_info.engine_version,
         ).set(1)
-        self.http_requests = Counter("engine:http_requests", "HTTP requests.", ["method", "path", "status"])
-        self.http_latency = Histogram(
-            "engine:http_request_duration_seconds",
-            "HTTP request latency.",
-            ["method", "path"],
-            buckets=LATENCY_BUCKETS,
+        # vLLM's labels that we can fill truthfully: the KV cache is kept in the model's dtype.
+        self.cache_config_info = info(
+            "cache_config_info",
+            "The engine's KV cache configuration.",
+            ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks"],
+        )
+        self.cache_config_info.labels(
+            str(model_info.block_size),
+            model_info.dtype,
+            str(model_info.enable_prefix_caching),
+            str(model_info.num_kv_blocks),
+        ).set(1)
+        self.http_requests = counter("http_requests", "HTTP requests.", ["method", "path", "status"])
+        self.http_latency = histogram(
+            "http_request_duration_seconds", "HTTP request latency.", LATENCY_BUCKETS, ["method", "path"]
         )
 
     def observe_token(self, state: RequestTiming, now: float, num_tokens: int) -> None:
@@ -114,6 +144,7 @@ class Metrics:
             self.ttft.labels(self.model_name).observe(now - state.arrival_time)
         elif state.last_token_time is not None:
             self.itl.labels(self.model_name).observe(now - state.last_token_time)
+            self.tpot.labels(self.model_name).observe(now - state.last_token_time)
         state.last_token_time = now
 
     def observe_finished(
@@ -124,7 +155,13 @@ class Metrics:
         num_prompt: int,
         num_generated: int,
         now: float,
+        *,
+        n: int | None = 1,
+        max_tokens: int | None = None,
     ) -> None:
+        """One finished request, or one choice of an n > 1 request. `n` and `max_tokens` are the
+        request's parameters, given with its last choice to finish only (None for the others), so
+        request_params_* count each request once, as vLLM's do."""
         name = self.model_name
         self.prompt_tokens.labels(name).inc(num_prompt)
         self.generation_tokens.labels(name).inc(num_generated)
@@ -135,6 +172,14 @@ class Metrics:
         self.decode.labels(name).observe(output.decode_time_s)
         self.request_prompt_tokens.labels(name).observe(num_prompt)
         self.request_generation_tokens.labels(name).observe(num_generated)
+        # vLLM's: the first token's time is prefill, so the decode time is spread over the others.
+        tpot = output.decode_time_s / (num_generated - 1) if num_generated > 1 else 0.0
+        self.request_tpot.labels(name).observe(tpot)
+        if n is None:
+            return
+        self.request_params_n.labels(name).observe(n)
+        if max_tokens:  # vLLM skips an unset (or zero) max_tokens
+            self.request_params_max_tokens.labels(name).observe(max_tokens)
 
 
 class RequestTiming:
@@ -149,45 +194,55 @@ class RequestTiming:
 class EngineStatsCollector:
     """Exports the engine's latest SchedulerStats, as received by this API server."""
 
-    def __init__(self, get_stats: Any, model_name: str) -> None:
+    def __init__(self, get_stats: Any, model_name: str, prefix: str = "engine") -> None:
         self._get_stats = get_stats
         self._model_name = model_name
+        self._prefix = prefix
 
     def collect(self) -> Any:
         stats: SchedulerStats | None = self._get_stats()
         if stats is None:
             return
-        label = [self._model_name]
+        prefix, label = self._prefix, [self._model_name]
         for name, doc, value in (
-            ("engine:num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("engine:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("engine:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_cache_usage),
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_cache_usage),
         ):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
             gauge.add_metric(label, value)
             yield gauge
         for name, doc, value in (
             (
-                "engine:prefix_cache_queries",
+                "prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
                 stats.prefix_cache_queries,
             ),
-            ("engine:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            ("engine:num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions),
             (
-                "engine:engine_prompt_tokens_computed",
+                "engine_prompt_tokens_computed",
                 "Prompt tokens the engine computed for any frontend (cache hits excluded, recomputation included).",
                 stats.num_prompt_tokens,
             ),
             (
-                "engine:engine_generation_tokens",
+                "engine_generation_tokens",
                 "Tokens the engine generated for any frontend, ZMQ clients included.",
                 stats.num_generation_tokens,
             ),
         ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
+        upper_bounds = [floatToGoString(bound) for bound in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+        if len(stats.iteration_tokens_buckets) == len(upper_bounds):  # else an engine that does not count
+            cumulative = itertools.accumulate(stats.iteration_tokens_buckets)
+            histogram = HistogramMetricFamily(
+                f"{prefix}:iteration_tokens_total", "Tokens scheduled per engine step.", labels=["model_name"]
+            )
+            buckets = list(zip(upper_bounds, cumulative, strict=True))
+            histogram.add_metric(label, buckets, sum_value=stats.iteration_tokens_sum)
+            yield histogram
 
 
 def render(collector: EngineStatsCollector) -> bytes:

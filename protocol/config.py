@@ -6,7 +6,8 @@ import msgspec
 
 # Tokens per KV block. Decode attention reads each block's rows in one sweep and then jumps to the next
 # block, wherever the pool put it; with 64-token blocks a batch-64 decode step took 2.7% less than with
-# 16 (docs/performance.md, "Huge pages and 64-token blocks"). vLLM's CPU default is 128; 64 measured the same
+# 16 (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages and 64-token blocks"). vLLM's CPU
+# default is 128; 64 measured the same
 # and keeps the prefix cache's granularity finer.
 DEFAULT_BLOCK_SIZE = 64
 
@@ -38,7 +39,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0  # >0: cap each prefill chunk (chunked prefill below the budget)
-    async_scheduling: bool = False  # schedule step N+1 while step N runs
+    async_scheduling: bool = True  # schedule step N+1 while step N runs (EngineArgs and the CLI agree)
     input_address: str = ""  # ZMQ address the engine binds for frontend requests
     output_address: str = ""  # ZMQ address the engine binds for outputs
     executor: str = "mp"  # "mp": one worker process per device; "inproc": the model in the engine process

@@ -9,7 +9,11 @@ import msgspec
 
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew
+PROTOCOL_VERSION = 4  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+# 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids
+
+# Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Register(msgspec.Struct, tag="register", array_like=True):
@@ -31,6 +35,8 @@ class ModelInfo(msgspec.Struct, array_like=True):
     dtype: str  # weights and activations dtype, e.g. "bfloat16"
     num_kv_blocks: int  # size of the KV pool
     engine_version: str  # package version of the engine
+    enable_prefix_caching: bool = True  # set by the EngineCore from its config (the worker cannot know)
+    scheduling_policy: str = "fcfs"  # likewise: "priority" is the only policy that reads `priority`
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -88,12 +94,19 @@ class Logprobs(msgspec.Struct, array_like=True):
     ranks: list[int]  # [num_positions] rank of the chosen token (1 = most likely)
 
 
+class RequestError(msgspec.Struct, array_like=True):
+    """Why the engine refused a request: the HTTP edge answers 400 with `param` and `message`."""
+
+    param: str  # the request field at fault, e.g. "prompt" or "max_tokens"
+    message: str  # a sentence for the caller
+
+
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one request produced in one engine step."""
 
     request_id: str
     new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
-    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while running
     stop_reason: int | str | None = None  # the stop token id that matched, if any
     new_logprobs: Logprobs | None = None  # for new_token_ids, when asked
     new_prompt_logprobs: Logprobs | None = None  # for the prompt positions computed this step
@@ -101,6 +114,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     queue_time_s: float = 0.0  # set when finished: received by the engine -> first scheduled
     prefill_time_s: float = 0.0  # set when finished: first scheduled -> first token
     decode_time_s: float = 0.0  # set when finished: first token -> last token
+    error: RequestError | None = None  # set (with finish_reason "error") when the engine refused it
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -116,6 +130,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_generation_tokens: int = 0
     num_waiting_tokens: int = 0  # prompt tokens of the waiting requests (admission control)
     num_steps: int = 0  # steps executed: frozen while requests are open means a stalled engine
+    # steps by tokens scheduled: [i] counts steps with ITERATION_TOKENS_BUCKETS[i-1] < tokens <= [i],
+    # the last entry those above the largest bound (per bucket, not cumulative; the sum is num_steps)
+    iteration_tokens_buckets: list[int] = msgspec.field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    )
+    iteration_tokens_sum: int = 0  # tokens scheduled over all steps executed
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):

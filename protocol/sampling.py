@@ -14,6 +14,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
+MAX_BAD_WORDS = 256
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
@@ -39,6 +41,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words_token_ids: list[list[int]] = []  # token sequences never generated (their last token is banned
+    # whenever the output ends with the rest of the sequence)
 
     def for_choice(self, index: int) -> SamplingParams:
         """Completion `index` of an n > 1 request: its own engine request (n = 1), its own seed."""
@@ -110,7 +115,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             "logit_bias",
             f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias or {})}.",
         )
+        if self.allowed_token_ids is not None:
+            _check(
+                0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+                "allowed_token_ids",
+                f"allowed_token_ids must have 1 to {MAX_ALLOWED_TOKEN_IDS} entries.",
+            )
+        _check(
+            len(self.bad_words_token_ids) <= MAX_BAD_WORDS,
+            "bad_words",
+            f"at most {MAX_BAD_WORDS} bad words, got {len(self.bad_words_token_ids)}.",
+        )
+        _check(all(self.bad_words_token_ids), "bad_words", "bad words must not be empty.")
         if vocab_size is not None:
+            for name, ids in (
+                ("allowed_token_ids", self.allowed_token_ids or []),
+                ("bad_words", [t for word in self.bad_words_token_ids for t in word]),
+            ):
+                for token_id in ids:
+                    _check(0 <= token_id < vocab_size, name, f"token id {token_id} is out of vocabulary.")
             for token_id in self.stop_token_ids:
                 _check(
                     0 <= token_id < vocab_size, "stop_token_ids", f"token id {token_id} is out of vocabulary."

@@ -72,6 +72,17 @@ def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+def wait_healthy(process: subprocess.Popen[bytes], base: str, timeout_s: float = 180) -> None:
+    """Wait for `base`/health to answer 200; fail at once if the launcher exited instead."""
+
+    def healthy() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode} before it was healthy")
+        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+
+    wait_until(healthy, timeout_s, "the server to be healthy")
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM a launcher; fail if any process it started outlives it."""
     tree = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []

@@ -9,10 +9,12 @@ import re
 import pytest
 import yaml
 
-from frontend.api_server import AppDeps, ServerConfig, build_app
-from frontend.async_client import AsyncEngineClient
+from frontend.engine.async_llm import AsyncLLM
+from frontend.engine.client import AsyncEngineClient
 from frontend.metrics import EngineStatsCollector, Metrics, RequestTiming, render
-from frontend.serving import OpenAIServing
+from frontend.openai.serving import OpenAIServing
+from frontend.server.app import build_app
+from frontend.server.deps import AppDeps, ServerConfig
 from protocol.messages import ModelInfo, RequestOutput, SchedulerStats
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
@@ -27,7 +29,7 @@ def exported() -> set[str]:
     timing = RequestTiming(0.0)  # one observation each, so every labelled series exists
     metrics.observe_token(timing, 1.0, 1)
     metrics.observe_token(timing, 1.1, 1)
-    metrics.observe_finished(timing, RequestOutput("r", [1]), "stop", 3, 2, 2.0)
+    metrics.observe_finished(timing, RequestOutput("r", [1]), "stop", 3, 2, 2.0, n=1, max_tokens=16)
     metrics.http_requests.labels("POST", "/v1/completions", "200").inc()
     metrics.http_latency.labels("POST", "/v1/completions").observe(0.1)
     text = render(EngineStatsCollector(lambda: SchedulerStats(), "m")).decode()
@@ -64,6 +66,8 @@ def test_dashboard_queries_only_exported_metrics(exported: set[str]) -> None:
         "preemption",
         "throughput",
         "prefix cache",
+        "time per output token",
+        "per engine step",
     ):
         assert topic in titles
 
@@ -86,8 +90,7 @@ def test_probes_point_at_real_endpoints() -> None:
     app = build_app(
         AppDeps(
             ServerConfig(model="m", input_address="", output_address=""),
-            client,
-            OpenAIServing(client, None, INFO, None),
+            OpenAIServing(AsyncLLM(client, None), INFO),
         )
     )
     routes = set(app.openapi()["paths"])

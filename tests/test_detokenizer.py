@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.engine.detokenizer import IncrementalDetokenizer
 from frontend.model_files import load_tokenizer
 from protocol.sampling import SamplingParams
 
@@ -59,3 +59,16 @@ def test_special_tokens_skipped_or_kept(tokenizer) -> None:  # type: ignore[no-u
     keep = IncrementalDetokenizer(tokenizer, SamplingParams(skip_special_tokens=False))
     assert skip.update(ids, finished=True) == "Hi"
     assert keep.update(ids, finished=True) == "Hi<|im_end|>"
+
+
+def test_min_tokens_holds_off_stop_strings(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """As vLLM: a stop string ends the text only once more than min_tokens tokens exist."""
+    ids = tokenizer(" stop here stop there", add_special_tokens=False)["input_ids"]
+    early = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["stop"]))
+    late = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["stop"], min_tokens=2))
+    for detok in (early, late):
+        for token_id in ids:
+            detok.update([token_id], finished=False)
+            if detok.stop_matched:
+                break
+    assert early.text == " " and late.text == " stop here "

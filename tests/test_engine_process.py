@@ -89,6 +89,7 @@ def test_an_idle_engine_takes_a_burst_into_its_first_step(tmp_path) -> None:  # 
         worker=WorkerConfig(model="fake"),
         input_address=f"ipc://{tmp_path}/in",
         output_address=f"ipc://{tmp_path}/out",
+        async_scheduling=False,  # one step submitted and collected at once: its batch is in executor.steps
     )
     executor = FakeExecutor()
     proc = EngineCoreProc(config, EngineCore(config, executor))

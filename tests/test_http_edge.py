@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from frontend.api_server import AppDeps, ServerConfig, build_app
-from frontend.async_client import AsyncEngineClient
-from frontend.launcher import check_exposure, read_api_keys
-from frontend.serving import OpenAIServing
+from frontend.config.server_args import ServerArgs
+from frontend.engine.async_llm import AsyncLLM
+from frontend.engine.client import AsyncEngineClient
+from frontend.launcher import check_exposure
+from frontend.openai.serving import OpenAIServing
+from frontend.server.app import build_app
+from frontend.server.deps import AppDeps, ServerConfig
 from protocol.messages import ModelInfo, SchedulerStats
 
 INFO = ModelInfo("m", ["m"], 128, 16, 100, [2], "float32", 8, "0")
@@ -27,8 +30,8 @@ def app_and_client():  # type: ignore[no-untyped-def]
         allowed_origins=["https://ok.example"],
         max_request_body_bytes=256 * 1024,
     )
-    serving = OpenAIServing(engine_client, None, INFO, None)
-    app = build_app(AppDeps(config, engine_client, serving))
+    serving = OpenAIServing(AsyncLLM(engine_client, None), INFO)
+    app = build_app(AppDeps(config, serving))
     with TestClient(app) as http:
         http.headers["Authorization"] = "Bearer k"
         yield http, engine_client
@@ -168,10 +171,10 @@ def test_stalled_engine_turns_health_503(app_and_client) -> None:  # type: ignor
 
 def test_docs_can_be_turned_off() -> None:
     engine_client = AsyncEngineClient("ipc:///tmp/engine-edge-docs-in", "ipc:///tmp/engine-edge-docs-out")
-    serving = OpenAIServing(engine_client, None, INFO, None)
+    serving = OpenAIServing(AsyncLLM(engine_client, None), INFO)
     for enable, status in ((True, 200), (False, 404)):
         config = ServerConfig(model="m", input_address="", output_address="", enable_docs=enable)
-        with TestClient(build_app(AppDeps(config, engine_client, serving))) as http:
+        with TestClient(build_app(AppDeps(config, serving))) as http:
             assert http.get("/openapi.json").status_code == status
             assert http.get("/docs").status_code == status
     engine_client.close()
@@ -180,9 +183,11 @@ def test_docs_can_be_turned_off() -> None:
 def test_api_keys_from_flags_file_and_env(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "keys"
     path.write_text("# ops keys\nfile-key-1\n\n  file-key-2  \n")
-    keys = read_api_keys(["flag-key"], str(path), "env-a, env-b,flag-key")
-    assert keys == ["flag-key", "file-key-1", "file-key-2", "env-a", "env-b"]
-    assert read_api_keys(None, None, None) == []
+    args = ServerArgs(api_key=["flag-key"], api_key_file=str(path))
+    keys = args.api_keys({"ENGINE_API_KEY": "env-a, env-b,flag-key", "VLLM_API_KEY": "vllm-key"})
+    assert keys == ["flag-key", "file-key-1", "file-key-2", "env-a", "env-b", "vllm-key"]
+    assert ServerArgs().api_keys({}) == []
+    assert ServerArgs().api_keys({"VLLM_API_KEY": "migrated"}) == ["migrated"]
 
 
 def test_engine_tcp_beyond_loopback_needs_a_flag() -> None:

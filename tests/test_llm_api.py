@@ -99,8 +99,7 @@ def test_engine_death_is_an_error_not_a_hang(tiny_folder: str) -> None:
 def test_async_scheduling_flag_reaches_the_engine_config(
     tiny_folder: str, flag: list[str], expected: bool
 ) -> None:
-    from frontend.cli import build_parser, engine_kwargs
-    from frontend.engine_args import EngineArgs
+    from frontend.cli.main import build_parser, engine_args_of
 
     args = build_parser().parse_args(["serve", tiny_folder, *flag])
-    assert EngineArgs(args.model, **engine_kwargs(args)).engine_config().async_scheduling is expected
+    assert engine_args_of(args).engine_config().async_scheduling is expected

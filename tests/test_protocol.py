@@ -23,6 +23,7 @@ from protocol.messages import (
     ModelInfo,
     Ready,
     Register,
+    RequestError,
     RequestOutput,
     SchedulerStats,
     UtilityCall,
@@ -102,8 +103,8 @@ def test_add_request_golden_bytes() -> None:
     )
     body = frontend_codec().encode(message)[1]
     assert body.hex() == (
-        "98a3616464a172920102dc001401cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
-        "cb0000000000000000cb0000000000000000cb3ff0000000000000c004009090c2c0c0c2c3c3"
+        "98a3616464a172920102dc001601cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
+        "cb0000000000000000cb0000000000000000cb3ff0000000000000c004009090c2c0c0c2c3c3c090"
         "cb3ff000000000000000c0c0"
     )
 
@@ -111,9 +112,30 @@ def test_add_request_golden_bytes() -> None:
 def test_output_golden_bytes() -> None:
     body = engine_codec().encode(EngineOutputs([RequestOutput("r", [9], "length")], 2.0, None))[1]
     assert body.hex() == (
-        "94a76f757470757473919aa1729109a66c656e677468c0c0c000"
-        "cb0000000000000000cb0000000000000000cb0000000000000000cb4000000000000000c0"
+        "94a76f757470757473919ba1729109a66c656e677468c0c0c000"
+        "cb0000000000000000cb0000000000000000cb0000000000000000c0cb4000000000000000c0"
     )
+
+
+def test_a_rejection_is_a_typed_error_in_the_output() -> None:
+    output = RequestOutput("r", [], "error", error=RequestError("max_tokens", "too many"))
+    codec = engine_codec()
+    decoded = codec.decode(codec.encode(EngineOutputs([output], 1.0)))
+    assert decoded.outputs[0].error == RequestError("max_tokens", "too many")
+    assert decoded.outputs[0].finish_reason == "error"
+
+
+def test_allowed_token_ids_and_bad_words_are_validated() -> None:
+    for params, name in (
+        (SamplingParams(allowed_token_ids=[]), "allowed_token_ids"),
+        (SamplingParams(allowed_token_ids=[5, 500]), "allowed_token_ids"),
+        (SamplingParams(bad_words_token_ids=[[]]), "bad_words"),
+        (SamplingParams(bad_words_token_ids=[[1, 900]]), "bad_words"),
+    ):
+        with pytest.raises(InvalidParameterError) as error:
+            params.validate(vocab_size=100)
+        assert error.value.param == name
+    SamplingParams(allowed_token_ids=[1, 2], bad_words_token_ids=[[3], [4, 5]]).validate(vocab_size=100)
 
 
 def test_sampling_params_validation_names_the_parameter() -> None:

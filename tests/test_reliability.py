@@ -90,7 +90,7 @@ def stream_on(port: int, max_tokens: int) -> Stream:
 
 def api_servers(launcher: subprocess.Popen[bytes]) -> list[psutil.Process]:
     children = psutil.Process(launcher.pid).children()
-    servers = [p for p in children if "frontend.api_server" in " ".join(p.cmdline())]
+    servers = [p for p in children if "frontend.server.main" in " ".join(p.cmdline())]
     return sorted(servers, key=lambda p: p.create_time())  # started in index order
 
 

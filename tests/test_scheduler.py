@@ -19,6 +19,7 @@ from tests.fake_executor import FakeExecutor
 
 def make_core(num_kv_blocks: int = 64, block_size: int = 4, **kwargs) -> tuple[EngineCore, FakeExecutor]:  # type: ignore[no-untyped-def]
     executor = FakeExecutor(num_kv_blocks=num_kv_blocks, block_size=block_size)
+    kwargs.setdefault("async_scheduling", False)  # these tests follow one step at a time
     config = EngineConfig(worker=WorkerConfig(model="fake"), **kwargs)
     return EngineCore(config, executor), executor
 

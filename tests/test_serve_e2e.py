@@ -21,19 +21,16 @@ API_KEY = "test-key-123"
 MODEL = "smollm2"
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_gguf: str):  # type: ignore[no-untyped-def]
+def start_server(model: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [
         sys.executable,
         "-m",
         "frontend.cli",
         "serve",
-        smollm2_gguf,
+        model,
         "--port",
         str(port),
-        "--api-server-count",
-        "2",
         "--dtype",
         "float32",
         "--max-model-len",
@@ -42,6 +39,7 @@ def server(smollm2_gguf: str):  # type: ignore[no-untyped-def]
         MODEL,
         "--api-key",
         API_KEY,
+        *extra,
     ]
     process = subprocess.Popen(command)
     base = f"http://127.0.0.1:{port}"
@@ -49,6 +47,16 @@ def server(smollm2_gguf: str):  # type: ignore[no-untyped-def]
         wait_until(
             lambda: httpx.get(f"{base}/health", timeout=2).status_code == 200, 180, "the server to be healthy"
         )
+    except BaseException:
+        stop(process)
+        raise
+    return process, base
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf: str):  # type: ignore[no-untyped-def]
+    process, base = start_server(smollm2_gguf, "--api-server-count", "2")
+    try:
         yield {"base": base, "process": process}
     finally:
         stop(process)
@@ -128,7 +136,12 @@ def test_completions_n_stop_logprobs_echo(client: openai.OpenAI) -> None:
         assert choice.logprobs is not None and len(choice.logprobs.tokens) == len(
             choice.logprobs.token_logprobs
         )
-        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+        # echo with logprobs: the prompt's tokens come first, the very first with no logprob
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        assert "".join(choice.logprobs.tokens).startswith("Once upon a time")
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs[1:])
+        offsets = choice.logprobs.text_offset
+        assert offsets == [sum(len(t) for t in choice.logprobs.tokens[:i]) for i in range(len(offsets))]
     stream = list(
         client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5, temperature=0, stream=True)
     )
@@ -279,7 +292,7 @@ def settled_steps(server) -> int:  # type: ignore[no-untyped-def]
 
 
 def test_served_prompts_are_prefilled_in_short_steps(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
-    # `engine serve` budgets 256 tokens a step (frontend.cli.SERVE_MAX_NUM_BATCHED_TOKENS): a 700-token
+    # `engine serve` budgets 256 tokens a step (frontend.config.server_args.SERVE_MAX_NUM_BATCHED_TOKENS): a 700-token
     # prompt takes three prefill steps; with the offline budget of 2,048 it would take one.
     prompt = [1000 + (i * 37) % 20000 for i in range(700)]  # no other test's prefix: nothing cached
     before = settled_steps(server)
@@ -305,15 +318,11 @@ def test_multi_prompt_completion_batches_and_orders(client: openai.OpenAI) -> No
     response = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=6, n=2)
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert response.choices[0].text == response.choices[1].text  # greedy: n copies agree
-    singles = [
-        client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=6).choices[0].text
-        for p in prompts
-    ]
-    assert [response.choices[0].text, response.choices[2].text] == singles
-    assert (
-        response.usage.completion_tokens == sum(1 for _ in range(4)) * 6
-        or response.usage.completion_tokens <= 24
-    )
+    singles = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=6) for p in prompts]
+    assert [response.choices[0].text, response.choices[2].text] == [r.choices[0].text for r in singles]
+    # greedy: each prompt's two choices are its single answer twice over
+    assert response.usage.completion_tokens == 2 * sum(r.usage.completion_tokens for r in singles)
+    assert response.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in singles)
 
 
 def test_chat_content_parts_continue_final_message_and_n_streams(client: openai.OpenAI) -> None:
@@ -605,8 +614,19 @@ def test_a_silent_engine_is_judged_dead_then_taken_back(server, client: openai.O
     assert answer.choices[0].finish_reason == "length"
 
 
-def test_engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
-    """Last in the module: it kills the engine."""
+def test_engine_death_fails_requests_and_health(smollm2_gguf: str) -> None:
+    """On a server of its own: it kills the engine."""
+    process, base = start_server(smollm2_gguf)
+    try:
+        engine_death_fails_requests_and_health(
+            {"base": base, "process": process},
+            openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120),
+        )
+    finally:
+        stop(process)
+
+
+def engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     engine = engine_process(server)
     stream = started_long_stream(client)
     os.kill(engine.pid, signal.SIGKILL)

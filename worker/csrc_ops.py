@@ -10,7 +10,10 @@ import hashlib
 import logging
 import pathlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, cast
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("engine.worker")
 
@@ -39,14 +42,67 @@ def headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def load_cpu_ops(verbose: bool = False) -> Any | None:
+class CpuOps(Protocol):
+    """The extension module's functions (csrc/bindings.cpp; each contract at its definition, csrc/ops.h)."""
+
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
+    def prefill_tiles(self) -> str: ...
+    def use_prefill_tiles(self, kind: str) -> str: ...
+    def has_amx(self) -> bool: ...
+    def pairs_available(self) -> bool: ...
+    def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor: ...
+    def linear_pairs(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None: ...
+    def rotary_embedding(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> None: ...
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
+    def parallel_threads(self) -> int: ...
+    def decoder_layers(
+        self,
+        x: torch.Tensor,
+        layers: list[list[torch.Tensor]],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        slot_block_ids: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        config: list[int],
+        scalars: list[float],
+        out_rows: torch.Tensor | None,
+    ) -> list[torch.Tensor]: ...
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> None: ...
+
+
+def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
     if not all(source.exists() for source in SOURCES):
         logger.warning("csrc kernels not found in %s; using the torch paths", CSRC)
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
+        module = load(
             name="engine_cpu_ops",
             sources=[str(source) for source in SOURCES],
             extra_cflags=[*FLAGS, f"-DENGINE_CSRC_HEADERS={headers_digest()}"],
@@ -54,6 +110,7 @@ def load_cpu_ops(verbose: bool = False) -> Any | None:
             extra_include_paths=[str(CSRC)],
             verbose=verbose,
         )
+        return cast(CpuOps, module)  # the functions bindings.cpp defines; torch types it as a plain module
     except Exception as error:  # no compiler, missing headers: fall back, loudly
         logger.warning("could not build the csrc CPU kernels (%s); using the torch paths", error)
         return None

@@ -4,13 +4,15 @@ A step's activations are a few MB to tens of MB each, allocated and freed layer 
 serves blocks that large with fresh mmaps (its threshold adapts only up to the largest block freed so
 far, and it trims the heap top past twice that), so each step faulted in and zeroed much of its memory
 again: ~40K page faults (~160 MiB) in one prefill step of 16 x 100 tokens, 0 with the thresholds raised;
-that step took 489/599 ms against 735/719 ms (alternating runs, docs/performance.md), for +28 MiB RSS.
+that step took 489/599 ms against 735/719 ms (alternating runs,
+benchmarks/results/2026-11-29-lab-notes-performance.md, "Where a step goes now"), for +28 MiB RSS.
 
 Decode steps read all of the KV cache they attend over and all of the weights: on 4 KiB pages that is a
 TLB miss every few KiB (a layer's cache is ~36 MiB, wherever the pool put its blocks). The KV cache and
 the decode products' weights each live in one buffer aligned to 2 MiB and advised MADV_HUGEPAGE, so they
-get huge pages even where the kernel's THP mode is "madvise" (docs/performance.md: decode attention over
-a shuffled pool 0.42 -> 0.37 ms a layer at 64 x 164 tokens; decode steps at batch 1 -12%, 16 -5%, 64 -3%).
+get huge pages even where the kernel's THP mode is "madvise"
+(benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages and 64-token blocks": decode
+attention over a shuffled pool 0.42 -> 0.37 ms a layer at 64 x 164 tokens; decode steps at batch 1 -12%, 16 -5%, 64 -3%).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ prompt positions whose logprobs were asked for), sample, and append the sampled 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,11 +31,25 @@ logger = logging.getLogger("engine.worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_bf16() -> bool:
+    """bf16 products in hardware: AVX-512 BF16 or AMX (torch's own CPU probes)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
     if name == "auto":
-        # NOTE: CPU matmuls in float16 are slow and lossy; auto picks bfloat16 for half-precision checkpoints.
+        # NOTE: CPU matmuls in float16 are slow and lossy; auto picks bfloat16 for half-precision checkpoints,
+        # where the CPU has bf16 arithmetic (AVX-512 BF16 or AMX). Without it (an AVX2-only EPYC) torch
+        # emulates bf16 products: a 64 x 576 x 1536 product took 16.4 ms in bf16 against 2.7 ms in float32.
         checkpoint = model_config.torch_dtype.removeprefix("torch.")
-        return torch.bfloat16 if checkpoint in ("bfloat16", "float16") else torch.float32
+        if checkpoint not in ("bfloat16", "float16"):
+            return torch.float32
+        if cpu_has_bf16():
+            return torch.bfloat16
+        logger.info(
+            "this CPU has no bf16 arithmetic (AVX-512 BF16 or AMX): serving %s in float32", checkpoint
+        )
+        return torch.float32
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -270,13 +285,40 @@ class ModelRunner:
             if len(outputs[row]) < p.min_tokens
             for t in {*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)}
         ]
+        banned += [
+            (row, t)
+            for row, p in enumerate(params)
+            if p.bad_words_token_ids
+            for t in _bad_word_bans(p.bad_words_token_ids, outputs[row])
+        ]
+        if any(p.allowed_token_ids is not None for p in params):
+            allowed = torch.ones(len(params), vocab_size, dtype=torch.bool)  # [B, vocab]
+            for row, p in enumerate(params):
+                if p.allowed_token_ids is not None:
+                    allowed[row] = False
+                    allowed[row, p.allowed_token_ids] = True
+            batch.allowed_mask = allowed
         if banned:
             batch.banned_rows = torch.tensor([e[0] for e in banned])
             batch.banned_tokens = torch.tensor([e[1] for e in banned])
         return batch
 
 
-def _optional(values: list, active, dtype: torch.dtype) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+def _bad_word_bans(words: list[list[int]], output: np.ndarray) -> set[int]:
+    """The last token of each bad word whose other tokens end the output so far (one-token words always)."""
+    banned = set()
+    for word in words:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (
+            not prefix or output[len(output) - len(prefix) :].tolist() == prefix
+        ):
+            banned.add(word[-1])
+    return banned
+
+
+def _optional(
+    values: Sequence[float], active: Callable[[float], bool], dtype: torch.dtype
+) -> torch.Tensor | None:
     return torch.tensor(values, dtype=dtype) if any(active(v) for v in values) else None
 
 

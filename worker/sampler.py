@@ -7,9 +7,12 @@ vLLM's default, so they are comparable with Hugging Face's log-softmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -35,12 +38,13 @@ class SamplingBatch:
     bias_values: torch.Tensor | None = None
     banned_rows: torch.Tensor | None = None  # [M] min_tokens: (row, token) pairs masked to -inf
     banned_tokens: torch.Tensor | None = None
+    allowed_mask: torch.Tensor | None = None  # [B, vocab] bool: allowed_token_ids (rows without: all True)
     max_num_logprobs: int | None = None  # None: no logprobs for any row
-    ops: Any = None  # the csrc kernels (a vectorized argmax), or None for torch's
+    ops: CpuOps | None = None  # the csrc kernels (a vectorized argmax), or None for torch's
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and logits.dtype in (torch.float32, torch.bfloat16):
-            return self.ops.argmax_rows(logits)  # type: ignore[no-any-return]
+            return self.ops.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
     @property
@@ -51,7 +55,10 @@ class SamplingBatch:
     def changes_logits(self) -> bool:
         """Some row has a logit bias, a min_tokens ban or a repetition/presence/frequency penalty."""
         return (
-            self.bias_rows is not None or self.repetition_penalty is not None or self.banned_rows is not None
+            self.bias_rows is not None
+            or self.repetition_penalty is not None
+            or self.banned_rows is not None
+            or self.allowed_mask is not None
         )
 
     @property
@@ -103,12 +110,14 @@ def gather_logprobs(
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Logit bias, min_tokens bans, repetition/presence/frequency penalties; never modifies its input."""
+    """Logit bias, min_tokens and bad-word bans, allowed_token_ids, repetition/presence/frequency
+    penalties; never modifies its input."""
     if not batch.changes_logits:
         return logits
     logits = logits.clone()
     num_rows, vocab_size = logits.shape
     if batch.bias_rows is not None:
+        assert batch.bias_tokens is not None and batch.bias_values is not None
         logits.index_put_((batch.bias_rows, batch.bias_tokens), batch.bias_values, accumulate=True)
     if batch.repetition_penalty is not None:
         assert batch.prompt_token_ids is not None and batch.output_token_ids is not None
@@ -125,6 +134,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits -= batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
     if batch.banned_rows is not None:
         logits[batch.banned_rows, batch.banned_tokens] = float("-inf")
+    if batch.allowed_mask is not None:
+        logits = logits.masked_fill(~batch.allowed_mask, float("-inf"))
     return logits
 
 

@@ -14,12 +14,15 @@ model's fused layers use the same kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.attention.base import AttentionMetadata, PrefillChunk
 from worker.attention.torch_ref import TorchAttentionBackend
+
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
 
 # Padded keys (chunks x longest block table x block size) one batched prefill call may gather.
 PREFILL_BATCH_TOKENS = 64 * 1024
@@ -40,14 +43,15 @@ PAGED_PREFILL_PAIRS = 16 * 1024
 # one fresh 2,000-token prompt 1173 vs 1150; a 6,000-token prompt in 2,048-token chunks 5.0 vs 7.3 s.
 # With AVX-512 BF16 (EPYC, no AMX, 2026-11-30 16:00): the shared-prefix wave's 256-token steps 181-189 vs
 # 283-292 ms; 2 fresh x 1024 1365 vs 1932 ms; one fresh 2,000-token prompt 1563 vs 2408 ms; 4,000 in
-# two chunks 3959 vs 8096 ms; 16 fresh x 100 896 vs 913 ms (docs/performance.md).
+# two chunks 3959 vs 8096 ms; 16 fresh x 100 896 vs 913 ms
+# (benchmarks/results/2026-11-29-lab-notes-performance.md, "On a CPU without AMX").
 TILED_PREFILL_PAIRS = 1 << 62
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, ops: Any, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, ops: CpuOps, dtype: torch.dtype | None = None) -> None:
         self.ops = ops
         tiled = dtype == torch.bfloat16 and bool(ops.prefill_tiles())
         self.paged_pairs = TILED_PREFILL_PAIRS if tiled else PAGED_PREFILL_PAIRS
@@ -151,7 +155,10 @@ def _flash(
     """SDPA's CPU flash kernel (what F.scaled_dot_product_attention runs here, GQA included), which also
     returns each row's log-sum-exp of its scaled scores: q [B, heads, n, d], k/v [B, kvh, S, d], an
     additive mask in q's dtype -> ([B, heads, n, d], float32 [B, heads, n])."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    out_and_lse: tuple[torch.Tensor, torch.Tensor] = (
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    )
+    return out_and_lse
 
 
 @dataclass

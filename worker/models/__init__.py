@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from worker.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+    from worker.models.llama import LlamaForCausalLM
 
-def build_model(config: ModelConfig, dtype: torch.dtype, ops: Any = None) -> nn.Module:
+
+def build_model(config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> LlamaForCausalLM:
     """ops: the csrc kernels for the fused layers, or None for plain torch. Call finalize() after loading."""
     if config.family in ("llama", "qwen2", "qwen3"):
         from worker.models.llama import LlamaForCausalLM

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +17,14 @@ from torch import nn
 
 from worker.host_memory import empty_on_huge_pages
 
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+
 logger = logging.getLogger("engine.worker")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: Any = None) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
         self.eps = eps
@@ -45,7 +48,7 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
 
-def silu_and_mul(gate_up: torch.Tensor, ops: Any = None) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, ops: CpuOps | None = None) -> torch.Tensor:
     """gate_up: [num_tokens, 2 * inter] -> silu(gate) * up, [num_tokens, inter]."""
     if ops is not None:
         return ops.silu_and_mul(gate_up)
@@ -57,7 +60,8 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose weight `pack()` reorders once for oneDNN.
 
     A bf16 product on the CPU otherwise reorders the weight into oneDNN's blocked layout on every call,
-    which costs more than the product itself at decode batch sizes (docs/performance.md). The packed
+    which costs more than the product itself at decode batch sizes
+    (benchmarks/results/2026-11-29-lab-notes-performance.md, "Decode step, in-process"). The packed
     copy replaces the plain weight. Where the csrc kernels have AVX-512 BF16 and no AMX, a second copy
     in csrc's pair layout serves products of up to PAIRS_ROWS rows: decode steps, which oneDNN's
     kernels there run well below the rate the machine reads the weights at, and prefill steps of up to
@@ -66,9 +70,9 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     pairs: torch.Tensor | None = None
-    ops: Any = None
+    ops: CpuOps | None = None
 
-    def pack(self, ops: Any = None) -> None:
+    def pack(self, ops: CpuOps | None = None) -> None:
         weight = self.weight.detach()
         if use_pairs(ops) and weight.shape[0] % 64 == 0 and weight.shape[1] % 2 == 0:
             self.pairs, self.ops = ops.pack_pairs(weight), ops
@@ -77,23 +81,32 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pairs is not None and x.shape[0] <= PAIRS_ROWS:
+            assert self.ops is not None  # pack() sets the two together
             return self.ops.linear_pairs(x, self.pairs, self.bias if self.bias is not None else NO_BIAS)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return out
         return F.linear(x, self.weight, self.bias)
 
 
 def pairs_onto_huge_pages(linears: list[Linear]) -> None:
     """Move the pair-layout weights into one buffer on huge pages (worker/host_memory.py), one at a time so
     that each copy frees its original: a decode step reads every one of them, and on 4 KiB pages the
-    products at one row took 12% longer (docs/performance.md)."""
+    products at one row took 12% longer (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages
+    and 64-token blocks")."""
     linears = [linear for linear in linears if linear.pairs is not None]
     if not linears:
         return
-    slots = empty_on_huge_pages([tuple(linear.pairs.shape) for linear in linears], linears[0].pairs.dtype)
+    slots = empty_on_huge_pages([tuple(_pairs(linear).shape) for linear in linears], _pairs(linears[0]).dtype)
     for linear, slot in zip(linears, slots, strict=True):
-        slot.copy_(linear.pairs)
+        slot.copy_(_pairs(linear))
         linear.pairs = slot
+
+
+def _pairs(linear: Linear) -> torch.Tensor:
+    """The pair-layout weight of a Linear that pairs_onto_huge_pages kept for having one."""
+    assert linear.pairs is not None
+    return linear.pairs
 
 
 PACK_BATCH_HINT = 64  # oneDNN picks the blocked layout for this many rows; any number of rows works
@@ -101,12 +114,13 @@ PACK_BATCH_HINT = 64  # oneDNN picks the blocked layout for this many rows; any 
 # kernels are level from 96 to 256 rows and oneDNN is ahead from 512; in the model, where each product's
 # weights come from memory, whole steps on the pair kernel against oneDNN above 64 rows (one engine,
 # switching every step; EPYC, 2026-12-01): 128-row steps 0.958, 256 0.968 (0.989 for chunks of 1,000-token
-# prompts), 512 0.984 (0.963), 1,024 1.022, 2,048 1.035 (docs/performance.md).
+# prompts), 512 0.984 (0.963), 1,024 1.022, 2,048 1.035
+# (benchmarks/results/2026-11-29-lab-notes-performance.md, "Where a c=64 wave's steps go now").
 PAIRS_ROWS = 512
 NO_BIAS = torch.empty(0)
 
 
-def use_pairs(ops: Any) -> bool:
+def use_pairs(ops: CpuOps | None) -> TypeGuard[CpuOps]:
     """Where the csrc kernels have AVX-512 BF16 and the CPU has no AMX. Not measured on AMX CPUs with
     this kernel; there a GEMV of this kind was level with oneDNN at one row and slower from two rows on
     (docs/performance.md, "Tried and not landed")."""
@@ -148,7 +162,7 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * attention_factor).to(device)
         self.sin = (emb.sin() * attention_factor).to(device)
 
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, ops: Any = None) -> Rope:
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, ops: CpuOps | None = None) -> Rope:
         """The step's rotation, shared by every layer: looked up once (torch) or indexed per token (csrc)."""
         if ops is not None:
             return Rope(positions, self.cos, self.sin, ops)
@@ -158,7 +172,9 @@ class RotaryEmbedding:
 
 
 class Rope:
-    def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Any) -> None:
+    def __init__(
+        self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: CpuOps | None
+    ) -> None:
         self.positions, self.cos, self.sin, self.ops = positions, cos, sin, ops
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

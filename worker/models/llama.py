@@ -7,7 +7,7 @@ the paged KV cache through the backend, so the model never sees padding.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -25,9 +25,12 @@ from worker.models.layers import (
     silu_and_mul,
 )
 
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Any) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -66,11 +69,12 @@ class Attention(nn.Module):
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [num_tokens, heads, head_dim]
         if out_rows is not None:
             out = out.index_select(0, out_rows)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden]
+        return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Any) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False, dtype=dtype)
@@ -78,11 +82,13 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.ops))  # [num_tokens, hidden]
+        # [num_tokens, hidden]
+        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.ops))
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Any) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.self_attn = Attention(config, dtype, ops)
@@ -120,7 +126,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), chosen by ModelConfig flags."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Any = None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
         self.config = config
         self.ops = ops  # the csrc kernels, or None for the plain torch path
@@ -151,12 +157,14 @@ class LlamaForCausalLM(nn.Module):
         for all. Past the last layer's KV write no other row is needed, so that layer's attention, o and
         MLP run on these rows alone (llama.cpp's inp_out_ids): in a prefill step most of a layer."""
         assert self.rotary is not None
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        x: torch.Tensor = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
         rope = self.rotary.prepare(positions, x.dtype, self.ops)
         if self.native_layers is not None:
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
             if rows is not None:  # every layer in one native call: the same kernels, no Python between them
-                attention, packed = self.layers[0].self_attn, self.layers[0].mlp.down_proj.packed is not None
+                first = cast(DecoderLayer, self.layers[0])
+                attention, packed = first.self_attn, first.mlp.down_proj.packed is not None
                 shape = [
                     attention.num_heads,
                     attention.num_kv_heads,
@@ -164,23 +172,25 @@ class LlamaForCausalLM(nn.Module):
                     int(packed),
                     PAIRS_ROWS,
                 ]
+                assert self.ops is not None  # finalize() builds native_layers only with the kernels
                 x, residual = self.ops.decoder_layers(
                     x, self.native_layers, rope.cos, rope.sin, positions, kv_caches, metadata.slot_block_ids,
                     metadata.slot_offsets, *rows, shape, [self.config.rms_norm_eps, attention.scale], out_rows,
                 )  # fmt: skip
                 return x + residual
-        residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(
                 x, residual, rope, kv_cache, metadata, backend, out_rows if i == last else None
             )
+        assert residual is not None  # the model has at least one layer
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] rows to score -> [n, vocab] logits in the model's dtype (the sampler
         converts to float32 where it needs to)."""
-        return self.lm_head(self.norm(hidden))
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return logits
 
     def finalize(self) -> None:
         """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays."""
@@ -192,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
                     module.pack(self.ops)  # the tied lm_head packs a copy: the embedding keeps its plain one
             pairs_onto_huge_pages([module for module in self.modules() if isinstance(module, Linear)])
         if self.ops is not None and hasattr(self.ops, "decoder_layers"):
-            self.native_layers = [native_weights(layer) for layer in self.layers]
+            self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -230,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
     def _expected_checkpoint_names(self) -> set[str]:
-        names = set()
+        names: set[str] = set()
         for name, _ in self.named_parameters():
             if "qkv_proj" in name:
                 names.update(name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj"))

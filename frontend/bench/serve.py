@@ -317,9 +317,7 @@ def add_workload_args(parser: argparse.ArgumentParser, datasets: tuple[str, ...]
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def add_bench_parser(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: serve, engine, throughput, latency")
-    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+def add_serve_bench_parser(kinds: Any) -> None:
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server and report latency/throughput")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -328,8 +326,3 @@ def add_bench_parser(commands: Any) -> None:
     serve.add_argument("--dataset-path", default=None, help="a ShareGPT-format JSON file")
     add_workload_args(serve, ("random", "sharegpt", "shared-prefix"))
     serve.set_defaults(func=cmd_bench_serve)
-    from frontend.bench_engine import add_engine_bench_parser
-    from frontend.bench_offline import add_offline_bench_parsers
-
-    add_engine_bench_parser(kinds)
-    add_offline_bench_parsers(kinds)

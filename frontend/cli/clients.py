@@ -22,7 +22,11 @@ def add_client_parsers(commands: Any) -> None:
         parser = commands.add_parser(name, help=help_text)
         parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's /v1 base URL")
         parser.add_argument("--model", default=None, help="model name (default: the server's first)")
-        parser.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"), help="or ENGINE_API_KEY")
+        parser.add_argument(
+            "--api-key",
+            default=os.environ.get("ENGINE_API_KEY") or os.environ.get("VLLM_API_KEY"),
+            help="or ENGINE_API_KEY, or VLLM_API_KEY",
+        )
         parser.add_argument("--max-tokens", type=int, default=256)
         parser.add_argument("--temperature", type=float, default=None)
         parser.add_argument(

@@ -1,5 +1,8 @@
-"""The API server's asyncio connection to the EngineCore.
+"""The one connection to the EngineCore, asyncio-based: API servers, the offline LLM and `engine bench
+engine` all use it.
 
+Two DEALER sockets connect to the engine's ROUTERs: requests go out on the input socket; outputs for
+this frontend's requests (and only those) come back on the output socket, routed by its identity.
 One background task reads the output socket and hands each RequestOutput to the queue of the request
 it belongs to; a DEAD message (or a silent engine process) fails every open request at once. A DEAD
 message is final; silence is not: if the engine speaks again (it was starved or stalled, not gone), the
@@ -12,12 +15,12 @@ import asyncio
 import itertools
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from frontend.engine_client import connect_dealers
 from protocol.codec import decode_value, encode_value, engine_codec, frontend_codec
 from protocol.errors import EngineDeadError, ProtocolVersionError
 from protocol.messages import (
@@ -39,7 +42,24 @@ from protocol.messages import (
 logger = logging.getLogger("engine.frontend")
 
 HEARTBEAT_TIMEOUT_S = 10.0  # the engine speaks every second; ten missed beats mean it is gone
-SHUTDOWN_REASON = "server_shutdown"  # stop_reason of requests aborted by a draining API server
+
+
+def connect_dealers(
+    context: zmq.Context[Any], client_id: str, input_address: str, output_address: str
+) -> tuple[Any, Any]:
+    """A frontend's (input, output) DEALER sockets, both carrying its identity, never dropping."""
+    identity = client_id.encode()
+    output_socket = context.socket(zmq.DEALER)
+    input_socket = context.socket(zmq.DEALER)
+    for sock in (output_socket, input_socket):
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+    # Output first, so the engine can route the Ready reply as soon as it sees the Register.
+    output_socket.connect(output_address)
+    input_socket.connect(input_address)
+    return input_socket, output_socket
 
 
 class AsyncEngineClient:
@@ -72,13 +92,18 @@ class AsyncEngineClient:
     def num_open_requests(self) -> int:
         return len(self._queues)
 
-    async def register(self, timeout_s: float) -> ModelInfo:
+    async def register(self, timeout_s: float, is_alive: Callable[[], bool] | None = None) -> ModelInfo:
+        """Join the engine; is_alive() (optional) ends the wait early when the engine process died."""
         await self._send(Register(PROTOCOL_VERSION, self.client_id))
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             remaining_ms = int((deadline - asyncio.get_running_loop().time()) * 1000)
-            if remaining_ms <= 0 or not await self._output.poll(remaining_ms):
+            if remaining_ms <= 0:
                 raise TimeoutError(f"the engine did not answer registration within {timeout_s} s")
+            if not await self._output.poll(min(remaining_ms, 500)):
+                if is_alive is not None and not is_alive():
+                    raise EngineDeadError("the engine process exited during startup (see its log above)")
+                continue
             message = self._decoder.decode(await self._output.recv_multipart())
             if isinstance(message, Rejected):
                 raise ProtocolVersionError(message.reason)
@@ -228,6 +253,14 @@ class AsyncEngineClient:
 
     async def _send(self, message: Any) -> None:
         await self._input.send_multipart(self._codec.encode(message))
+
+    async def aclose(self) -> None:
+        """close(), after the background tasks have ended (for a loop that is about to stop)."""
+        tasks = [t for t in (self._reader, getattr(self, "_watchdog", None)) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.close()
 
     def close(self) -> None:
         for task in (self._reader, getattr(self, "_watchdog", None)):

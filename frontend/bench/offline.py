@@ -76,10 +76,12 @@ def latency(llm: Any, args: argparse.Namespace, rng: random.Random) -> dict[str,
 
 
 def _llm(args: argparse.Namespace) -> Any:
-    from frontend.cli import engine_kwargs
-    from frontend.llm import LLM
+    from frontend.config.engine_args import EngineArgs
+    from frontend.config.flags import from_namespace
+    from frontend.offline.llm import LLM
 
-    return LLM(args.model, **engine_kwargs(args))
+    engine_args = from_namespace(EngineArgs, args)
+    return LLM(**{f: getattr(engine_args, f) for f in engine_args.__dataclass_fields__})
 
 
 def _write(args: argparse.Namespace, report: dict[str, Any]) -> None:
@@ -118,10 +120,11 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 
 def add_offline_bench_parsers(kinds: Any) -> None:
-    from frontend.cli import add_engine_args
+    from frontend.config.engine_args import EngineArgs
+    from frontend.config.flags import add_flags
 
     run = kinds.add_parser("throughput", help="offline engine throughput (all prompts at once, no HTTP)")
-    add_engine_args(run)
+    add_flags(run, EngineArgs)
     run.add_argument("--num-prompts", type=int, default=64)
     run.add_argument("--input-len", type=int, default=100)
     run.add_argument("--output-len", type=int, default=128)
@@ -131,7 +134,7 @@ def add_offline_bench_parsers(kinds: Any) -> None:
     run.set_defaults(func=cmd_bench_throughput)
 
     lat = kinds.add_parser("latency", help="offline latency of one batch, many iterations (no HTTP)")
-    add_engine_args(lat)
+    add_flags(lat, EngineArgs)
     lat.add_argument("--batch-size", type=int, default=8)
     lat.add_argument("--input-len", type=int, default=32)
     lat.add_argument("--output-len", type=int, default=128)

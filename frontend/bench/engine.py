@@ -20,8 +20,7 @@ from typing import Any
 
 import uvloop
 
-from frontend.async_client import AsyncEngineClient
-from frontend.bench_serve import (
+from frontend.bench.serve import (
     BenchRequest,
     Result,
     add_workload_args,
@@ -32,48 +31,41 @@ from frontend.bench_serve import (
     summarize,
     table,
 )
+from frontend.engine.async_llm import AsyncLLM, new_request_id
+from frontend.engine.client import AsyncEngineClient
 from frontend.launcher import engine_addresses
-from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
 
 
-async def send_tokens(client: AsyncEngineClient, args: argparse.Namespace, request: BenchRequest) -> Result:
-    assert isinstance(request.prompt, list)
-    request_id = f"{client.client_id}-{uuid.uuid4().hex[:8]}"
+async def send_tokens(llm: AsyncLLM, args: argparse.Namespace, request: BenchRequest) -> Result:
+    """One request through the output path every door uses (no tokenizer: token ids only)."""
+    prompt = request.prompt
+    assert isinstance(prompt, list)
     params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=args.ignore_eos)
     result = Result(ok=False, prompt_len=request.prompt_len)
     start = time.perf_counter()
     last = start
-    try:
-        queue = await client.add_request(
-            AddRequest(
-                request_id=request_id,
-                prompt_token_ids=request.prompt,
-                sampling_params=params,
-                arrival_time=time.time(),
-            )
-        )
-        while True:
-            output = await asyncio.wait_for(queue.get(), args.timeout)
-            if isinstance(output, Exception):
-                result.error = f"{type(output).__name__}: {output}"
-                return result
-            if output.new_token_ids:
+
+    async def consume() -> None:
+        nonlocal last
+        async for _, delta in llm.generate(new_request_id(llm.client.client_id), prompt, params):
+            if delta.token_ids:
                 now = time.perf_counter()
                 if result.output_tokens == 0:
                     result.ttft_s = now - start
                 else:
                     result.itls_s.append(now - last)
                 last = now
-                result.output_tokens += len(output.new_token_ids)
-            if output.finish_reason is not None:
-                break
+                result.output_tokens += len(delta.token_ids)
+
+    try:
+        await asyncio.wait_for(consume(), args.timeout if args.timeout else None)
     except TimeoutError:
-        await client.abort([request_id])
-        result.error = f"no output for {args.timeout} s"
+        result.error = f"not finished within {args.timeout} s"
         return result
-    finally:
-        client.release(request_id)
+    except Exception as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
     result.e2e_s = time.perf_counter() - start
     result.ok = True
     return result
@@ -84,9 +76,10 @@ async def run_engine(
 ) -> tuple[list[Result], float, dict[str, Any]]:
     input_address, output_address = engine_addresses(args.address)
     client = AsyncEngineClient(input_address, output_address, client_id=f"bench-{uuid.uuid4().hex[:8]}")
+    llm = AsyncLLM(client, tokenizer=None)
     try:
         info = await client.register(timeout_s=args.connect_timeout)
-        results, duration = await drive(args, requests, lambda request: send_tokens(client, args, request))
+        results, duration = await drive(args, requests, lambda request: send_tokens(llm, args, request))
     finally:
         client.close()
     return results, duration, {"model": info.model, "dtype": info.dtype, "max_model_len": info.max_model_len}

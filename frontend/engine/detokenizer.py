@@ -21,6 +21,8 @@ class IncrementalDetokenizer:
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.min_tokens = params.min_tokens  # as vLLM: no stop string ends the text before this many tokens
+        self._num_tokens = 0
         self.text = ""  # all text so far (up to and maybe including a matched stop string)
         self._emitted = 0  # characters of self.text already returned
         self.stop_matched: str | None = None
@@ -30,12 +32,13 @@ class IncrementalDetokenizer:
         if self._tokenizer is None or self.stop_matched is not None:
             return ""
         for token_id in token_ids:
+            self._num_tokens += 1
             piece = self._stream.step(self._tokenizer, token_id)
             if not piece:
                 continue
             search_from = max(len(self.text) - self._hold, 0)
             self.text += piece
-            if self.stop and self._match_stop(search_from):
+            if self.stop and self._num_tokens > self.min_tokens and self._match_stop(search_from):
                 finished = True
                 break
         end = len(self.text) if finished else max(len(self.text) - self._hold, self._emitted)

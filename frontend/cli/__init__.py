@@ -1,0 +1,1 @@
+"""The `engine` command line (frontend.cli.main) and its clients of a running server."""

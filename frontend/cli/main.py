@@ -1,0 +1,111 @@
+"""The `engine` command: `serve` (the OpenAI-compatible server), `chat` and `complete` (clients of a
+running server), `generate` (offline), `bench`. Engine and server flags come from EngineArgs and
+ServerArgs (frontend.config): each knob is written once, there."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from frontend.config.engine_args import EngineArgs
+from frontend.config.flags import add_flags, from_namespace
+from frontend.config.server_args import SERVE_MAX_NUM_BATCHED_TOKENS, ServerArgs
+from protocol.log_format import configure_logging
+from protocol.version import __version__
+
+
+def engine_args_of(args: argparse.Namespace) -> EngineArgs:
+    return from_namespace(EngineArgs, args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from frontend.offline.llm import LLM
+    from protocol.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        n=args.n,
+        stop=args.stop or [],
+    )
+    engine_args = engine_args_of(args)
+    options = {name: getattr(engine_args, name) for name in engine_args.__dataclass_fields__}
+    with LLM(**options) as llm:
+        if args.chat:
+            results = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            results = llm.generate(args.prompt, params)
+    for result in results:
+        for output in result.outputs:
+            if args.json:
+                line = {
+                    "prompt": result.prompt,
+                    "index": output.index,
+                    "text": output.text,
+                    "finish_reason": output.finish_reason,
+                    "num_tokens": len(output.token_ids),
+                }
+                print(json.dumps(line))
+            else:
+                print(output.text)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from frontend.launcher import serve
+
+    return serve(engine_args_of(args), from_namespace(ServerArgs, args))
+
+
+def add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP + SSE)")
+    add_flags(serve, EngineArgs, defaults={"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS})
+    add_flags(serve, ServerArgs)
+    serve.set_defaults(func=cmd_serve)
+
+
+def add_generate_parser(commands: Any) -> None:
+    generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
+    add_flags(generate, EngineArgs)
+    generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
+    )
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--n", type=int, default=1)
+    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--sampling-seed", type=int, default=None)
+    generate.add_argument("--json", action="store_true", help="one JSON object per completion")
+    generate.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from frontend.bench.cli import add_bench_parser
+    from frontend.cli.clients import add_client_parsers
+
+    parser = argparse.ArgumentParser(prog="engine", description="An OpenAI-compatible LLM inference server.")
+    parser.add_argument("--version", action="version", version=f"engine {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(commands)
+    add_client_parsers(commands)
+    add_bench_parser(commands)
+    add_generate_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""ServerArgs: the knobs of `engine serve` beyond the engine's, written once (fields -> flags)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from frontend.config.flags import option
+
+# The step's token budget when serving: short prefill chunks let a burst's first requests start decoding
+# while the rest are prefilled, instead of the whole burst waiting for one long step (served c=16 TTFT
+# p50 about halved against 2,048 at the same throughput,
+# benchmarks/results/2026-11-29-lab-notes-performance.md, "Where a step goes now"). Offline commands keep
+# the larger budget, which prefills a long prompt in fewer steps.
+SERVE_MAX_NUM_BATCHED_TOKENS = 256
+
+API_KEY_ENV = ("ENGINE_API_KEY", "VLLM_API_KEY")  # read in this order, comma-separated keys each
+
+
+def origins(text: str) -> list[str]:
+    """An --allowed-origins value: one origin, or vLLM's JSON list of them."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--allowed-origins: not a JSON list: {error}") from None
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError("--allowed-origins: a JSON list of strings, e.g. '[\"https://a.example\"]'")
+        return values
+    return [text]
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = option("127.0.0.1", "interface to listen on")
+    port: int = option(8000, "HTTP port")
+    api_server_count: int = option(1, "API-server processes sharing the port")
+    api_key: list[str] = option(
+        default_factory=list,
+        help="require `Authorization: Bearer KEY` or `x-api-key: KEY`; also ENGINE_API_KEY or VLLM_API_KEY, "
+        "comma-separated",
+    )
+    api_key_file: str | None = option(None, "a file of API keys, one a line")
+    allowed_origins: list[str] = option(
+        default_factory=list, help="CORS origin, or a JSON list of them (vLLM's form)", parse=origins
+    )
+    max_request_body_mb: float = option(16.0, "larger request bodies get 413")
+    max_queued_requests: int = option(0, "503 when this many wait in the engine (0: no limit)")
+    max_queued_tokens: int = option(0, "503 when this many prompt tokens wait (0: no limit)")
+    max_inflight_requests: int = option(0, "429 when one API server has this many open (0: no limit)")
+    shutdown_timeout_s: float = option(
+        30.0, "SIGTERM: seconds open requests may finish", flag="--shutdown-timeout"
+    )
+    engine_stall_timeout_s: float = option(
+        120.0,
+        "/health is 503 when requests are open and the engine made no step for this long",
+        flag="--engine-stall-timeout",
+    )
+    engine_connect_timeout_s: float = option(
+        600.0,
+        "seconds an API server waits for the engine to answer (model loading included)",
+        flag="--engine-connect-timeout",
+    )
+    enable_fastapi_docs: bool = option(
+        True,
+        "/docs, /redoc and /openapi.json",
+        aliases=[("--disable-fastapi-docs", False, "the same as --no-enable-fastapi-docs")],
+    )
+    allow_remote_engine: bool = option(
+        False, "let --engine-address bind a TCP address other than loopback (the engine has no auth)"
+    )
+    chat_template: str | None = option(None, "a Jinja chat template, or a file holding one")
+    engine_address: str | None = option(None, "where the engine binds: tcp://HOST:PORT or ipc://PATH")
+    headless: bool = option(False, "run the engine and workers only (needs --engine-address)")
+    attach: str | None = option(None, "run API servers only, joining the engine at this address")
+    generation_config: str = option(
+        "auto",
+        "sampling defaults for unset request fields: 'auto' (the model's generation_config.json), 'vllm' "
+        "(none), or a folder",
+    )
+    enable_log_requests: bool = option(
+        True,
+        "per-request debug log lines",
+        aliases=[("--disable-log-requests", False, "the same as --no-enable-log-requests")],
+    )
+    metrics_prefix: str = option(
+        "engine",
+        "prefix of every Prometheus family: vllm serves dashboards made for vLLM",
+        choices=["engine", "vllm"],
+    )
+
+    def api_keys(self, environ: dict[str, str] | None = None) -> list[str]:
+        """Keys from --api-key (repeatable), --api-key-file (one a line, # comments), ENGINE_API_KEY and
+        VLLM_API_KEY (comma-separated)."""
+        environ = dict(os.environ) if environ is None else environ
+        keys = list(self.api_key)
+        if self.api_key_file:
+            with open(self.api_key_file) as f:
+                keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        for name in API_KEY_ENV:
+            keys += [key.strip() for key in environ.get(name, "").split(",") if key.strip()]
+        return list(dict.fromkeys(keys))

@@ -1,0 +1,181 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine -> chat.completion (JSON or SSE)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from frontend.engine.async_llm import final_state, new_request_id
+from frontend.engine.output_processor import Delta, RequestState
+from frontend.openai.common import (
+    Serving,
+    caller_request_id,
+    id_headers,
+    json_response,
+    metadata_of,
+    until_disconnected,
+)
+from frontend.openai.format import SSE_DONE, chat_logprobs, prompt_logprobs_body, sse, usage
+from frontend.openai.params import check_top, to_sampling_params
+from frontend.openai.render import chat_prompt
+from frontend.openai.schemas import ChatCompletionRequest
+from frontend.openai.serving import OpenAIServing
+from frontend.server.errors import to_openai_error
+
+router = APIRouter()
+logger = logging.getLogger("engine.api")
+
+
+@dataclass
+class ChatRun:
+    """One chat request on its way: what the formatters need besides the deltas."""
+
+    serving: OpenAIServing
+    body: ChatCompletionRequest
+    request_id: str
+    model: str
+    created: int
+    prompt_ids: list[int]
+    num_top: int
+
+    def logprobs(self, logprobs: Any) -> dict[str, Any] | None:
+        if not self.body.logprobs or logprobs is None:
+            return None
+        text = self.serving.token_text
+        return {"content": chat_logprobs(logprobs, self.num_top, text, self.body.return_tokens_as_token_ids)}
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        payload = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        return sse({**payload, **extra})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
+    serving.admit()
+    body.check_supported()
+    serving.check_priority(body.priority)
+    model = serving.model_name(body.model)
+    prompt_ids = chat_prompt(serving, body)
+    top = check_top(body.top_logprobs, "top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = to_sampling_params(
+        body,
+        model_info=serving.model_info,
+        defaults=serving.defaults,
+        tokenizer=serving.tokenizer,
+        num_prompt_tokens=len(prompt_ids),
+        max_tokens=max_tokens,
+        logprobs=(top or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
+        prompt_param="messages",
+    )
+    run = ChatRun(serving, body, new_request_id("chatcmpl"), model, int(time.time()), prompt_ids, top or 0)
+    if metadata := metadata_of(body):
+        logger.debug("request %s metadata: %s", run.request_id, metadata)
+    stream = serving.llm.generate(
+        run.request_id,
+        prompt_ids,
+        params,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+        log_id=caller_request_id(request, body),
+    )
+    headers = id_headers(request, body)
+    if body.stream:
+        return StreamingResponse(_stream(run, stream), media_type="text/event-stream", headers=headers)
+    state = await until_disconnected(request, final_state(stream))
+    return json_response(_full_body(run, state), headers)
+
+
+def _full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:
+    body = run.body
+    choices = []
+    for choice in state.choices:
+        entry: dict[str, Any] = {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": run.logprobs(choice.logprobs) if body.logprobs else None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+        if body.return_token_ids:
+            entry["token_ids"] = choice.token_ids
+        choices.append(entry)
+    result: dict[str, Any] = {
+        "id": run.request_id,
+        "object": "chat.completion",
+        "created": run.created,
+        "model": run.model,
+        "choices": choices,
+        "usage": usage(len(state.prompt_token_ids), state.num_output_tokens, state.num_cached_tokens),
+    }
+    if body.prompt_logprobs is not None:
+        result["prompt_logprobs"] = prompt_logprobs_body(state.prompt_logprobs, run.serving.token_text)
+    if body.return_token_ids:
+        result["prompt_token_ids"] = state.prompt_token_ids
+    return result
+
+
+async def _stream(
+    run: ChatRun, stream: AsyncGenerator[tuple[RequestState, Delta], None]
+) -> AsyncIterator[bytes]:
+    body = run.body
+    options = body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+    first_extra: dict[str, Any] = {"prompt_token_ids": run.prompt_ids} if body.return_token_ids else {}
+    for index in range(body.n):
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        yield run.chunk([{**role, "finish_reason": None}], **(first_extra if index == 0 else {}))
+    state: RequestState | None = None
+    prompt_logprobs_sent = body.prompt_logprobs is None
+    try:
+        async for state, delta in stream:
+            extra: dict[str, Any] = {}
+            if continuous:
+                extra["usage"] = usage(len(run.prompt_ids), state.num_output_tokens, state.num_cached_tokens)
+            if not prompt_logprobs_sent and delta.index == 0 and delta.token_ids:
+                extra["prompt_logprobs"] = prompt_logprobs_body(state.prompt_logprobs, run.serving.token_text)
+                prompt_logprobs_sent = True
+            logprobs = run.logprobs(delta.logprobs)
+            if delta.text or logprobs is not None or (body.return_token_ids and delta.token_ids):
+                piece: dict[str, Any] = {
+                    "index": delta.index,
+                    "delta": {"content": delta.text},
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
+                if body.return_token_ids:
+                    piece["token_ids"] = delta.token_ids
+                yield run.chunk([piece], **extra)
+                extra.pop("prompt_logprobs", None)
+            if delta.finish_reason is not None:
+                final = {
+                    "index": delta.index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": delta.finish_reason,
+                    "stop_reason": delta.stop_reason,
+                }
+                yield run.chunk([final], **extra)
+    except Exception as error:
+        yield sse(to_openai_error(error).body())
+        yield SSE_DONE
+        return
+    if include_usage and state is not None:
+        yield run.chunk(
+            [], usage=usage(len(run.prompt_ids), state.num_output_tokens, state.num_cached_tokens)
+        )
+    yield SSE_DONE

@@ -1,0 +1,97 @@
+"""Prompt rendering: a chat conversation through the chat template, or completions prompts (text or
+token ids), to prompt token ids, validated against the model's vocabulary and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from frontend.openai.params import truncate_prompt
+from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
+from frontend.openai.serving import OpenAIServing
+from frontend.server.errors import OpenAIError
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None  # the prompt's text, when it had one or echo needs it
+
+
+def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
+    if not body.messages:
+        raise OpenAIError("messages must not be empty.", param="messages")
+    if len(body.messages) > serving.limits.max_messages:
+        raise OpenAIError(
+            f"at most {serving.limits.max_messages} messages per request, got {len(body.messages)}.",
+            param="messages",
+        )
+    tokenizer = serving.tokenizer
+    if tokenizer is None:
+        raise OpenAIError(
+            "This model has no tokenizer: use /v1/completions with token ids.", param="messages"
+        )
+    messages = []
+    for message in body.messages:
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text ones only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise OpenAIError(
+                        f"Only text content parts are supported, got {kind!r}.", param="messages"
+                    )
+                texts.append(str(part.get("text", "")))
+            message = {**message, "content": "".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise OpenAIError("message content must be a string or a list of parts.", param="messages")
+        messages.append(message)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            chat_template=body.chat_template or serving.chat_template,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            # vLLM's default: the tools are in the prompt even with tool_choice "none"
+            **({"tools": body.tools} if body.tools else {}),
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as error:  # template errors are the caller's input
+        raise OpenAIError(f"Could not apply the chat template: {error}", param="messages") from error
+    ids = list(tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
+    return truncate_prompt(ids, body, serving.model_info.max_model_len)
+
+
+def completion_prompts(serving: OpenAIServing, body: CompletionRequest) -> list[Prompt]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]  # type: ignore[list-item]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    if not items:
+        raise OpenAIError("prompt must not be empty.", param="prompt")
+    if len(items) > serving.limits.max_prompts:
+        raise OpenAIError(
+            f"at most {serving.limits.max_prompts} prompts per request, got {len(items)}.", param="prompt"
+        )
+    vocab_size, limit = serving.model_info.vocab_size, serving.model_info.max_model_len
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            tokenizer = serving.require_tokenizer("prompt")
+            ids = list(tokenizer(item, add_special_tokens=body.add_special_tokens)["input_ids"])
+        else:
+            if not item:
+                raise OpenAIError("prompt must not be empty.", param="prompt")
+            if any(not 0 <= t < vocab_size for t in item):
+                raise OpenAIError(f"token ids must be in [0, {vocab_size}).", param="prompt")
+            ids = list(item)
+        truncated = truncate_prompt(ids, body, limit)
+        text = item if isinstance(item, str) and truncated is ids else None
+        if text is None and body.echo and serving.tokenizer is not None:
+            text = serving.tokenizer.decode(truncated)  # only ever sent back by echo
+        result.append(Prompt(truncated, text))
+    return result

@@ -1,0 +1,62 @@
+"""OpenAIServing: what every OpenAI door of an API server shares (the engine, the tokenizer, the model's
+limits, sampling defaults, admission limits), and the checks each request passes first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend.engine.async_llm import AsyncLLM
+from frontend.engine.client import AsyncEngineClient
+from frontend.openai.format import TokenText
+from frontend.server.admission import AdmissionLimits, admit
+from frontend.server.errors import OpenAIError
+from protocol.messages import ModelInfo
+
+
+@dataclass
+class OpenAIServing:
+    llm: AsyncLLM
+    model_info: ModelInfo
+    chat_template: str | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)  # generation-config values for unset fields
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    draining: bool = False  # set on SIGTERM: new requests get 503, open ones may finish
+
+    def __post_init__(self) -> None:
+        self.token_text = TokenText(self.tokenizer)
+
+    @property
+    def client(self) -> AsyncEngineClient:
+        return self.llm.client
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.llm.tokenizer
+
+    def admit(self) -> None:
+        admit(self.limits, self.client, self.draining)
+
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority only means something under the priority policy."""
+        if priority != 0 and self.model_info.scheduling_policy != "priority":
+            raise OpenAIError(
+                "priority is only supported with --scheduling-policy priority.", param="priority"
+            )
+
+    def require_tokenizer(self, param: str) -> Any:
+        if self.tokenizer is None:
+            raise OpenAIError("This model has no tokenizer: send token ids.", param=param)
+        return self.tokenizer
+
+    def model_name(self, requested: str | None) -> str:
+        names = self.model_info.served_model_names
+        if requested is None or requested in names:
+            return requested or names[0]
+        raise OpenAIError(
+            f"The model `{requested}` does not exist.",
+            status=404,
+            type="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )

@@ -1,0 +1,65 @@
+"""build_app: the FastAPI app of one API server: middleware, the error shape, every door's router."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from frontend.openai import chat, completions, tokenize
+from frontend.server import admin
+from frontend.server.deps import AppDeps
+from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
+from frontend.server.middleware import EdgeMiddleware
+from protocol.version import __version__
+
+
+def build_app(deps: AppDeps) -> FastAPI:
+    config = deps.config
+    docs = config.enable_docs
+    app = FastAPI(
+        title="engine",
+        version=__version__,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.state.deps = deps
+    app.add_middleware(
+        EdgeMiddleware,
+        api_keys=config.api_keys,
+        server_index=config.server_index,
+        metrics=deps.metrics,
+        max_body_bytes=config.max_request_body_bytes,
+    )
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> Response:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> Response:
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(OpenAIError("The request body is not valid JSON.", param=None))
+        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
+        return error_response(OpenAIError(message, param=location[0] if location else None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> Response:
+        return error_response(to_openai_error(error))  # logged there, with its traceback
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> Response:
+        return error_response(http_status_error(error.status_code, error.detail))
+
+    for router in (chat.router, completions.router, tokenize.router, admin.router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,128 @@
+"""One API-server process: FastAPI + uvicorn on the listening socket the launcher hands down.
+
+`python -m frontend.server.main FD` reads its ServerConfig as JSON on stdin; FD is the shared,
+already-listening TCP socket (N processes accept on it, the kernel spreads the connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import msgspec
+import uvicorn
+
+from frontend.engine.async_llm import AsyncLLM
+from frontend.engine.client import AsyncEngineClient
+from frontend.engine.output_processor import SHUTDOWN_REASON
+from frontend.metrics import Metrics
+from frontend.model_files import load_generation_defaults, load_tokenizer
+from frontend.openai.serving import OpenAIServing
+from frontend.server.admission import AdmissionLimits
+from frontend.server.app import build_app
+from frontend.server.deps import AppDeps, ServerConfig
+from protocol.log_format import configure_logging
+
+logger = logging.getLogger("engine.api")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server, with a drain on the first SIGTERM/SIGINT: readiness and new requests answer 503,
+    open requests may finish within timeout_s, the rest end with finish_reason "abort" (and [DONE] when
+    streamed); then uvicorn's own graceful exit. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, serving: OpenAIServing, timeout_s: float) -> None:
+        super().__init__(config)
+        self.serving = serving
+        self.timeout_s = timeout_s
+        self.drain_requested = False
+        self.drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.drain_requested:
+            super().handle_exit(sig, frame)
+        self.drain_requested = True  # acted on by on_tick, inside the event loop
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_requested and self.drain_task is None:
+            self.drain_task = asyncio.create_task(self.drain())
+        return await super().on_tick(counter)
+
+    async def drain(self) -> None:
+        self.serving.draining = True
+        client = self.serving.client
+        logger.info("draining: %d requests open, up to %.0f s", client.num_open_requests, self.timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while client.num_open_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        aborted = await client.abort_all(SHUTDOWN_REASON)
+        if aborted:
+            logger.warning("drain timeout: aborted %d open requests", aborted)
+        self.should_exit = True
+
+
+async def serve(config: ServerConfig, sock: socket.socket) -> None:
+    client = AsyncEngineClient(
+        config.input_address, config.output_address, f"api{config.server_index}-{os.getpid()}"
+    )
+    try:
+        model_info = await client.register(config.register_timeout_s)
+    except TimeoutError as error:
+        raise SystemExit(
+            f"API server {config.server_index}: no engine answered at {config.input_address} "
+            f"within {config.register_timeout_s:.0f} s ({error}). Is the address right, and is the engine up?"
+        ) from None
+    tokenizer = await asyncio.to_thread(
+        load_tokenizer, config.model or model_info.model, config.tokenizer_cache_dir
+    )
+    defaults = load_generation_defaults(config.model or model_info.model, config.generation_config)
+    if defaults:
+        logger.info("sampling defaults from the generation config: %s", defaults)
+    metrics = Metrics(model_info, prefix=config.metrics_prefix)
+    llm = AsyncLLM(client, tokenizer, metrics)
+    llm.log_requests = config.log_requests
+    limits = AdmissionLimits(
+        max_queued_requests=config.max_queued_requests,
+        max_queued_tokens=config.max_queued_tokens,
+        max_inflight_requests=config.max_inflight_requests,
+    )
+    serving = OpenAIServing(llm, model_info, config.chat_template, defaults, limits)
+    app = build_app(AppDeps(config, serving, metrics))
+    uv_config = uvicorn.Config(
+        app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=10
+    )
+    server = DrainingServer(uv_config, serving, config.shutdown_timeout_s)
+    # The launcher's word that the engine process is gone: fail open requests now, not after the
+    # heartbeat timeout.
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR1, client.mark_dead, "the engine process exited"
+    )
+    # Startup's objects (FastAPI, transformers' modules, the tokenizer: ~350K) live as long as we do; a
+    # full collection walked them in 230-290 ms, a stall of every stream. Frozen, it walks only new ones.
+    gc.collect()
+    gc.freeze()
+    logger.info("API server %d ready", config.server_index)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        client.close()
+
+
+def main() -> None:
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
+    configure_logging(config.log_level, config.log_format)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    import uvloop
+
+    uvloop.run(serve(config, sock))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""One source of truth for configuration: every EngineArgs and ServerArgs field is a flag of the
+commands that take it, with the field's default; the EngineConfig the engine reads starts from the same
+defaults; vLLM's spellings (VLLM_API_KEY, a JSON list of origins, --disable-*) are understood."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from frontend.cli.main import build_parser
+from frontend.config.engine_args import EngineArgs
+from frontend.config.flags import default_of, flag_name, from_namespace, human_bytes
+from frontend.config.server_args import SERVE_MAX_NUM_BATCHED_TOKENS, ServerArgs, origins
+from protocol.config import EngineConfig, WorkerConfig
+
+# Per-command defaults that differ from the field's, on purpose (each is documented where it is set).
+COMMAND_DEFAULTS = {"serve": {"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS}}
+COMMANDS = {
+    "serve": (EngineArgs, ServerArgs),
+    "generate": (EngineArgs,),
+    "bench throughput": (EngineArgs,),
+    "bench latency": (EngineArgs,),
+}
+
+
+def parse(command: str, *argv: str):  # type: ignore[no-untyped-def]
+    extra = ["--prompt", "x"] if command == "generate" else []
+    return build_parser().parse_args([*command.split(), *extra, *argv])
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_field_is_a_flag_with_the_fields_default(command: str) -> None:
+    namespace = parse(command)
+    help_text = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    parser = help_text[command.split()[0]]
+    if " " in command:
+        parser = parser._subparsers._group_actions[0].choices[command.split()[1]]  # type: ignore[union-attr]
+    flags = {option for action in parser._actions for option in action.option_strings}
+    for cls in COMMANDS[command]:
+        for field in dataclasses.fields(cls):
+            expected = COMMAND_DEFAULTS.get(command, {}).get(field.name, default_of(field))
+            assert getattr(namespace, field.name) == expected, (command, field.name)
+            if not field.metadata.get("positional"):
+                assert flag_name(field) in flags, (command, field.name)
+            assert field.metadata.get("help"), f"{cls.__name__}.{field.name} has no help text"
+
+
+def test_engine_args_defaults_agree_with_the_engine_config() -> None:
+    engine, worker = EngineConfig(worker=WorkerConfig(model="m")), WorkerConfig(model="m")
+    args = EngineArgs()
+    shared = 0
+    for field in dataclasses.fields(EngineArgs):
+        if field.name == "model":  # required there; EngineArgs resolves None to the bundled model
+            continue
+        for config in (engine, worker):
+            if field.name in config.__struct_fields__:
+                assert getattr(args, field.name) == getattr(config, field.name), field.name
+                shared += 1
+    assert shared >= 15
+    assert args.engine_config().async_scheduling is EngineConfig(worker=worker).async_scheduling is True
+
+
+def test_flags_reach_the_configs() -> None:
+    namespace = parse(
+        "serve", "m", "--served-model-name", "a", "b", "--kv-cache-memory-gb", "2", "--no-async-scheduling",
+        "--allowed-origins", '["https://a.example", "https://b.example"]', "--allowed-origins", "https://c.example",
+        "--disable-fastapi-docs", "--disable-log-requests", "--metrics-prefix", "vllm", "--shutdown-timeout", "5",
+    )  # fmt: skip
+    engine, server = from_namespace(EngineArgs, namespace), from_namespace(ServerArgs, namespace)
+    assert engine.model == "m" and engine.served_model_name == ["a", "b"]
+    assert engine.kv_cache_memory_bytes == 2 << 30 and engine.async_scheduling is False
+    assert server.allowed_origins == ["https://a.example", "https://b.example", "https://c.example"]
+    assert not server.enable_fastapi_docs and not server.enable_log_requests
+    assert server.metrics_prefix == "vllm" and server.shutdown_timeout_s == 5.0
+    assert (
+        from_namespace(EngineArgs, parse("serve", "--kv-cache-memory-bytes", "512M")).kv_cache_memory_bytes
+        == 512 << 20
+    )
+
+
+def test_sizes_and_origins_parse_as_vllm_writes_them() -> None:
+    assert [human_bytes(v) for v in ("1024", "1K", "2G", "1.5GiB")] == [1024, 1024, 2 << 30, 3 << 29]
+    assert origins('["https://a.example"]') == ["https://a.example"] and origins("https://a") == ["https://a"]
+    with pytest.raises(ValueError):
+        origins('["unclosed"')
+
+
+def test_api_keys_come_from_vllm_s_variable_too() -> None:
+    assert ServerArgs().api_keys({"VLLM_API_KEY": "a,b", "ENGINE_API_KEY": "c"}) == ["c", "a", "b"]
+
+
+def test_bad_values_are_refused_once_at_construction() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        EngineArgs(block_size=7)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineArgs(max_num_seqs=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EngineArgs().dtype = "float32"  # type: ignore[misc]
