@@ -53,7 +53,11 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise SystemExit(f"engine: cannot listen on {host}:{port}: {error.strerror}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -133,6 +137,8 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
 
     configure_logging(engine_args.log_level, engine_args.log_format)
     supervisor = Supervisor(args.shutdown_timeout_s)
+    # The HTTP port first: a port in use must stop us before an engine is started (and left behind).
+    sock = None if args.headless else bind_http_socket(args.host, args.port)
     if args.attach:
         input_address, output_address = engine_addresses(args.attach)
         # "": the tokenizer of the engine's model
@@ -147,10 +153,25 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
             raise SystemExit("--headless needs --engine-address tcp://HOST:PORT")
         supervisor.engine = EngineProcess(config)
         input_address, output_address = config.input_address, config.output_address
-    if args.headless:
+    if sock is None:
         print(f"engine: headless; the engine listens on {input_address} and {output_address}", flush=True)
         return supervisor.run()
-    sock = bind_http_socket(args.host, args.port)
+    try:
+        return _start_api_servers(supervisor, sock, engine_args, args, model, input_address, output_address)
+    except BaseException:
+        supervisor.shutdown()
+        raise
+
+
+def _start_api_servers(
+    supervisor: Supervisor,
+    sock: socket.socket,
+    engine_args: EngineArgs,
+    args: ServerArgs,
+    model: str,
+    input_address: str,
+    output_address: str,
+) -> int:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Every API server writes its metrics here; /metrics on any of them sums the files.
         supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")

@@ -190,3 +190,27 @@ def test_wrong_engine_address_is_a_clear_timeout() -> None:
     assert run.returncode != 0
     assert "no engine answered" in run.stderr, run.stderr[-2000:]
     assert time.monotonic() - started < 60
+
+
+def test_a_port_in_use_stops_the_launcher_before_it_starts_an_engine(smollm2_gguf: str) -> None:
+    """The HTTP port is bound first: a port in use is a one-line error, and no engine is left behind."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_port()))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        started = time.monotonic()
+        run = subprocess.run(
+            [sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        taken.close()
+    assert run.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and time.monotonic() - started < 60
+    engines = [
+        p for p in psutil.process_iter(["cmdline"]) if "engine_core.main" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not engines, engines

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import pathlib
 import sys
+import time
 from typing import TYPE_CHECKING, Protocol, cast
 
 if TYPE_CHECKING:
@@ -95,12 +96,32 @@ class CpuOps(Protocol):
     ) -> None: ...
 
 
+# A build takes about a minute; a lock file older than this was left by a build that was killed, and
+# torch would wait on it forever (every worker of every later server hung in FileBaton.wait).
+STALE_LOCK_S = 600.0
+
+
+def remove_stale_build_lock(name: str) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = pathlib.Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age_s > STALE_LOCK_S:
+        logger.warning("removing a stale csrc build lock (%s, %.0f s old)", lock, age_s)
+        lock.unlink(missing_ok=True)
+
+
 def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
     if not all(source.exists() for source in SOURCES):
         logger.warning("csrc kernels not found in %s; using the torch paths", CSRC)
         return None
     try:
         from torch.utils.cpp_extension import load
+
+        remove_stale_build_lock("engine_cpu_ops")
 
         module = load(
             name="engine_cpu_ops",

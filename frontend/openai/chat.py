@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from frontend.engine.async_llm import final_state, new_request_id
 from frontend.engine.output_processor import Delta, RequestState
 from frontend.openai.common import (
+    Run,
     Serving,
     caller_request_id,
     id_headers,
@@ -25,7 +26,6 @@ from frontend.openai.format import SSE_DONE, chat_logprobs, prompt_logprobs_body
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import chat_prompt
 from frontend.openai.schemas import ChatCompletionRequest
-from frontend.openai.serving import OpenAIServing
 from frontend.server.errors import to_openai_error
 
 router = APIRouter()
@@ -33,14 +33,10 @@ logger = logging.getLogger("engine.api")
 
 
 @dataclass
-class ChatRun:
+class ChatRun(Run):
     """One chat request on its way: what the formatters need besides the deltas."""
 
-    serving: OpenAIServing
     body: ChatCompletionRequest
-    request_id: str
-    model: str
-    created: int
     prompt_ids: list[int]
     num_top: int
 
@@ -51,14 +47,7 @@ class ChatRun:
         return {"content": chat_logprobs(logprobs, self.num_top, text, self.body.return_tokens_as_token_ids)}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        payload = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        return sse({**payload, **extra})
+        return sse(self.envelope("chat.completion.chunk", choices, **extra))
 
 
 @router.post("/v1/chat/completions")
@@ -81,7 +70,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
         prompt_logprobs=body.prompt_logprobs,
         prompt_param="messages",
     )
-    run = ChatRun(serving, body, new_request_id("chatcmpl"), model, int(time.time()), prompt_ids, top or 0)
+    run = ChatRun(serving, new_request_id("chatcmpl"), model, int(time.time()), body, prompt_ids, top or 0)
     if metadata := metadata_of(body):
         logger.debug("request %s metadata: %s", run.request_id, metadata)
     stream = serving.llm.generate(
@@ -113,14 +102,11 @@ def _full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:
         if body.return_token_ids:
             entry["token_ids"] = choice.token_ids
         choices.append(entry)
-    result: dict[str, Any] = {
-        "id": run.request_id,
-        "object": "chat.completion",
-        "created": run.created,
-        "model": run.model,
-        "choices": choices,
-        "usage": usage(len(state.prompt_token_ids), state.num_output_tokens, state.num_cached_tokens),
-    }
+    result = run.envelope(
+        "chat.completion",
+        choices,
+        usage=usage(len(state.prompt_token_ids), state.num_output_tokens, state.num_cached_tokens),
+    )
     if body.prompt_logprobs is not None:
         result["prompt_logprobs"] = prompt_logprobs_body(state.prompt_logprobs, run.serving.token_text)
     if body.return_token_ids:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -16,6 +17,20 @@ from frontend.openai.serving import OpenAIServing
 from frontend.server.errors import OpenAIError, to_openai_error
 
 _encoder = msgspec.json.Encoder()
+
+
+@dataclass
+class Run:
+    """One request on its way: what every body and chunk of its response repeats."""
+
+    serving: OpenAIServing
+    request_id: str
+    model: str
+    created: int
+
+    def envelope(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        body = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+        return {**body, "choices": choices, **extra}
 
 
 async def get_serving(request: Request) -> OpenAIServing:

@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from frontend.engine.async_llm import final_state, gather_all, merged, new_request_id
 from frontend.engine.output_processor import Delta, RequestState
 from frontend.openai.common import (
+    Run,
     Serving,
     caller_request_id,
     id_headers,
@@ -36,7 +37,6 @@ from frontend.openai.format import (
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import Prompt, completion_prompts
 from frontend.openai.schemas import CompletionRequest
-from frontend.openai.serving import OpenAIServing
 from frontend.server.errors import to_openai_error
 from protocol.sampling import SamplingParams
 
@@ -45,12 +45,8 @@ logger = logging.getLogger("engine.api")
 
 
 @dataclass
-class CompletionRun:
-    serving: OpenAIServing
+class CompletionRun(Run):
     body: CompletionRequest
-    request_id: str
-    model: str
-    created: int
     prompts: list[Prompt]
     params: list[SamplingParams]
     num_top: int | None
@@ -70,14 +66,7 @@ class CompletionRun:
         return self.builder(p, index).prompt(self.prompts[p].token_ids, state.prompt_logprobs)
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        payload = {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        return sse({**payload, **extra})
+        return sse(self.envelope("text_completion", choices, **extra))
 
     def generate(self, p: int, request: Request) -> Any:
         return self.serving.llm.generate(
@@ -119,7 +108,7 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
         )
         for prompt in prompts
     ]
-    run = CompletionRun(serving, body, new_request_id("cmpl"), model, int(time.time()), prompts, params, top)
+    run = CompletionRun(serving, new_request_id("cmpl"), model, int(time.time()), body, prompts, params, top)
     if metadata := metadata_of(body):
         logger.debug("request %s metadata: %s", run.request_id, metadata)
     headers = id_headers(request, body)
@@ -160,14 +149,7 @@ def _full_body(run: CompletionRun, states: list[RequestState]) -> dict[str, Any]
     total_prompt = sum(len(prompt.token_ids) for prompt in run.prompts)
     total_output = sum(state.num_output_tokens for state in states)
     cached = sum(state.num_cached_tokens for state in states)
-    return {
-        "id": run.request_id,
-        "object": "text_completion",
-        "created": run.created,
-        "model": run.model,
-        "choices": choices,
-        "usage": usage(total_prompt, total_output, cached),
-    }
+    return run.envelope("text_completion", choices, usage=usage(total_prompt, total_output, cached))
 
 
 async def _stream(run: CompletionRun, request: Request) -> AsyncIterator[bytes]:
