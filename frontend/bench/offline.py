@@ -80,8 +80,7 @@ def _llm(args: argparse.Namespace) -> Any:
     from frontend.config.flags import from_namespace
     from frontend.offline.llm import LLM
 
-    engine_args = from_namespace(EngineArgs, args)
-    return LLM(**{f: getattr(engine_args, f) for f in engine_args.__dataclass_fields__})
+    return LLM.from_engine_args(from_namespace(EngineArgs, args))
 
 
 def _write(args: argparse.Namespace, report: dict[str, Any]) -> None:

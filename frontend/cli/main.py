@@ -33,9 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         n=args.n,
         stop=args.stop or [],
     )
-    engine_args = engine_args_of(args)
-    options = {name: getattr(engine_args, name) for name in engine_args.__dataclass_fields__}
-    with LLM(**options) as llm:
+    with LLM.from_engine_args(engine_args_of(args)) as llm:
         if args.chat:
             results = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:

@@ -8,6 +8,7 @@ so tests and benchmarks drive the same engine and the same output path that `eng
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import weakref
@@ -51,6 +52,11 @@ class LLM:
             self.shutdown()
             raise
         self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An LLM from parsed flags (`engine generate`, `engine bench throughput|latency`)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
 
     async def _start(self, input_address: str, output_address: str) -> ModelInfo:
         self._client = AsyncEngineClient(input_address, output_address)

@@ -9,7 +9,7 @@ fields we implement only in part (tools, response_format, best_of, ...) are chec
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -204,9 +204,6 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
-
-
-Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 
 
 def unsupported(param: str, what: str) -> OpenAIError:
