@@ -313,6 +313,10 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             self.kv_cache.cache_blocks(request)
             new_token_ids = model_output.sampled_token_ids.get(request_id, [])
+            error = model_output.errors.get(request_id)
+            if error is not None:
+                new_token_ids = []  # sampled without its constraint: never shown
+                request.status = RequestStatus.FINISHED_ERROR
             if new_token_ids:
                 if request.first_token_time is None:
                     request.first_token_time = time.monotonic()
@@ -320,7 +324,7 @@ class Scheduler:
                 self.num_generation_tokens += len(new_token_ids)
                 self._check_stop(request)
             prompt_logprobs = model_output.prompt_logprobs.get(request_id)
-            if new_token_ids or prompt_logprobs is not None:
+            if new_token_ids or prompt_logprobs is not None or error is not None:
                 output = RequestOutput(
                     request_id,
                     new_token_ids,
@@ -329,6 +333,7 @@ class Scheduler:
                     new_logprobs=model_output.logprobs.get(request_id),
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    error=error,
                 )
                 if request.is_finished:
                     output.queue_time_s, output.prefill_time_s, output.decode_time_s = request.timings()

@@ -134,8 +134,15 @@ class Supervisor:
 
 def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     from frontend.model_files import resolve_model
+    from frontend.parsers.registry import Parsers
 
     configure_logging(engine_args.log_level, engine_args.log_format)
+    if not args.headless:  # a bad parser name or plugin stops us before the engine loads
+        parsers = Parsers.with_plugin(args.tool_parser_plugin)
+        if args.tool_call_parser:
+            parsers.tool_parser(args.tool_call_parser)
+        if args.reasoning_parser:
+            parsers.reasoning_parser(args.reasoning_parser)
     supervisor = Supervisor(args.shutdown_timeout_s)
     # The HTTP port first: a port in use must stop us before an engine is started (and left behind).
     sock = None if args.headless else bind_http_socket(args.host, args.port)
@@ -206,6 +213,10 @@ def _start_api_servers(
                 enable_docs=args.enable_fastapi_docs,
                 register_timeout_s=args.engine_connect_timeout_s,
                 metrics_prefix=args.metrics_prefix,
+                enable_auto_tool_choice=args.enable_auto_tool_choice,
+                tool_call_parser=args.tool_call_parser,
+                tool_parser_plugin=args.tool_parser_plugin,
+                reasoning_parser=args.reasoning_parser,
             ),
         )
     sock.close()  # the API servers hold it now

@@ -19,6 +19,7 @@ from protocol.messages import (
     UtilityResult,
 )
 from protocol.sampling import SamplingParams
+from protocol.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -38,6 +39,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerStats",
+    "StructuredOutputsParams",
     "UtilityCall",
     "UtilityResult",
 ]

@@ -28,6 +28,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     log_level: str = "info"
     log_format: str = "text"  # or "json"
+    structured_outputs_backend: str = "auto"  # grammar engine: "auto" or "guidance" (llguidance)
+    grammar_compile_timeout_s: float = 30.0  # a request whose grammar is not ready by then fails
+    tokenizer_cache_dir: str | None = None  # where a GGUF file's converted tokenizer is kept
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

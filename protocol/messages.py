@@ -9,8 +9,9 @@ import msgspec
 
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 4  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
-# 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids
+PROTOCOL_VERSION = 5  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+# 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
+# 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -37,6 +38,7 @@ class ModelInfo(msgspec.Struct, array_like=True):
     engine_version: str  # package version of the engine
     enable_prefix_caching: bool = True  # set by the EngineCore from its config (the worker cannot know)
     scheduling_policy: str = "fcfs"  # likewise: "priority" is the only policy that reads `priority`
+    structured_outputs_backend: str = "guidance"  # the worker's grammar backend: frontends validate with it
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

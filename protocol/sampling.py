@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.errors import InvalidParameterError
+from protocol.structured_outputs import StructuredOutputsParams
 
 # NOTE: hard caps keep one hostile request from costing every other request: a huge top-k gather per
 # step, thousands of stop strings scanned per token, a logit-bias scatter over the whole vocabulary.
@@ -44,6 +45,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words_token_ids: list[list[int]] = []  # token sequences never generated (their last token is banned
     # whenever the output ends with the rest of the sequence)
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar, ...
 
     def for_choice(self, index: int) -> SamplingParams:
         """Completion `index` of an n > 1 request: its own engine request (n = 1), its own seed."""
@@ -127,6 +129,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             f"at most {MAX_BAD_WORDS} bad words, got {len(self.bad_words_token_ids)}.",
         )
         _check(all(self.bad_words_token_ids), "bad_words", "bad words must not be empty.")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if vocab_size is not None:
             for name, ids in (
                 ("allowed_token_ids", self.allowed_token_ids or []),

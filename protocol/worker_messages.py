@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import Logprobs, ModelInfo
+from protocol.messages import Logprobs, ModelInfo, RequestError
 from protocol.sampling import SamplingParams
 
 
@@ -44,6 +44,8 @@ class ModelRunnerOutput(msgspec.Struct, tag="model_output", array_like=True):
     sampled_token_ids: dict[str, list[int]]  # only requests whose prompt is fully computed sample
     logprobs: dict[str, Logprobs] = {}
     prompt_logprobs: dict[str, Logprobs] = {}
+    errors: dict[str, RequestError] = {}  # requests the worker cannot go on with (a grammar that failed
+    # to compile in time): the engine finishes each with finish_reason "error"
 
 
 class WorkerReady(msgspec.Struct, tag="worker_ready", array_like=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from protocol.messages import ModelInfo
+from protocol.messages import ModelInfo, RequestError
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 
 
@@ -20,6 +20,7 @@ class FakeExecutor:
         self.num_tokens: dict[str, int] = {}
         self.num_computed: dict[str, int] = {}
         self.token_for: dict[str, list[int]] = {}  # scripted outputs per request id
+        self.fail: dict[str, str] = {}  # request id -> the error its next sample reports (a grammar's)
         self.steps: list[SchedulerOutput] = []
         self.submitted: deque[SchedulerOutput] = deque()
 
@@ -50,7 +51,10 @@ class FakeExecutor:
                 position = self.num_tokens[request_id]
                 sampled[request_id] = [script.pop(0) if script else 10 + position % 50]
                 self.num_tokens[request_id] += 1
-        return ModelRunnerOutput(sampled)
+        errors = {
+            r: RequestError("structured_outputs", self.fail.pop(r)) for r in list(sampled) if r in self.fail
+        }
+        return ModelRunnerOutput(sampled, errors=errors)
 
     def check_health(self) -> None:
         pass

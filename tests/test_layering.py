@@ -12,7 +12,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STDLIB = set(sys.stdlib_module_names)
-PYTHON_FOLDERS = ("protocol", "engine_core", "worker", "frontend", "tests", "benchmarks")
+PYTHON_FOLDERS = (
+    "protocol",
+    "engine_core",
+    "worker",
+    "frontend",
+    "structured_outputs",
+    "tests",
+    "benchmarks",
+)
 
 # part -> the top-level modules (beyond the standard library) it may import
 ALLOWED = {
@@ -20,10 +28,31 @@ ALLOWED = {
     # msgspec is the wire format protocol's structs are made of; zmq only where the process wrapper and
     # the executor own their sockets (see ZMQ_FILES)
     "engine_core": {"engine_core", "protocol", "numpy", "msgspec", "zmq"},
-    "worker": {"worker", "protocol", "torch", "numpy", "msgspec", "zmq", "gguf", "safetensors", "tqdm"},
+    "worker": {
+        "worker",
+        "protocol",
+        "structured_outputs",
+        "torch",
+        "numpy",
+        "msgspec",
+        "zmq",
+        "gguf",
+        "safetensors",
+        "tqdm",
+    },
+    # the grammar backends, shared by the frontend (validation) and the worker (matching); no torch
+    "structured_outputs": {
+        "structured_outputs",
+        "protocol",
+        "numpy",
+        "msgspec",
+        "llguidance",
+        "transformers",
+    },
     "frontend": {
         "frontend",
         "protocol",
+        "structured_outputs",
         "msgspec",
         "zmq",
         "fastapi",

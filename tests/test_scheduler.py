@@ -334,3 +334,21 @@ def test_request_status_order() -> None:
     assert (
         RequestStatus.FINISHED_ABORTED.is_finished and RequestStatus.FINISHED_ABORTED.finish_reason == "abort"
     )
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_worker_error_finishes_its_request_only(async_scheduling: bool) -> None:
+    """A request the worker cannot go on with (its grammar failed) ends with finish_reason "error" and
+    its error; the token sampled without the constraint is never shown; the others run on."""
+    core, executor = make_core(async_scheduling=async_scheduling)
+    executor.fail["bad"] = "the grammar did not compile in time"
+    add(core, "bad", [1, 2, 3], max_tokens=4)
+    add(core, "good", [4, 5, 6], max_tokens=4)
+    outputs = run_to_completion(core)
+    (bad,) = outputs["bad"]
+    assert bad.finish_reason == "error" and bad.new_token_ids == []
+    assert bad.error is not None and bad.error.param == "structured_outputs"
+    assert sum(len(o.new_token_ids) for o in outputs["good"]) == 4
+    assert outputs["good"][-1].finish_reason == "length"
+    assert core.make_stats().kv_cache_usage == 0.0, "no block left behind"
+    core.scheduler.check_invariants()

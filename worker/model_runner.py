@@ -18,7 +18,9 @@ from protocol.config import WorkerConfig
 from protocol.messages import Logprobs, ModelInfo
 from protocol.version import __version__
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
+from structured_outputs import resolve_backend_name
 from worker.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeros_on_huge_pages
 from worker.input_batch import InputBatch, RequestState
 from worker.model_config import ModelConfig, open_gguf
@@ -95,6 +97,8 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
+        self.grammar = GrammarManager(config, mc.vocab_size, self.eos_token_ids)
+        self.grammar.warm_up()
         logger.info(
             "loaded %s (%s, %s), %d KV blocks of %d tokens",
             config.model,
@@ -123,6 +127,7 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             num_kv_blocks=self.num_kv_blocks,
             engine_version=__version__,
+            structured_outputs_backend=resolve_backend_name(self.config.structured_outputs_backend),
         )
 
     # ---- one step ----
@@ -144,6 +149,8 @@ class ModelRunner:
         # The model returns the scored rows only (a decode step scores every row, in order).
         every_row = len(score_rows) == len(inputs.input_ids) and score_rows == list(range(len(score_rows)))
         out_rows = None if every_row else torch.tensor(score_rows, dtype=torch.long)
+        sampling_ids = [inputs.request_ids[i] for i in sample_pos]
+        bitmask = self.grammar.start_bitmask(sampling_ids)  # filled while the forward runs
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend, out_rows
         )  # [len(score_rows), hidden]
@@ -152,11 +159,13 @@ class ModelRunner:
         output = ModelRunnerOutput({})
         if sample_pos:
             assert logits is not None
-            states = [self.batch.requests[inputs.request_ids[i]] for i in sample_pos]
-            sampled = sample(logits[: len(sample_pos)], self._sampling_batch(states))
+            states = [self.batch.requests[request_id] for request_id in sampling_ids]
+            grammar_mask, output.errors = self.grammar.apply(bitmask)
+            sampled = sample(logits[: len(sample_pos)], self._sampling_batch(states, grammar_mask))
             token_ids = sampled.token_ids.tolist()
             for j, state in enumerate(states):
                 self.batch.append_token(state.row, token_ids[j])
+                self.grammar.accept(state.request_id, token_ids[j])
                 output.sampled_token_ids[state.request_id] = [token_ids[j]]
                 k = state.sampling_params.logprobs
                 if k is not None:
@@ -186,8 +195,11 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.batch.remove(request_id)
+            self.grammar.remove(request_id)
         for new in scheduler_output.new_requests:
             self.batch.add(new)
+            if new.sampling_params.structured_outputs is not None:
+                self.grammar.add(new.request_id, new.sampling_params.structured_outputs, new.output_token_ids)
         for cached in scheduler_output.cached_requests:
             self.batch.update(cached)
 
@@ -252,7 +264,10 @@ class ModelRunner:
             result.append((request_id, rows, next_ids))
         return result
 
-    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+    def _sampling_batch(
+        self, states: list[RequestState], grammar_mask: torch.Tensor | None = None
+    ) -> SamplingBatch:
+        """grammar_mask: [B, vocab] bool, the tokens each row's grammar allows (structured outputs)."""
         params = [s.sampling_params for s in states]
         vocab_size = self.model_config.vocab_size
         outputs = [self.batch.output_token_ids(s) for s in states]
@@ -298,6 +313,10 @@ class ModelRunner:
                     allowed[row] = False
                     allowed[row, p.allowed_token_ids] = True
             batch.allowed_mask = allowed
+        if grammar_mask is not None:
+            batch.allowed_mask = (
+                grammar_mask if batch.allowed_mask is None else batch.allowed_mask & grammar_mask
+            )
         if banned:
             batch.banned_rows = torch.tensor([e[0] for e in banned])
             batch.banned_tokens = torch.tensor([e[1] for e in banned])

@@ -4,13 +4,27 @@ frontend.config.flags), and become the EngineConfig the engine process reads."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from frontend.config.flags import human_bytes, option
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
 from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, WorkerConfig
+from structured_outputs import resolve_backend_name
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+# --structured-outputs-config keys (vLLM's flag; grammar_compile_timeout_s is ours)
+STRUCTURED_OUTPUTS_KEYS = ("backend", "grammar_compile_timeout_s")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
 
 
 def _gib(text: str) -> int:
@@ -53,6 +67,11 @@ class EngineArgs:
     tokenizer_cache_dir: str | None = option(
         default_factory=default_cache_dir, help="where converted GGUF tokenizers are kept"
     )
+    structured_outputs_config: dict[str, Any] = option(
+        default_factory=dict,
+        help='JSON: {"backend": "auto" | "guidance", "grammar_compile_timeout_s": 30}',
+        parse=_json_object,
+    )
     startup_timeout_s: float = option(
         600.0, "seconds the offline API waits for the engine to load", flag="--startup-timeout"
     )
@@ -74,6 +93,16 @@ class EngineArgs:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        unknown = set(self.structured_outputs_config) - set(STRUCTURED_OUTPUTS_KEYS)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs_config has no key {sorted(unknown)[0]!r}; "
+                f"it takes {', '.join(STRUCTURED_OUTPUTS_KEYS)}"
+            )
+        resolve_backend_name(self.structured_outputs_config.get("backend", "auto"))
+        timeout = self.structured_outputs_config.get("grammar_compile_timeout_s", 30.0)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
 
     def engine_config(self) -> EngineConfig:
         model = resolve_model(self.model)
@@ -92,6 +121,11 @@ class EngineArgs:
             num_threads=self.num_threads,
             log_level=self.log_level,
             log_format=self.log_format,
+            structured_outputs_backend=self.structured_outputs_config.get("backend", "auto"),
+            grammar_compile_timeout_s=float(
+                self.structured_outputs_config.get("grammar_compile_timeout_s", 30.0)
+            ),
+            tokenizer_cache_dir=self.tokenizer_cache_dir,
         )
         return EngineConfig(
             worker=worker,

@@ -91,6 +91,19 @@ class ServerArgs:
         choices=["engine", "vllm"],
     )
 
+    enable_auto_tool_choice: bool = option(
+        False, 'let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser'
+    )
+    tool_call_parser: str | None = option(None, "the model's tool-call format: hermes, or a plugin's name")
+    tool_parser_plugin: str | None = option(None, "a Python file defining TOOL_PARSERS = {name: class}")
+    reasoning_parser: str | None = option(
+        None, "split <think> sections into message.reasoning: deepseek_r1 or qwen3"
+    )
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
     def api_keys(self, environ: dict[str, str] | None = None) -> list[str]:
         """Keys from --api-key (repeatable), --api-key-file (one a line, # comments), ENGINE_API_KEY and
         VLLM_API_KEY (comma-separated)."""

@@ -25,6 +25,7 @@ from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
 from protocol.errors import InvalidParameterError
 from protocol.messages import Logprobs, ModelInfo
 from protocol.sampling import SamplingParams
+from structured_outputs import backend_class
 
 logger = logging.getLogger("engine.llm")
 
@@ -184,6 +185,8 @@ class LLM:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         info = self.model_info
         params.validate(info.vocab_size)
+        if params.structured_outputs is not None:
+            backend_class(info.structured_outputs_backend).validate(params.structured_outputs)
         if not ids:
             raise InvalidParameterError("prompt", "the prompt is empty.")
         max_tokens = params.max_tokens or 0

@@ -26,6 +26,10 @@ from frontend.openai.format import SSE_DONE, chat_logprobs, prompt_logprobs_body
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import chat_prompt
 from frontend.openai.schemas import ChatCompletionRequest
+from frontend.openai.structured import spec_of_request
+from frontend.openai.tools import ChatPlan, plan_chat, select_tools
+from frontend.parsers.base import Delta as ParsedDelta
+from frontend.parsers.base import Parsed, StreamingParse
 from frontend.server.errors import to_openai_error
 
 router = APIRouter()
@@ -39,6 +43,7 @@ class ChatRun(Run):
     body: ChatCompletionRequest
     prompt_ids: list[int]
     num_top: int
+    plan: ChatPlan
 
     def logprobs(self, logprobs: Any) -> dict[str, Any] | None:
         if not self.body.logprobs or logprobs is None:
@@ -56,7 +61,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
     body.check_supported()
     serving.check_priority(body.priority)
     model = serving.model_name(body.model)
-    prompt_ids = chat_prompt(serving, body)
+    selection = select_tools(body, serving)
+    prompt = chat_prompt(serving, body, selection.tools)
+    prompt_ids = prompt.token_ids
+    spec = spec_of_request(body, serving.model_info.structured_outputs_backend)
+    plan = plan_chat(body, serving, selection, spec, prompt.text or "")
     top = check_top(body.top_logprobs, "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = to_sampling_params(
@@ -69,8 +78,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
         logprobs=(top or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
         prompt_param="messages",
+        structured_outputs=plan.spec,
     )
-    run = ChatRun(serving, new_request_id("chatcmpl"), model, int(time.time()), body, prompt_ids, top or 0)
+    run = ChatRun(
+        serving, new_request_id("chatcmpl"), model, int(time.time()), body, prompt_ids, top or 0, plan
+    )
     if metadata := metadata_of(body):
         logger.debug("request %s metadata: %s", run.request_id, metadata)
     stream = serving.llm.generate(
@@ -92,11 +104,17 @@ def _full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:
     body = run.body
     choices = []
     for choice in state.choices:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        if run.plan.parses:
+            parsed = run.plan.parse(choice.text, final=True)
+            message = full_message(parsed, run.plan, body.include_reasoning)
+            finish_reason = run.plan.finish_reason(parsed, finish_reason)
         entry: dict[str, Any] = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": run.logprobs(choice.logprobs) if body.logprobs else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
         if body.return_token_ids:
@@ -127,6 +145,7 @@ async def _stream(
         yield run.chunk([{**role, "finish_reason": None}], **(first_extra if index == 0 else {}))
     state: RequestState | None = None
     prompt_logprobs_sent = body.prompt_logprobs is None
+    parses = [StreamingParse(run.plan.parse) for _ in range(body.n)] if run.plan.parses else None
     try:
         async for state, delta in stream:
             extra: dict[str, Any] = {}
@@ -136,10 +155,20 @@ async def _stream(
                 extra["prompt_logprobs"] = prompt_logprobs_body(state.prompt_logprobs, run.serving.token_text)
                 prompt_logprobs_sent = True
             logprobs = run.logprobs(delta.logprobs)
-            if delta.text or logprobs is not None or (body.return_token_ids and delta.token_ids):
+            content: dict[str, Any] = {"content": delta.text} if delta.text else {}
+            finish_reason = delta.finish_reason
+            if parses is not None:
+                text = state.choices[delta.index].text
+                parse = parses[delta.index]
+                content = delta_message(
+                    parse.update(text, delta.finish_reason is not None), body.include_reasoning
+                )
+                if delta.finish_reason is not None:
+                    finish_reason = run.plan.finish_reason(parse.result, delta.finish_reason)
+            if content or logprobs is not None or (body.return_token_ids and delta.token_ids):
                 piece: dict[str, Any] = {
                     "index": delta.index,
-                    "delta": {"content": delta.text},
+                    "delta": content or {"content": ""},
                     "logprobs": logprobs,
                     "finish_reason": None,
                 }
@@ -152,7 +181,7 @@ async def _stream(
                     "index": delta.index,
                     "delta": {},
                     "logprobs": None,
-                    "finish_reason": delta.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": delta.stop_reason,
                 }
                 yield run.chunk([final], **extra)
@@ -165,3 +194,42 @@ async def _stream(
             [], usage=usage(len(run.prompt_ids), state.num_output_tokens, state.num_cached_tokens)
         )
     yield SSE_DONE
+
+
+def full_message(parsed: Parsed, plan: ChatPlan, include_reasoning: bool) -> dict[str, Any]:
+    """The assistant message of a parsed choice: content (None when only calls came), reasoning (also as
+    reasoning_content, the older name), tool calls."""
+    content: str | None = parsed.content
+    if parsed.calls and not parsed.content.strip():
+        content = None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if plan.reasoning_parser is not None and include_reasoning:
+        reasoning = parsed.reasoning or None
+        message["reasoning"] = message["reasoning_content"] = reasoning
+    if plan.tool_parser is not None:
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in parsed.calls
+        ]
+    return message
+
+
+def delta_message(delta: ParsedDelta, include_reasoning: bool) -> dict[str, Any]:
+    """A chunk's delta: new content, new reasoning, and each call's first piece (index, id, type, name)
+    or next argument fragment."""
+    message: dict[str, Any] = {}
+    if delta.reasoning and include_reasoning:
+        message["reasoning"] = message["reasoning_content"] = delta.reasoning
+    if delta.content:
+        message["content"] = delta.content
+    if delta.calls:
+        calls = []
+        for call in delta.calls:
+            function: dict[str, Any] = {"arguments": call.arguments}
+            entry: dict[str, Any] = {"index": call.index, "function": function}
+            if call.id is not None:
+                entry.update(id=call.id, type="function")
+                function["name"] = call.name
+            calls.append(entry)
+        message["tool_calls"] = calls
+    return message

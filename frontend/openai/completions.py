@@ -37,6 +37,7 @@ from frontend.openai.format import (
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import Prompt, completion_prompts
 from frontend.openai.schemas import CompletionRequest
+from frontend.openai.structured import spec_of_request
 from frontend.server.errors import to_openai_error
 from protocol.sampling import SamplingParams
 
@@ -94,6 +95,7 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     if "max_tokens" not in body.model_fields_set and "max_tokens" in serving.defaults:
         # vLLM's rule: the smaller of the door's default (16) and the generation config's
         max_tokens = min(16, int(serving.defaults["max_tokens"]))
+    spec = spec_of_request(body, serving.model_info.structured_outputs_backend)
     params = [
         to_sampling_params(
             body,
@@ -105,6 +107,7 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
             logprobs=top,
             prompt_logprobs=prompt_logprobs,
             prompt_param="prompt",
+            structured_outputs=spec,
         )
         for prompt in prompts
     ]

@@ -10,6 +10,7 @@ from frontend.server.errors import OpenAIError
 from protocol.errors import InvalidParameterError
 from protocol.messages import ModelInfo
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
+from protocol.structured_outputs import StructuredOutputsParams
 
 
 def check_top(value: int | None, param: str) -> int | None:
@@ -61,6 +62,7 @@ def to_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     prompt_param: str,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     limit = model_info.max_model_len
     if max_tokens is None and "max_tokens" in defaults:
@@ -109,6 +111,7 @@ def to_sampling_params(
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         allowed_token_ids=request.allowed_token_ids,
         bad_words_token_ids=bad_words_token_ids(request.bad_words, tokenizer),
+        structured_outputs=structured_outputs,
     )
     try:
         params.validate(model_info.vocab_size)

@@ -3,7 +3,9 @@ token ids), to prompt token ids, validated against the model's vocabulary and li
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from frontend.openai.params import truncate_prompt
 from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -17,7 +19,11 @@ class Prompt:
     text: str | None = None  # the prompt's text, when it had one or echo needs it
 
 
-def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt(
+    serving: OpenAIServing, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> Prompt:
+    """tools: what the template shows (default body.tools; the legacy `functions`, mapped, otherwise)."""
+    tools = body.tools if tools is None else tools
     if not body.messages:
         raise OpenAIError("messages must not be empty.", param="messages")
     if len(body.messages) > serving.limits.max_messages:
@@ -45,6 +51,8 @@ def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int
             message = {**message, "content": "".join(texts)}
         elif content is not None and not isinstance(content, str):
             raise OpenAIError("message content must be a string or a list of parts.", param="messages")
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            message = {**message, "tool_calls": [_call_for_template(call) for call in message["tool_calls"]]}
         messages.append(message)
     try:
         text = tokenizer.apply_chat_template(
@@ -54,13 +62,27 @@ def chat_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message,
             # vLLM's default: the tools are in the prompt even with tool_choice "none"
-            **({"tools": body.tools} if body.tools else {}),
+            **({"tools": tools} if tools else {}),
             **(body.chat_template_kwargs or {}),
         )
     except Exception as error:  # template errors are the caller's input
         raise OpenAIError(f"Could not apply the chat template: {error}", param="messages") from error
     ids = list(tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
-    return truncate_prompt(ids, body, serving.model_info.max_model_len)
+    return Prompt(truncate_prompt(ids, body, serving.model_info.max_model_len), text)
+
+
+def _call_for_template(call: Any) -> Any:
+    """An assistant turn's tool call with its arguments as an object: templates (Qwen's, Llama's) write
+    `arguments | tojson`, and a JSON string would be encoded twice (vLLM does the same)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise OpenAIError("an assistant tool call needs a function object.", param="messages")
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as error:
+            raise OpenAIError(f"tool call arguments are not JSON: {error}", param="messages") from error
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 def completion_prompts(serving: OpenAIServing, body: CompletionRequest) -> list[Prompt]:

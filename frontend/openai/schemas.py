@@ -27,16 +27,6 @@ UNSUPPORTED_FIELDS = {
     "web_search_options": "web search",
     "verbosity": "verbosity",
     "reasoning_effort": "reasoning settings (not yet)",
-    "include_reasoning": "reasoning settings (not yet)",
-    "functions": "function calling (not yet)",
-    "structured_outputs": "structured outputs (not yet)",
-    "guided_json": "structured outputs (not yet)",
-    "guided_regex": "structured outputs (not yet)",
-    "guided_choice": "structured outputs (not yet)",
-    "guided_grammar": "structured outputs (not yet)",
-    "structural_tag": "structured outputs (not yet)",
-    "guided_decoding_backend": "structured outputs (not yet)",
-    "guided_whitespace_pattern": "structured outputs (not yet)",
     "length_penalty": "beam search",
     "logits_processors": "custom logits processors",
     "kv_transfer_params": "KV transfer",
@@ -82,7 +72,7 @@ class SamplingFields(BaseModel):
     service_tier: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema, structural_tag
     # extensions, as in vLLM
     use_beam_search: bool = False
     top_k: int | None = None
@@ -103,6 +93,15 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     request_id: str | None = None  # like X-Request-Id: echoed and logged, never the engine's key
+    # structured outputs (frontend/openai/structured.py): vLLM's object, and its legacy fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None  # must name the engine's backend (or be "auto")
+    guided_whitespace_pattern: str | None = None
 
     def check_supported(self) -> None:
         """400 for any field we do not implement, or a value of one that we implement only in part."""
@@ -120,8 +119,6 @@ class SamplingFields(BaseModel):
             raise unsupported("store", "storing completions")
         if self.service_tier not in (None, "auto", "default"):
             raise unsupported("service_tier", f"service tier {self.service_tier!r}")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", f"response_format {self.response_format.get('type')!r}")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true.", param="stream_options")
         if self.truncate_prompt_tokens is not None and not (
@@ -143,7 +140,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    function_call: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None  # legacy: maps onto tool_choice
+    functions: list[dict[str, Any]] | None = None  # legacy: maps onto tools
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning from the response
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template writes the special tokens
@@ -162,12 +161,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "tool calling (not yet) other than tool_choice 'none'")
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "tool_choice other than 'none'")
-        if self.function_call not in (None, "none"):
-            raise unsupported("function_call", "function calling (not yet)")
         if self.echo:
             raise unsupported("echo", "echo in chat completions")
         if self.top_logprobs is not None and not self.logprobs:

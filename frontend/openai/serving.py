@@ -9,6 +9,7 @@ from typing import Any
 from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.client import AsyncEngineClient
 from frontend.openai.format import TokenText
+from frontend.parsers.registry import Parsers
 from frontend.server.admission import AdmissionLimits, admit
 from frontend.server.errors import OpenAIError
 from protocol.messages import ModelInfo
@@ -22,9 +23,17 @@ class OpenAIServing:
     defaults: dict[str, Any] = field(default_factory=dict)  # generation-config values for unset fields
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     draining: bool = False  # set on SIGTERM: new requests get 503, open ones may finish
+    parsers: Parsers = field(default_factory=Parsers)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a name in parsers
+    reasoning_parser: str | None = None  # a name in parsers
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.tokenizer)
+        if self.tool_call_parser is not None:
+            self.parsers.tool_parser(self.tool_call_parser)  # ValueError now, not on the first request
+        if self.reasoning_parser is not None:
+            self.parsers.reasoning_parser(self.reasoning_parser)
 
     @property
     def client(self) -> AsyncEngineClient:

@@ -42,7 +42,7 @@ async def tokenize(body: TokenizeRequest, serving: Serving) -> Response:
         except ValidationError as error:  # the same checks as a chat request's messages (roles)
             first = error.errors()[0]
             raise OpenAIError(str(first.get("msg", "invalid messages")), param="messages") from error
-        ids = chat_prompt(serving, chat)
+        ids = chat_prompt(serving, chat).token_ids
     elif body.prompt is not None:
         tokenizer = serving.require_tokenizer("prompt")
         ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])

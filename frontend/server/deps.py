@@ -35,6 +35,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     engine_stall_timeout_s: float = 120.0  # open requests and no engine step this long: /health 503
     enable_docs: bool = True  # /docs, /redoc and /openapi.json
     metrics_prefix: str = "engine"  # or "vllm", for dashboards made for vLLM
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a tool_call_parser)
+    tool_call_parser: str | None = None  # the model's tool-call format (frontend/parsers/)
+    tool_parser_plugin: str | None = None  # a file adding tool parsers
+    reasoning_parser: str | None = None  # splits <think> sections into `reasoning`
 
 
 @dataclass

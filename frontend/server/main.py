@@ -24,6 +24,7 @@ from frontend.engine.output_processor import SHUTDOWN_REASON
 from frontend.metrics import Metrics
 from frontend.model_files import load_generation_defaults, load_tokenizer
 from frontend.openai.serving import OpenAIServing
+from frontend.parsers.registry import Parsers
 from frontend.server.admission import AdmissionLimits
 from frontend.server.app import build_app
 from frontend.server.deps import AppDeps, ServerConfig
@@ -93,7 +94,17 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
         max_queued_tokens=config.max_queued_tokens,
         max_inflight_requests=config.max_inflight_requests,
     )
-    serving = OpenAIServing(llm, model_info, config.chat_template, defaults, limits)
+    serving = OpenAIServing(
+        llm,
+        model_info,
+        config.chat_template,
+        defaults,
+        limits,
+        parsers=Parsers.with_plugin(config.tool_parser_plugin),
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+    )
     app = build_app(AppDeps(config, serving, metrics))
     uv_config = uvicorn.Config(
         app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=10
