@@ -3,5 +3,6 @@
 from frontend.offline.llm import LLM
 from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
 from protocol.sampling import SamplingParams
+from protocol.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestResult", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestResult", "SamplingParams", "StructuredOutputsParams"]

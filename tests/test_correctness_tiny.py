@@ -22,7 +22,7 @@ from worker.executor import InprocExecutor
 MAX_NEW_TOKENS = 24
 
 
-def build_tiny(family: str, folder: str) -> None:
+def build_tiny(family: str, folder: str, vocab_size: int = 512) -> None:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -33,7 +33,7 @@ def build_tiny(family: str, folder: str) -> None:
     )
 
     common = dict(
-        vocab_size=512,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

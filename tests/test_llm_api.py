@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from frontend import LLM, SamplingParams
+from frontend import LLM, SamplingParams, StructuredOutputsParams
 from protocol.errors import EngineDeadError, InvalidParameterError
 from tests.test_correctness_tiny import build_tiny
 
@@ -103,3 +103,17 @@ def test_async_scheduling_flag_reaches_the_engine_config(
 
     args = build_parser().parse_args(["serve", tiny_folder, *flag])
     assert engine_args_of(args).engine_config().async_scheduling is expected
+
+
+def test_structured_outputs_without_a_tokenizer_fail_the_request_not_the_engine(llm: LLM) -> None:
+    """The worker cannot build a grammar for a model with no tokenizer: that request ends with a typed
+    error, and the engine goes on with no block left behind."""
+    spec = StructuredOutputsParams(regex="a+")
+    with pytest.raises(InvalidParameterError) as caught:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert caught.value.param == "structured_outputs" and "tokenizer" in caught.value.message
+    assert (
+        len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids)
+        == 3
+    )
+    assert_idle(llm)

@@ -12,12 +12,24 @@ import pytest
 from frontend.parsers.base import Parsed, StreamingParse
 from frontend.parsers.forced import NamedToolParser, RequiredToolParser
 from frontend.parsers.hermes import HermesToolParser
+from frontend.parsers.json_formats import Llama3JsonToolParser, MistralToolParser
 from frontend.parsers.json_scan import read_call_object, value_end
+from frontend.parsers.pythonic import PythonicToolParser
+from frontend.parsers.qwen3_xml import Qwen3XmlToolParser
 from frontend.parsers.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from frontend.parsers.registry import Parsers, load_plugin
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    },
     {"type": "function", "function": {"name": "get_time"}},
 ]
 
@@ -102,6 +114,84 @@ def test_hermes_streamed_in_any_chunking_equals_the_whole(output: str, content: 
         assert [(c.name, c.arguments) for c in result.calls] == calls, (seed, pieces)
 
 
+# (parser, output, content, [(name, arguments)]): recorded outputs of each model family's format
+FORMAT_OUTPUTS = [
+    (
+        Llama3JsonToolParser,
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        Llama3JsonToolParser,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}',
+        "",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
+    ),
+    (Llama3JsonToolParser, "The weather is nice {really}.", "The weather is nice {really}.", []),
+    (Llama3JsonToolParser, "{not a call}", "{not a call}", []),
+    (
+        MistralToolParser,
+        'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lima"}}, {"name": "get_time", "arguments": {"tz": "PET"}}]',
+        "Checking.",
+        [("get_weather", '{"city": "Lima"}'), ("get_time", '{"tz": "PET"}')],
+    ),
+    (MistralToolParser, "No calls, just [brackets].", "No calls, just [brackets].", []),
+    (
+        PythonicToolParser,
+        '[get_weather(city="San Francisco", days=3), get_time(tz="PST")]',
+        "",
+        [("get_weather", '{"city": "San Francisco", "days": 3}'), ("get_time", '{"tz": "PST"}')],
+    ),
+    (PythonicToolParser, "[1, 2, 3]", "[1, 2, 3]", []),
+    (PythonicToolParser, "Sure, here it is.", "Sure, here it is.", []),
+    (
+        Qwen3XmlToolParser,
+        "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+        "<parameter=days>\n5\n</parameter>\n</function>\n</tool_call>",
+        "Let me check.\n",
+        [("get_weather", '{"city": "New York", "days": 5}')],
+    ),
+    (
+        Qwen3XmlToolParser,
+        "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+        "<parameter=city>\na < b </x>\n</parameter>\n</function>\n</tool_call>",
+        "\n",
+        [("get_time", "{}"), ("get_weather", '{"city": "a < b </x>"}')],
+    ),
+]
+
+
+@pytest.mark.parametrize("cls, output, content, calls", FORMAT_OUTPUTS)
+def test_each_format_streamed_in_any_chunking_equals_the_whole(
+    cls, output: str, content: str, calls: list
+) -> None:  # type: ignore[no-untyped-def]
+    parser = cls(TOOLS)
+    whole = parser.parse(output, final=True)
+    assert (whole.content, [(c.name, c.arguments) for c in whole.calls]) == (content, calls)
+    for call in whole.calls:
+        json.loads(call.arguments)
+    for pieces in chunkings(output, len(output)):
+        result, _ = streamed(parser.parse, pieces)
+        assert (result.content, [(c.name, c.arguments) for c in result.calls]) == (content, calls), pieces
+
+
+def test_json_formats_make_structural_tags() -> None:
+    for cls, trigger in (
+        (HermesToolParser, "<tool_call>"),
+        (Llama3JsonToolParser, '{"name": '),
+        (MistralToolParser, "[TOOL_CALLS]"),
+    ):
+        tag = cls(TOOLS).structural_tag()
+        assert tag is not None and tag["triggers"] == [trigger]
+        assert [s["begin"].startswith(trigger) for s in tag["structures"]] == [True, True]
+    assert (
+        PythonicToolParser(TOOLS).structural_tag() is None
+        and Qwen3XmlToolParser(TOOLS).structural_tag() is None
+    )
+    assert MistralToolParser.keeps_special_tokens and not HermesToolParser.keeps_special_tokens
+
+
 def test_required_and_named_read_the_forced_json() -> None:
     required = RequiredToolParser(TOOLS)
     output = (
@@ -124,7 +214,7 @@ def test_required_and_named_read_the_forced_json() -> None:
     schema = required.schema()
     assert schema["minItems"] == 1 and "maxItems" not in schema
     assert RequiredToolParser(TOOLS, parallel=False).schema()["maxItems"] == 1
-    assert named.schema() == {"type": "object"}
+    assert named.schema() == TOOLS[0]["function"]["parameters"]
 
 
 REASONING_OUTPUTS = [

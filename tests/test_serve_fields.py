@@ -233,14 +233,15 @@ def test_an_engine_rejection_is_a_typed_error_naming_the_parameter(server: dict[
 
 def test_unsupported_fields_are_400s_through_the_sdk(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(
-            model=MODEL, messages=QUESTION, response_format={"type": "json_object"}
-        )
-    assert error.value.body["param"] == "response_format"
+        client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"use_beam_search": True})
+    assert error.value.body["param"] == "use_beam_search"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, tool_choice="required")
-    assert error.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as error:  # auto, without --enable-auto-tool-choice
+        client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools)
+    assert (
+        error.value.body["param"] == "tool_choice"
+        and "--enable-auto-tool-choice" in error.value.body["message"]
+    )
 
 
 def test_vllm_dashboard_families_under_the_vllm_prefix(base: str, client: openai.OpenAI) -> None:

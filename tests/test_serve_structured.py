@@ -1,7 +1,7 @@
 """End to end through the official `openai` client on a real `engine serve` (SmolLM2, greedy): structured
 outputs (50 generated JSON schemas, regex, choice, grammar, the SDK's parse()), a mixed batch that gives
 each request its tokens alone, tool calling (required, named, auto, none; streamed and not; a tool-result
-follow-up) and reasoning (qwen3's parser, stream and not)."""
+follow-up). Reasoning: tests/test_serve_reasoning.py."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def base(smollm2_gguf: str):  # type: ignore[no-untyped-def]
         sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--port", str(port), "--dtype", "float32",
         "--max-model-len", "2048", "--num-kv-blocks", "160", "--served-model-name", MODEL,
         "--engine-address", f"tcp://127.0.0.1:{engine_port}",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
@@ -77,13 +77,13 @@ def client(base: str) -> openai.OpenAI:
 def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
     """Objects, nesting, enums, bounded arrays, patterns, bounded numbers, $ref."""
     kinds = ["string", "integer", "number", "boolean", "enum", "pattern", "array"]
-    if depth < 2:
+    if depth < 1:
         kinds += ["object", "ref"]
     properties = {}
-    for i in range(rng.randint(1, 4)):
+    for i in range(rng.randint(1, 3)):
         kind = rng.choice(kinds)
         if kind == "string":
-            value: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": rng.randint(3, 16)}
+            value: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": rng.randint(3, 10)}
         elif kind == "integer":
             low = rng.randint(-50, 50)
             value = {"type": "integer", "minimum": low, "maximum": low + rng.randint(1, 500)}
@@ -105,7 +105,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
             item = rng.choice(
                 [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 8}]
             )
-            value = {"type": "array", "items": item, "minItems": low, "maxItems": low + rng.randint(1, 3)}
+            value = {"type": "array", "items": item, "minItems": low, "maxItems": low + rng.randint(1, 2)}
         elif kind == "object":
             value = random_schema(rng, depth + 1)
         else:
@@ -145,7 +145,7 @@ def test_fifty_generated_schemas_always_parse_and_validate(base: str) -> None:
                 "json_schema": {"name": "x", "schema": schema, "strict": True},
             },
             temperature=0,
-            max_tokens=400,
+            max_tokens=200,
         )
         choice = response.choices[0]
         return choice.message.content or "", choice.finish_reason
@@ -162,7 +162,7 @@ def test_fifty_generated_schemas_always_parse_and_validate(base: str) -> None:
         if reason == "stop":
             finished += 1
             jsonschema.validate(json.loads(text), schema)
-    assert finished >= 48, [reason for _, reason in results]
+    assert finished >= 48, [(reason, text[-80:]) for text, reason in results if reason != "stop"]
 
 
 def test_regex_choice_and_grammar_through_both_doors(client: openai.OpenAI) -> None:
@@ -376,31 +376,3 @@ def test_invalid_tools_and_schemas_are_400s(client: openai.OpenAI, extra: dict[s
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **extra)
     assert caught.value.body["param"] == param  # type: ignore[index]
-
-
-def test_reasoning_goes_to_its_own_field_streamed_and_not(client: openai.OpenAI) -> None:
-    request: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "What is 2 + 2? Think first."}],
-        "temperature": 0,
-        "max_tokens": 24,
-        "extra_body": {"chat_template": TEMPLATE, "chat_template_kwargs": {"enable_thinking": True}},
-    }
-    message = client.chat.completions.create(**request).choices[0].message
-    reasoning = (message.model_extra or {}).get("reasoning")
-    assert (
-        reasoning and (message.model_extra or {}).get("reasoning_content") == reasoning
-    )  # cut inside the thinking
-    streamed_reasoning, streamed_content = "", ""
-    for chunk in client.chat.completions.create(stream=True, **request):
-        if chunk.choices:
-            delta = chunk.choices[0].delta
-            streamed_reasoning += (delta.model_extra or {}).get("reasoning") or ""
-            streamed_content += delta.content or ""
-    assert (streamed_reasoning, streamed_content) == (reasoning, message.content or "")
-    off = {
-        **request,
-        "extra_body": {"chat_template": TEMPLATE, "chat_template_kwargs": {"enable_thinking": False}},
-    }
-    plain = client.chat.completions.create(**off).choices[0].message
-    assert plain.content and not (plain.model_extra or {}).get("reasoning")

@@ -13,7 +13,7 @@ from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.client import AsyncEngineClient
 from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.openai.serving import OpenAIServing
-from frontend.openai.structured import spec_of_request
+from frontend.openai.structured import SpecValidator, spec_of_request
 from frontend.openai.tools import plan_chat, select_tools
 from frontend.server.errors import OpenAIError
 from protocol.messages import ModelInfo
@@ -66,8 +66,11 @@ def completion(**fields) -> CompletionRequest:  # type: ignore[no-untyped-def]
     ],
 )
 def test_each_request_form_maps_onto_one_spec(fields: dict, expected: StructuredOutputsParams | None) -> None:
-    assert spec_of_request(completion(**fields), "guidance") == expected
-    assert spec_of_request(ChatCompletionRequest(**CHAT, **fields), "guidance") == expected
+    validator = SpecValidator("guidance")
+    assert spec_of_request(completion(**fields), validator) == expected
+    assert spec_of_request(ChatCompletionRequest(**CHAT, **fields), validator) == expected
+    if expected is not None:
+        assert len(validator.passed) == 1, "the second request's spec was remembered, not compiled again"
 
 
 def test_whitespace_options() -> None:
@@ -94,7 +97,7 @@ def serving():  # type: ignore[no-untyped-def]
 
 def plan(serving: OpenAIServing, **fields):  # type: ignore[no-untyped-def]
     body = ChatCompletionRequest(**CHAT, **fields)
-    return plan_chat(body, serving, select_tools(body, serving), spec_of_request(body, "guidance"), "")
+    return plan_chat(body, serving, select_tools(body, serving), spec_of_request(body, serving.validator), "")
 
 
 def test_tool_choice_sends_its_grammar(serving: OpenAIServing) -> None:

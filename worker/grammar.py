@@ -140,6 +140,8 @@ class GrammarManager:
                 state.error = str(error)
                 return None
         for token_id in state.pending:
+            if state.matcher.is_terminated:
+                break  # complete: what follows is EOS (kept sampling under ignore_eos), not grammar
             if not state.matcher.accept_token(token_id):
                 state.error = f"the output left the grammar: {state.matcher.error}"
                 return None
@@ -158,10 +160,6 @@ class GrammarManager:
         return allowed, {r: RequestError(PARAM, message) for r, message in errors.items()}
 
     # ---- compilation ----
-
-    def warm_up(self) -> None:
-        """Build the backend's token trie in the background, so the first constrained request finds it."""
-        self.pool.submit(self.backend)
 
     def backend(self) -> Backend:
         with self.backend_lock:  # NOTE: built inline, not on the pool: a compile task waiting for a

@@ -97,8 +97,9 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
+        # NOTE: the grammar backend (the tokenizer's trie, 1-3 s) is built by the first constrained
+        # request, as vLLM does, not at start: most engines never serve one
         self.grammar = GrammarManager(config, mc.vocab_size, self.eos_token_ids)
-        self.grammar.warm_up()
         logger.info(
             "loaded %s (%s, %s), %d KV blocks of %d tokens",
             config.model,

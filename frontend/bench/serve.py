@@ -87,6 +87,7 @@ async def send(client: Any, args: argparse.Namespace, request: BenchRequest) -> 
     }
     if args.ignore_eos:
         body["ignore_eos"] = True
+    body.update(getattr(args, "extra_body", None) or {})  # e.g. a response_format (bench serve only)
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": request.prompt}]
         path = "v1/chat/completions"
@@ -324,5 +325,11 @@ def add_serve_bench_parser(kinds: Any) -> None:
     serve.add_argument("--model", default=None, help="default: the server's first model")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--dataset-path", default=None, help="a ShareGPT-format JSON file")
+    serve.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default=None,
+        help="JSON merged into each request, e.g. '{\"response_format\": ...}'",
+    )
     add_workload_args(serve, ("random", "sharegpt", "shared-prefix"))
     serve.set_defaults(func=cmd_bench_serve)

@@ -64,8 +64,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
     selection = select_tools(body, serving)
     prompt = chat_prompt(serving, body, selection.tools)
     prompt_ids = prompt.token_ids
-    spec = spec_of_request(body, serving.model_info.structured_outputs_backend)
+    spec = spec_of_request(body, serving.validator)
     plan = plan_chat(body, serving, selection, spec, prompt.text or "")
+    if plan.tool_parser is not None and plan.tool_parser.keeps_special_tokens:
+        body.skip_special_tokens = False  # the parser's marker is a special token (vLLM does the same)
     top = check_top(body.top_logprobs, "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = to_sampling_params(

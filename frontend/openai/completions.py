@@ -95,7 +95,7 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     if "max_tokens" not in body.model_fields_set and "max_tokens" in serving.defaults:
         # vLLM's rule: the smaller of the door's default (16) and the generation config's
         max_tokens = min(16, int(serving.defaults["max_tokens"]))
-    spec = spec_of_request(body, serving.model_info.structured_outputs_backend)
+    spec = spec_of_request(body, serving.validator)
     params = [
         to_sampling_params(
             body,

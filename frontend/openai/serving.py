@@ -9,6 +9,7 @@ from typing import Any
 from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.client import AsyncEngineClient
 from frontend.openai.format import TokenText
+from frontend.openai.structured import SpecValidator
 from frontend.parsers.registry import Parsers
 from frontend.server.admission import AdmissionLimits, admit
 from frontend.server.errors import OpenAIError
@@ -30,6 +31,7 @@ class OpenAIServing:
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.tokenizer)
+        self.validator = SpecValidator(self.model_info.structured_outputs_backend)
         if self.tool_call_parser is not None:
             self.parsers.tool_parser(self.tool_call_parser)  # ValueError now, not on the first request
         if self.reasoning_parser is not None:

@@ -6,6 +6,8 @@ the engine's grammar backend here, so a bad schema, regex or grammar is a 400 be
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.server.errors import OpenAIError
@@ -35,8 +37,32 @@ LEGACY_FIELDS = {
 }
 
 
-def spec_of_request(request: Any, backend: str) -> StructuredOutputsParams | None:
+@dataclass
+class SpecValidator:
+    """Validates specs with one backend, remembering the ones that passed: an agent sends the same
+    schema on every turn, and compiling it to check takes milliseconds of the event loop each time."""
+
+    backend: str
+    max_entries: int = 1024
+    passed: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    def validate(self, spec: StructuredOutputsParams, param: str = "structured_outputs") -> None:
+        key = spec.cache_key()
+        if key in self.passed:
+            self.passed.move_to_end(key)
+            return
+        try:
+            backend_class(self.backend).validate(spec)
+        except InvalidParameterError as error:
+            raise OpenAIError(error.message, param=param) from error
+        self.passed[key] = None
+        while len(self.passed) > self.max_entries:
+            self.passed.popitem(last=False)
+
+
+def spec_of_request(request: Any, validator: SpecValidator) -> StructuredOutputsParams | None:
     """The validated spec of a chat or completions request, or None when it asks for none."""
+    backend = validator.backend
     if request.guided_decoding_backend not in (None, "auto", backend):
         raise OpenAIError(
             f"guided_decoding_backend {request.guided_decoding_backend!r} is not this server's; it uses "
@@ -67,15 +93,8 @@ def spec_of_request(request: Any, backend: str) -> StructuredOutputsParams | Non
         names = " and ".join(name for name, _ in sources)
         raise OpenAIError(f"give one output constraint, not {names}.", param=sources[1][0])
     param, spec = sources[0]
-    validate(spec, backend, param)
+    validator.validate(spec, param)
     return spec
-
-
-def validate(spec: StructuredOutputsParams, backend: str, param: str = "structured_outputs") -> None:
-    try:
-        backend_class(backend).validate(spec)
-    except InvalidParameterError as error:
-        raise OpenAIError(error.message, param=param) from error
 
 
 def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsParams | None:

@@ -19,7 +19,6 @@ import msgspec
 
 from frontend.openai.schemas import ChatCompletionRequest
 from frontend.openai.serving import OpenAIServing
-from frontend.openai.structured import validate
 from frontend.parsers.base import Parsed, ReasoningParser, ToolParser
 from frontend.parsers.forced import NamedToolParser, RequiredToolParser
 from frontend.server.errors import OpenAIError
@@ -75,11 +74,12 @@ def plan_chat(
 ) -> ChatPlan:
     """spec: the caller's own constraint (response_format, ...); prompt_text: the rendered prompt."""
     tools, choice, named = selection.tools, selection.choice, selection.named
-    backend = serving.model_info.structured_outputs_backend
     for index, tool in enumerate(tools or []):
         parameters = tool["function"].get("parameters")
         if parameters is not None:
-            validate(StructuredOutputsParams(json=parameters), backend, f"tools[{index}].function.parameters")
+            serving.validator.validate(
+                StructuredOutputsParams(json=parameters), f"tools[{index}].function.parameters"
+            )
     tool_parser: ToolParser | None = None
     tool_spec: StructuredOutputsParams | None = None
     if choice == "named":
@@ -98,12 +98,13 @@ def plan_chat(
             tool_spec = StructuredOutputsParams(structural_tag=json.dumps(tag))
     if tool_spec is not None and spec is not None and choice != "auto":
         raise OpenAIError(
-            f"tool_choice {body.tool_choice!r} constrains the output itself; drop response_format "
+            f"tool_choice {'a named function' if choice == 'named' else repr(choice)} constrains the output "
+            "itself; drop response_format "
             "(or structured_outputs).",
             param="response_format",
         )
     if tool_spec is not None:
-        validate(tool_spec, backend, "tools")
+        serving.validator.validate(tool_spec, "tools")
         spec = tool_spec
     reasoning_parser = _reasoning_parser(body, serving, prompt_text)
     # NOTE: a constraint waits for the reasoning to end only where the output is known to start in it

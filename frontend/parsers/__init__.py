@@ -1,1 +1,1 @@
-"""Text parsers over a choice's output: reasoning sections and tool calls (frontend/parsers/README)."""
+"""Text parsers over a choice's output: reasoning sections and tool calls (see README.md here)."""

@@ -9,6 +9,7 @@ deltas equal the non-streamed result by construction.
 
 from __future__ import annotations
 
+import json
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class ToolParser(ABC):
     (the structural tag's trigger), `structural_tag` constrains each call once that marker appears."""
 
     start_marker: str = ""
+    keeps_special_tokens = False  # the marker is a special token: the text must keep special tokens
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         self.tools = tools
@@ -74,6 +76,29 @@ def held_back(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+def text_until(text: str, i: int, marker: str, final: bool) -> tuple[str, int | None]:
+    """The content from i to the next `marker` and where the marker starts; with no marker, all the rest
+    (less a possible start of the marker, unless final) and None."""
+    start = text.find(marker, i)
+    if start >= 0:
+        return text[i:start], start
+    tail = text[i:]
+    return (tail if final else tail[: len(tail) - held_back(tail, marker)]), None
+
+
+def call_structures(tools: list[dict[str, Any]], begin: Any, end: str, trigger: str) -> dict[str, Any]:
+    """vLLM's structural tag: for each tool, `begin(name)`, then its parameters' schema, then `end`."""
+    structures = [
+        {
+            "begin": begin(json.dumps(tool["function"]["name"])),
+            "schema": tool["function"].get("parameters") or {"type": "object"},
+            "end": end,
+        }
+        for tool in tools
+    ]
+    return {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
 
 
 @dataclass

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from frontend.parsers.base import Parsed, ToolCall, ToolParser, held_back
+from frontend.parsers.base import Parsed, ToolCall, ToolParser, call_structures, text_until
 from frontend.parsers.json_scan import read_call_object
 
 
@@ -17,12 +16,10 @@ class HermesToolParser(ToolParser):
         parsed = Parsed()
         i = 0
         while True:
-            start = text.find(self.start_marker, i)
-            if start < 0:
-                tail = text[i:]
-                parsed.content += tail if final else tail[: len(tail) - held_back(tail, self.start_marker)]
+            content, start = text_until(text, i, self.start_marker, final)
+            parsed.content += content
+            if start is None:
                 return parsed
-            parsed.content += text[i:start]
             body = start + len(self.start_marker)
             call = read_call_object(text, body)
             if call is None or call.name is None:  # not a call (yet): text, once nothing more can come
@@ -38,12 +35,5 @@ class HermesToolParser(ToolParser):
             i = close + len(self.end_marker)
 
     def structural_tag(self) -> dict[str, Any] | None:
-        structures = [
-            {
-                "begin": f'<tool_call>\n{{"name": {json.dumps(tool["function"]["name"])}, "arguments": ',
-                "schema": tool["function"].get("parameters") or {"type": "object"},
-                "end": "}\n</tool_call>",
-            }
-            for tool in self.tools
-        ]
-        return {"type": "structural_tag", "structures": structures, "triggers": ["<tool_call>"]}
+        begin = lambda name: f'<tool_call>\n{{"name": {name}, "arguments": '  # noqa: E731
+        return call_structures(self.tools, begin, "}\n</tool_call>", self.start_marker)

@@ -12,9 +12,18 @@ from typing import Any
 
 from frontend.parsers.base import ReasoningParser, ToolParser
 from frontend.parsers.hermes import HermesToolParser
+from frontend.parsers.json_formats import Llama3JsonToolParser, MistralToolParser
+from frontend.parsers.pythonic import PythonicToolParser
+from frontend.parsers.qwen3_xml import Qwen3XmlToolParser
 from frontend.parsers.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
-BUILTIN_TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+BUILTIN_TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+    "qwen3_xml": Qwen3XmlToolParser,
+}
 BUILTIN_REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,

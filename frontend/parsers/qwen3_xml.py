@@ -1,0 +1,63 @@
+"""qwen3_xml (Qwen3-Coder): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
+</function>\n</tool_call>`. Values are text, typed by the tool's schema (a number, boolean, array or
+object is read as JSON; anything else stays a string). The arguments' JSON grows one whole parameter
+at a time and closes with `</function>`. Not grammar-constrained in `auto`: the format is XML, not JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from frontend.parsers.base import Parsed, ToolCall, ToolParser, text_until
+
+FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+class Qwen3XmlToolParser(ToolParser):
+    start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
+
+    def _types(self, name: str) -> dict[str, Any]:
+        for tool in self.tools:
+            if tool["function"]["name"] == name:
+                return dict((tool["function"].get("parameters") or {}).get("properties") or {})
+        return {}
+
+    def _value(self, name: str, key: str, text: str) -> str:
+        kind = self._types(name).get(key, {}).get("type", "string")
+        if kind != "string":
+            try:
+                return json.dumps(json.loads(text))
+            except json.JSONDecodeError:
+                pass
+        return json.dumps(text)
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        parsed = Parsed()
+        i = 0
+        while True:
+            content, start = text_until(text, i, self.start_marker, final)
+            parsed.content += content
+            if start is None:
+                return parsed
+            function = FUNCTION.match(text, start + len(self.start_marker))
+            if function is None:
+                parsed.content += text[start:] if final else ""
+                return parsed
+            name = function.group(1).strip()
+            j, pieces = function.end(), []
+            while (parameter := PARAMETER.match(text, j)) is not None:
+                key = parameter.group(1).strip()
+                pieces.append(f"{json.dumps(key)}: {self._value(name, key, parameter.group(2))}")
+                j = parameter.end()
+            closed = re.match(r"\s*</function>", text[j:])
+            arguments = "{" + ", ".join(pieces) + ("}" if closed else "")
+            parsed.calls.append(ToolCall(name, arguments))
+            if not closed:
+                return parsed
+            close = text.find(self.end_marker, j)
+            if close < 0:
+                return parsed
+            i = close + len(self.end_marker)

@@ -1,0 +1,118 @@
+"""Reasoning through the chat door of a real `engine serve` on a tiny random Qwen3 (with SmolLM2's
+tokenizer and a template that opens `<think>`): one server with the deepseek_r1 parser and a frontend
+attached to its engine with the qwen3 parser. Each sends the reasoning to `message.reasoning` (and
+`reasoning_content`), streamed as `delta.reasoning` and equal to the non-streamed one; a response cut
+inside the thinking stays reasoning; enable_thinking false makes it content; include_reasoning false
+leaves it out. The split at `</think>` on recorded outputs: tests/test_parsers.py."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import openai
+import pytest
+
+from structured_outputs.tokenizer import load_tokenizer
+from tests.serve_helpers import free_engine_port, free_port, stop, wait_healthy
+from tests.test_correctness_tiny import build_tiny
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = pathlib.Path(__file__).parent / "templates" / "hermes_tools.jinja"
+
+
+@pytest.fixture(scope="module")
+def clients(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
+    folder = str(tmp_path_factory.mktemp("tiny-qwen3-thinking"))
+    tokenizer = load_tokenizer(smollm2_gguf, os.path.join(os.path.expanduser("~"), ".cache", "engine"))
+    build_tiny("qwen3", folder, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(folder)
+    port, attached_port, engine_port = free_port(), free_port(), free_engine_port()
+    address = f"tcp://127.0.0.1:{engine_port}"
+    common = ["--chat-template", str(TEMPLATE), "--served-model-name", "tiny"]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "frontend.cli",
+            "serve",
+            folder,
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--num-kv-blocks",
+            "16",
+            "--engine-address",
+            address,
+            "--reasoning-parser",
+            "deepseek_r1",
+            *common,
+        ]  # fmt: skip
+    )
+    attached = None
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{port}")
+        attached = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "frontend.cli",
+                "serve",
+                folder,
+                "--attach",
+                address,
+                "--port",
+                str(attached_port),
+                "--reasoning-parser",
+                "qwen3",
+                *common,
+            ]  # fmt: skip
+        )
+        wait_healthy(attached, f"http://127.0.0.1:{attached_port}")
+        yield {
+            name: openai.OpenAI(
+                base_url=f"http://127.0.0.1:{p}/v1", api_key="none", max_retries=0, timeout=120
+            )
+            for name, p in (("deepseek_r1", port), ("qwen3", attached_port))
+        }
+    finally:
+        if attached is not None:
+            stop(attached)
+        stop(server)
+
+
+def request(thinking: bool, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+        "temperature": 0,
+        "max_tokens": 12,
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": thinking}, **extra},
+    }
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_reasoning_streamed_and_not(clients: dict[str, openai.OpenAI], parser: str) -> None:
+    client = clients[parser]
+    message = client.chat.completions.create(**request(True)).choices[0].message
+    extra = message.model_extra or {}
+    assert extra["reasoning"] and extra["reasoning_content"] == extra["reasoning"]
+    assert message.content == ""  # cut by max_tokens inside the thinking: all of it stays reasoning
+    streamed = {"reasoning": "", "content": ""}
+    for chunk in client.chat.completions.create(stream=True, **request(True)):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            streamed["reasoning"] += (delta.model_extra or {}).get("reasoning") or ""
+            streamed["content"] += delta.content or ""
+    assert streamed == {"reasoning": extra["reasoning"], "content": ""}
+    off = client.chat.completions.create(**request(False)).choices[0].message
+    assert off.content and not (off.model_extra or {}).get("reasoning")
+    hidden = client.chat.completions.create(**request(True, include_reasoning=False)).choices[0].message
+    assert "reasoning" not in (hidden.model_extra or {})
