@@ -80,10 +80,14 @@ def structural_tag_grammar(tag: Any, special_tokens: frozenset[str]) -> str:
         trigger = next((t for t in triggers if begin.startswith(t)), None)
         if trigger is None:
             raise InvalidParameterError(PARAM, f"structure {begin!r} starts with none of the triggers.")
-        schema = structure.get("schema", {})
-        if not isinstance(schema, dict) or not isinstance(end, str):
-            raise InvalidParameterError(PARAM, "a structure's schema must be an object and its end a string.")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+        # NOTE: "grammar" (a Lark grammar with a start rule) in place of "schema" is ours: a tool-call
+        # format that is not JSON (qwen3_xml) constrains its body with it
+        body = structure.get("grammar", structure.get("schema", {}))
+        if not isinstance(body, (dict, str)) or not isinstance(end, str):
+            raise InvalidParameterError(
+                PARAM, "a structure's schema must be an object (or its grammar a string), its end a string."
+            )
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=body, end=end))
     special = all(t in special_tokens for t in triggers)
     return llguidance.StructTag.to_grammar(tags, assume_special=special)
 

@@ -28,8 +28,9 @@ def tokenizer(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-d
     return load_tokenizer(smollm2_gguf, cache)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def manager(smollm2_gguf: str, tokenizer):  # type: ignore[no-untyped-def]
+    """One for the module: the backend's trie is built once; each test uses its own request ids."""
     cache = os.path.join(os.path.expanduser("~"), ".cache", "engine")
     config = WorkerConfig(model=smollm2_gguf, tokenizer_cache_dir=cache, grammar_compile_timeout_s=20)
     grammar = GrammarManager(config, PADDED_VOCAB, [EOS])
@@ -104,14 +105,14 @@ def test_json_bitmask_follows_the_schema_to_eos(manager: GrammarManager, tokeniz
 
 def test_equal_specs_share_one_compile_and_preemption_replays(manager: GrammarManager, tokenizer) -> None:  # type: ignore[no-untyped-def]
     spec = StructuredOutputsParams(choice=["alpha beta", "gamma"])
-    manager.add("a", spec, [])
-    manager.add("b", spec, [])
-    assert manager.requests["a"].compiled is manager.requests["b"].compiled
+    manager.add("s1", spec, [])
+    manager.add("s2", spec, [])
+    assert manager.requests["s1"].compiled is manager.requests["s2"].compiled
     ids = tokenizer.encode("alpha", add_special_tokens=False)
-    feed(manager, "a", ids)
-    manager.remove("a")  # preempted: it comes back with its output so far
-    manager.add("a", spec, ids)
-    rest = allowed(manager, ["a", "b"])
+    feed(manager, "s1", ids)
+    manager.remove("s1")  # preempted: it comes back with its output so far
+    manager.add("s1", spec, ids)
+    rest = allowed(manager, ["s1", "s2"])
     assert all(tokenizer.decode([t]).startswith(" ") or t == EOS for t in rest[0])
     assert rest[0] != rest[1]
 
@@ -143,3 +144,54 @@ def test_a_grammar_not_ready_in_time_fails_its_request(smollm2_gguf: str, tokeni
         )
     finally:
         manager.shutdown()
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "qwen3_xml"])
+def test_auto_structural_tags_accept_a_valid_call_and_refuse_a_bad_one(
+    manager: GrammarManager, tokenizer, parser_name: str
+) -> None:  # type: ignore[no-untyped-def]
+    from frontend.parsers.registry import Parsers
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+                    "required": ["city", "days"],
+                },
+            },
+        }
+    ]
+    good, bad = {
+        "hermes": (
+            'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>',
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": "two"',
+        ),
+        "llama3_json": (
+            '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}',
+            '{"name": "get_time", ',
+        ),
+        "mistral": (
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"days": 0',
+        ),
+        "qwen3_xml": (
+            "Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\nthree",
+        ),
+    }[parser_name]
+    parser = Parsers().tool_parser(parser_name)(tools)
+    spec = StructuredOutputsParams(structural_tag=json.dumps(parser.structural_tag()))
+    backend_class("auto").validate(spec)
+    backend = manager.backend()
+    matcher = backend.compile(spec)
+    assert all(matcher.accept_token(t) for t in tokenizer.encode(good, add_special_tokens=False)), (
+        matcher.error
+    )
+    matcher = backend.compile(spec)
+    assert not all(matcher.accept_token(t) for t in tokenizer.encode(bad, add_special_tokens=False))
+    assert [c.name for c in parser.parse(good, final=True).calls] == ["get_weather"]

@@ -1,7 +1,9 @@
 """qwen3_xml (Qwen3-Coder): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
 </function>\n</tool_call>`. Values are text, typed by the tool's schema (a number, boolean, array or
 object is read as JSON; anything else stays a string). The arguments' JSON grows one whole parameter
-at a time and closes with `</function>`. Not grammar-constrained in `auto`: the format is XML, not JSON."""
+at a time and closes with `</function>`. In `auto`, each call is constrained from `<tool_call>` on by a Lark grammar made from the
+tool's schema (`parameters_grammar`): its parameters in schema order, the required ones present, plain
+strings as free text, enums and patterns as such, every other value as JSON valid against its schema."""
 
 from __future__ import annotations
 
@@ -34,6 +36,17 @@ class Qwen3XmlToolParser(ToolParser):
                 pass
         return json.dumps(text)
 
+    def structural_tag(self) -> dict[str, Any] | None:
+        structures = [
+            {
+                "begin": f"<tool_call>\n<function={tool['function']['name']}>\n",
+                "grammar": parameters_grammar(tool["function"].get("parameters") or {}),
+                "end": "</function>\n</tool_call>",
+            }
+            for tool in self.tools
+        ]
+        return {"type": "structural_tag", "structures": structures, "triggers": [self.start_marker]}
+
     def parse(self, text: str, final: bool) -> Parsed:
         parsed = Parsed()
         i = 0
@@ -61,3 +74,31 @@ class Qwen3XmlToolParser(ToolParser):
             if close < 0:
                 return parsed
             i = close + len(self.end_marker)
+
+
+def parameters_grammar(schema: dict[str, Any]) -> str:
+    """A Lark grammar for a call's `<parameter=...>` blocks under a JSON schema of an object."""
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or [])
+    rules, sequence = [], []
+    close = json.dumps("\n</parameter>\n")
+    for index, (key, subschema) in enumerate(properties.items()):
+        name = f"p{index}"
+        sequence.append(name if key in required else f"{name}?")
+        rules.append(f"{name}: {json.dumps(f'<parameter={key}>' + chr(10))} v{index}")
+        rules.append(_value_rule(f"v{index}", subschema if isinstance(subschema, dict) else {}, close))
+    if not sequence:
+        return 'start: ""'
+    return "\n".join([f"start: {' '.join(sequence)}", *rules])
+
+
+def _value_rule(name: str, schema: dict[str, Any], close: str) -> str:
+    """A parameter's value as it is written between the tags (plain text for strings)."""
+    if schema.get("type") == "string" and "enum" in schema:
+        return f"{name}: ({' | '.join(json.dumps(str(choice)) for choice in schema['enum'])}) {close}"
+    if schema.get("type") == "string" and "pattern" in schema:
+        pattern = schema["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/")
+        return f"{name}: /{pattern}/ {close}"
+    if schema.get("type", "string") == "string" and not {"enum", "const", "anyOf", "oneOf"} & set(schema):
+        return f"{name}[lazy]: /(.|\\n)*/ {close}"
+    return f"{name}: %json {json.dumps(schema)} {close}"
