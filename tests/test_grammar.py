@@ -146,7 +146,7 @@ def test_a_grammar_not_ready_in_time_fails_its_request(smollm2_gguf: str, tokeni
         manager.shutdown()
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "qwen3_xml"])
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "qwen3_xml", "pythonic"])
 def test_auto_structural_tags_accept_a_valid_call_and_refuse_a_bad_one(
     manager: GrammarManager, tokenizer, parser_name: str
 ) -> None:  # type: ignore[no-untyped-def]
@@ -178,6 +178,7 @@ def test_auto_structural_tags_accept_a_valid_call_and_refuse_a_bad_one(
             '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
             '[TOOL_CALLS][{"name": "get_weather", "arguments": {"days": 0',
         ),
+        "pythonic": ('[get_weather(city="Rome", days=2)]', '[get_weather(days="two"'),
         "qwen3_xml": (
             "Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
             "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
@@ -185,7 +186,12 @@ def test_auto_structural_tags_accept_a_valid_call_and_refuse_a_bad_one(
         ),
     }[parser_name]
     parser = Parsers().tool_parser(parser_name)(tools)
-    spec = StructuredOutputsParams(structural_tag=json.dumps(parser.structural_tag()))
+    tag, grammar = parser.structural_tag(), parser.auto_grammar()
+    spec = (
+        StructuredOutputsParams(structural_tag=json.dumps(tag))
+        if tag
+        else StructuredOutputsParams(grammar=grammar)
+    )
     backend_class("auto").validate(spec)
     backend = manager.backend()
     matcher = backend.compile(spec)
@@ -195,3 +201,5 @@ def test_auto_structural_tags_accept_a_valid_call_and_refuse_a_bad_one(
     matcher = backend.compile(spec)
     assert not all(matcher.accept_token(t) for t in tokenizer.encode(bad, add_special_tokens=False))
     assert [c.name for c in parser.parse(good, final=True).calls] == ["get_weather"]
+    matcher = backend.compile(spec)  # ordinary text stays allowed
+    assert all(matcher.accept_token(t) for t in tokenizer.encode("It is sunny.", add_special_tokens=False))

@@ -185,7 +185,7 @@ def test_json_formats_make_structural_tags() -> None:
         tag = cls(TOOLS).structural_tag()
         assert tag is not None and tag["triggers"] == [trigger]
         assert [s["begin"].startswith(trigger) for s in tag["structures"]] == [True, True]
-    assert PythonicToolParser(TOOLS).structural_tag() is None
+    assert PythonicToolParser(TOOLS).structural_tag() is None and PythonicToolParser(TOOLS).auto_grammar()
     xml = Qwen3XmlToolParser(TOOLS).structural_tag()
     assert xml is not None and xml["triggers"] == ["<tool_call>"] and "grammar" in xml["structures"][0]
     assert MistralToolParser.keeps_special_tokens and not HermesToolParser.keeps_special_tokens

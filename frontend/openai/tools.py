@@ -93,9 +93,12 @@ def plan_chat(
     elif choice == "auto":
         assert tools is not None and serving.tool_call_parser is not None
         tool_parser = serving.parsers.tool_parser(serving.tool_call_parser)(tools)
-        tag = tool_parser.structural_tag()
-        if tag is not None and spec is None:  # NOTE: the caller's own constraint wins over the tag
-            tool_spec = StructuredOutputsParams(structural_tag=json.dumps(tag))
+        tag, grammar = tool_parser.structural_tag(), tool_parser.auto_grammar()
+        if spec is None:  # NOTE: the caller's own constraint wins over the tools'
+            if tag is not None:
+                tool_spec = StructuredOutputsParams(structural_tag=json.dumps(tag))
+            elif grammar is not None:
+                tool_spec = StructuredOutputsParams(grammar=grammar)
     if tool_spec is not None and spec is not None and choice != "auto":
         raise OpenAIError(
             f"tool_choice {'a named function' if choice == 'named' else repr(choice)} constrains the output "

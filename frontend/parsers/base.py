@@ -48,6 +48,10 @@ class ToolParser(ABC):
         """vLLM's structural tag for `auto`: each tool's call, constrained from the start marker on."""
         return None
 
+    def auto_grammar(self) -> str | None:
+        """A whole-output Lark grammar for `auto`, for formats a structural tag cannot express."""
+        return None
+
 
 class ReasoningParser(ABC):
     """A reasoning section (between think markers) and the answer after it."""

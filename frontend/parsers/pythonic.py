@@ -1,8 +1,9 @@
 """pythonic (Llama 3.2 and 4, ToolACE): the output is a Python list of calls,
 `[get_weather(city="Paris"), get_time(tz="CET")]`, with literal keyword arguments. A call's name is
 reported once `name(` is written, its arguments (as JSON) once its parenthesis closes: a call's
-arguments are literals, which only make sense whole. Not grammar-constrained in `auto`: the format is
-Python, not JSON."""
+arguments are literals, which only make sense whole. In `auto` the whole output is constrained
+(`auto_grammar`): a list of calls of known tools with their schemas' keyword arguments, or text that
+does not begin with `[`."""
 
 from __future__ import annotations
 
@@ -56,6 +57,15 @@ def _arguments(source: str) -> str | None:
 class PythonicToolParser(ToolParser):
     start_marker = "["
 
+    def auto_grammar(self) -> str | None:
+        rules = ["start: calls | TEXT", r"TEXT: /([^\[](.|\n)*)?/", 'calls: "[" call (", " call)* "]"']
+        calls = []
+        for index, tool in enumerate(self.tools):
+            calls.append(f'{json.dumps(tool["function"]["name"] + "(")} t{index}_f0 ")"')
+            rules += _keyword_rules(f"t{index}", tool["function"].get("parameters") or {})
+        rules.append("call: " + " | ".join(calls))
+        return "\n".join(rules)
+
     def parse(self, text: str, final: bool) -> Parsed:
         stripped = text.lstrip()
         if not stripped:
@@ -85,3 +95,39 @@ class PythonicToolParser(ToolParser):
                 return Parsed(content=text) if final and not calls else Parsed(calls=calls)
             calls.append(ToolCall(match.group(1), arguments))
             i = end
+
+
+def _keyword_rules(prefix: str, schema: dict[str, Any]) -> list[str]:
+    """`key=value` pairs in schema order, the required ones present, comma-separated: rule f{i} when no
+    pair has been written yet, r{i} after one has."""
+    properties = list((schema.get("properties") or {}).items())
+    required = set(schema.get("required") or [])
+    rules = [f'{prefix}_f{len(properties)}: ""', f'{prefix}_r{len(properties)}: ""']
+    for i, (key, subschema) in enumerate(properties):
+        pair = f"{json.dumps(key + '=')} {_literal(subschema if isinstance(subschema, dict) else {})}"
+        first, rest = f"{prefix}_f{i}", f"{prefix}_r{i}"
+        after = f"{prefix}_r{i + 1}"
+        if key in required:
+            rules += [f"{first}: {pair} {after}", f'{rest}: ", " {pair} {after}']
+        else:
+            rules += [
+                f"{first}: {pair} {after} | {prefix}_f{i + 1}",
+                f'{rest}: ", " {pair} {after} | {after}',
+            ]
+    return rules
+
+
+def _literal(schema: dict[str, Any]) -> str:
+    """A Python literal valid against the schema: JSON where the two agree, True/False/None where not."""
+    if "enum" in schema:
+        return "(" + " | ".join(json.dumps(_python_repr(choice)) for choice in schema["enum"]) + ")"
+    kind = schema.get("type")
+    if kind == "boolean":
+        return '("True" | "False")'
+    if kind == "null":
+        return '"None"'
+    return f"%json {json.dumps(schema or {'type': 'string'})}"
+
+
+def _python_repr(value: Any) -> str:
+    return repr(value) if isinstance(value, (bool, type(None))) else json.dumps(value)
