@@ -133,3 +133,13 @@ def test_auto_needs_the_server_flags(serving: OpenAIServing) -> None:
         select_tools(ChatCompletionRequest(**CHAT, tools=[TOOL], tool_choice="required"), plain).choice
         == "required"
     )
+
+
+def test_parallel_tool_calls_false_keeps_one_call_under_auto(serving: OpenAIServing) -> None:
+    text = (
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>'
+    )
+    assert len(plan(serving, tools=[TOOL]).parse(text, final=True).calls) == 2
+    single = plan(serving, tools=[TOOL], parallel_tool_calls=False).parse(text, final=True)
+    assert [c.arguments for c in single.calls] == ['{"a": 1}']

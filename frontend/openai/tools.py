@@ -37,6 +37,7 @@ class ChatPlan:
     spec: StructuredOutputsParams | None  # the output constraint (the caller's, or the tools')
     tool_parser: ToolParser | None
     reasoning_parser: ReasoningParser | None
+    parallel_tool_calls: bool = True  # False: one call at most (auto's tag lets the model write more)
 
     @property
     def parses(self) -> bool:
@@ -50,6 +51,8 @@ class ChatPlan:
         if self.tool_parser is not None:
             calls = self.tool_parser.parse(parsed.content, final)
             parsed.content, parsed.calls = calls.content, calls.calls
+            if not self.parallel_tool_calls:
+                parsed.calls = parsed.calls[:1]  # prefix-stable: the first call never changes
         return parsed
 
     def finish_reason(self, parsed: Parsed, reason: str | None) -> str | None:
@@ -115,7 +118,8 @@ def plan_chat(
     if spec is not None and reasoning_parser is not None and reasoning_parser.starts_in_reasoning:
         end = serving.require_tokenizer("messages")(reasoning_parser.end_marker, add_special_tokens=False)
         spec = msgspec.structs.replace(spec, start_after_token_ids=list(end["input_ids"]))
-    return ChatPlan(tools, choice, spec, tool_parser, reasoning_parser)
+    parallel = body.parallel_tool_calls is not False
+    return ChatPlan(tools, choice, spec, tool_parser, reasoning_parser, parallel)
 
 
 def _reasoning_parser(
