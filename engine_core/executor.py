@@ -19,6 +19,7 @@ import zmq
 from protocol.codec import worker_input_codec, worker_output_codec
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo
+from protocol.startup import parent_pid_arg
 from protocol.worker_messages import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -64,7 +65,7 @@ class MultiprocExecutor:
         self._socket.bind(address)
         # NOTE: a fresh interpreter (not fork) so that torch's threads start clean in the worker.
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "worker.main", address],
+            [sys.executable, "-m", "worker.main", address, parent_pid_arg()],
             stdin=subprocess.PIPE,
             env=os.environ.copy(),
         )

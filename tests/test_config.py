@@ -51,7 +51,7 @@ def test_engine_args_defaults_agree_with_the_engine_config() -> None:
     args = EngineArgs()
     shared = 0
     for field in dataclasses.fields(EngineArgs):
-        if field.name in ("model", "tokenizer_cache_dir"):  # required there, or a path only EngineArgs
+        if field.name in ("model", "cache_dir"):  # required there, or a path only EngineArgs
             continue  # resolves (the bundled model, the home folder)
         for config in (engine, worker):
             if field.name in config.__struct_fields__:

@@ -32,7 +32,7 @@ def tokenizer(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-d
 def manager(smollm2_gguf: str, tokenizer):  # type: ignore[no-untyped-def]
     """One for the module: the backend's trie is built once; each test uses its own request ids."""
     cache = os.path.join(os.path.expanduser("~"), ".cache", "engine")
-    config = WorkerConfig(model=smollm2_gguf, tokenizer_cache_dir=cache, grammar_compile_timeout_s=20)
+    config = WorkerConfig(model=smollm2_gguf, cache_dir=cache, grammar_compile_timeout_s=20)
     grammar = GrammarManager(config, PADDED_VOCAB, [EOS])
     yield grammar
     grammar.shutdown()
@@ -131,7 +131,7 @@ def test_the_constraint_starts_after_the_marker(manager: GrammarManager, tokeniz
 
 def test_a_grammar_not_ready_in_time_fails_its_request(smollm2_gguf: str, tokenizer) -> None:  # type: ignore[no-untyped-def]
     cache = os.path.join(os.path.expanduser("~"), ".cache", "engine")
-    config = WorkerConfig(model=smollm2_gguf, tokenizer_cache_dir=cache, grammar_compile_timeout_s=0.05)
+    config = WorkerConfig(model=smollm2_gguf, cache_dir=cache, grammar_compile_timeout_s=0.05)
     manager = GrammarManager(config, PADDED_VOCAB, [EOS])
     try:
         manager.pool.submit(time.sleep, 1.0)  # both compile threads busy past the deadline

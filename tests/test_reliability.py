@@ -214,3 +214,28 @@ def test_a_port_in_use_stops_the_launcher_before_it_starts_an_engine(smollm2_ggu
         p for p in psutil.process_iter(["cmdline"]) if "engine_core.main" in " ".join(p.info["cmdline"] or [])
     ]
     assert not engines, engines
+
+
+@pytest.mark.parametrize("killed", ["engine_core.main", "frontend.cli"])
+def test_no_process_outlives_a_parent_killed_while_the_worker_loads(smollm2_gguf: str, killed: str) -> None:
+    """SIGKILL leaves no handler to clean up: the kernel's parent-death signal stops the worker (and,
+    when the launcher is the one killed, the engine and the API servers) even mid-load."""
+    port = free_port()
+    launcher = start(smollm2_gguf, port)
+    try:
+
+        def worker_started() -> list[psutil.Process] | None:
+            tree = psutil.Process(launcher.pid).children(recursive=True)
+            return tree if any("worker.main" in " ".join(p.cmdline()) for p in tree) else None
+
+        tree = wait_until(worker_started, 120, "the worker process", interval_s=0.01)  # it loads for seconds
+        target = psutil.Process(launcher.pid)
+        if killed == "engine_core.main":
+            target = next(p for p in tree if "engine_core.main" in " ".join(p.cmdline()))
+        target.send_signal(signal.SIGKILL)
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        assert not alive, f"orphans: {alive}"
+        code = launcher.wait(timeout=60)
+        assert code != 0
+    finally:
+        stop(launcher)

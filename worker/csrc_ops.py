@@ -1,16 +1,23 @@
-"""Builds and loads the csrc CPU kernels (torch C++ extension); None when no compiler is at hand.
+"""Builds the csrc CPU kernels (a torch C++ extension) once, and loads the build; None when there is none.
 
-`python -m worker.csrc_ops` builds ahead of time (`make install` runs it); otherwise the
-first worker to need the kernels builds them (about a minute) into torch's extension cache.
+`python -m worker.csrc_ops` builds them (`make install` runs it) into build/csrc/<key>/ beside the
+package's sources, where key digests what the build depends on: the sources and headers, the flags, the
+torch and Python versions and this CPU's instruction sets (`-march=native` makes a build for the CPU it
+ran on). A worker only loads a build: where none matches, it warns and serves on the torch paths, and
+never compiles (a compile at serve time took minutes, and a start killed during it left a lock that
+hung every later start). Builds for other CPUs or sources stay beside it, so a checkout that moves
+between machines keeps one for each.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import importlib.util
 import logging
 import pathlib
+import platform
 import sys
-import time
 from typing import TYPE_CHECKING, Protocol, cast
 
 if TYPE_CHECKING:
@@ -32,15 +39,6 @@ SOURCES = [
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
 # compiled with OpenMP (ATen's header-only invoke_parallel); libgomp resolves to the copy torch loaded.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-
-
-def headers_digest() -> str:
-    """torch rebuilds a JIT extension when its sources or flags change, not its headers: the headers'
-    digest goes into the flags."""
-    digest = hashlib.sha1()
-    for header in sorted(CSRC.glob("*.h")):
-        digest.update(header.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 class CpuOps(Protocol):
@@ -96,49 +94,112 @@ class CpuOps(Protocol):
     ) -> None: ...
 
 
-# A build takes about a minute; a lock file older than this was left by a build that was killed, and
-# torch would wait on it forever (every worker of every later server hung in FileBaton.wait).
-STALE_LOCK_S = 600.0
+BUILD_ROOT = CSRC.parent / "build" / "csrc"
+MODULE_NAME = "engine_cpu_ops"
+# The instruction-set flags of /proc/cpuinfo a -march=native build depends on.
+ISA_FLAG_PREFIXES = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "vnni", "gfni", "vaes", "vpclmul")
 
 
-def remove_stale_build_lock(name: str) -> None:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = pathlib.Path(_get_build_directory(name, verbose=False)) / "lock"
+def cpu_isa_flags() -> list[str]:
     try:
-        age_s = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age_s > STALE_LOCK_S:
-        logger.warning("removing a stale csrc build lock (%s, %.0f s old)", lock, age_s)
-        lock.unlink(missing_ok=True)
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return []
+    return sorted(flag for flag in line.partition(":")[2].split() if flag.startswith(ISA_FLAG_PREFIXES))
 
 
-def load_cpu_ops(verbose: bool = False) -> CpuOps | None:
-    if not all(source.exists() for source in SOURCES):
-        logger.warning("csrc kernels not found in %s; using the torch paths", CSRC)
-        return None
-    try:
-        from torch.utils.cpp_extension import load
+def build_key() -> str:
+    """A digest of everything a build depends on. NOTE: torch rebuilds a JIT extension when its sources
+    or flags change, not its headers, and keys its cache by the sources' paths: this key has the
+    headers' bytes and no path."""
+    import torch
 
-        remove_stale_build_lock("engine_cpu_ops")
+    digest = hashlib.sha1()
+    for path in [*SOURCES, *sorted(CSRC.glob("*.h"))]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    for part in (*FLAGS, torch.__version__, sys.version, platform.machine(), *cpu_isa_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
 
-        module = load(
-            name="engine_cpu_ops",
+
+def build_dir() -> pathlib.Path:
+    return BUILD_ROOT / build_key()
+
+
+def built_library() -> pathlib.Path | None:
+    library = build_dir() / f"{MODULE_NAME}.so"
+    return library if library.exists() else None
+
+
+def build_cpu_ops(verbose: bool = False) -> pathlib.Path:
+    """Compiles the kernels into build_dir() unless built there already; returns the library's path.
+
+    One build at a time per directory, under an flock (the kernel drops it when its holder dies, so it
+    is never stale); torch's own lock file, when one is found under the flock, was left by a killed build.
+    """
+    from torch.utils.cpp_extension import load
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "w") as flock:
+        fcntl.flock(flock, fcntl.LOCK_EX)
+        library = directory / f"{MODULE_NAME}.so"
+        if library.exists():
+            return library
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing the lock of a build that was killed (%s)", stale)
+            stale.unlink()
+        load(
+            name=MODULE_NAME,
             sources=[str(source) for source in SOURCES],
-            extra_cflags=[*FLAGS, f"-DENGINE_CSRC_HEADERS={headers_digest()}"],
+            extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)],
+            build_directory=str(directory),
             verbose=verbose,
         )
-        return cast(CpuOps, module)  # the functions bindings.cpp defines; torch types it as a plain module
-    except Exception as error:  # no compiler, missing headers: fall back, loudly
-        logger.warning("could not build the csrc CPU kernels (%s); using the torch paths", error)
+        return library
+
+
+def load_cpu_ops() -> CpuOps | None:
+    """The built kernels, or None (and a warning naming the fix) where this checkout and CPU have none."""
+    if MODULE_NAME in sys.modules:
+        return cast(CpuOps, sys.modules[MODULE_NAME])
+    if not all(source.exists() for source in SOURCES):
+        logger.warning("csrc kernels not found in %s; serving on the torch paths", CSRC)
         return None
+    library = built_library()
+    if library is None:
+        logger.warning(
+            "the csrc kernels are not built for these sources and this CPU (%s); serving on the torch "
+            "paths. Build them with `python -m worker.csrc_ops` (make install does).",
+            build_dir(),
+        )
+        return None
+    import torch  # noqa: F401 (the library links against torch's, loaded first)
+
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[MODULE_NAME] = module
+    return cast(CpuOps, module)  # the functions bindings.cpp defines; typed as a plain module
+
+
+def main() -> int:
+    """Builds the kernels for this CPU; a failed build (no compiler) leaves the torch paths, and says so."""
+    logging.basicConfig(level=logging.INFO)
+    try:
+        library = build_cpu_ops(verbose="-v" in sys.argv)
+    except Exception as error:  # noqa: BLE001 (no compiler, missing headers: the torch paths serve)
+        print(f"csrc CPU kernels: not built ({error}); workers serve on the torch paths")
+        return 0
+    print(f"csrc CPU kernels: built in {library.parent}")
+    return 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    ops = load_cpu_ops(verbose="-v" in sys.argv)
-    print("csrc CPU kernels:", "ready" if ops is not None else "unavailable (torch fallback)")
-    sys.exit(0)
+    sys.exit(main())

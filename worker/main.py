@@ -1,9 +1,10 @@
-"""`python -m worker.main ADDRESS`: a worker process. Reads its WorkerConfig as JSON on stdin,
+"""`python -m worker.main ADDRESS PARENT_PID`: a worker process. Reads its WorkerConfig as JSON on stdin,
 connects a PAIR socket to the engine, answers each SchedulerOutput with a ModelRunnerOutput."""
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import sys
@@ -15,14 +16,21 @@ import zmq
 from protocol.codec import worker_input_codec, worker_output_codec
 from protocol.config import WorkerConfig
 from protocol.log_format import configure_logging
+from protocol.startup import StartupPhases, exit_with_parent
 from protocol.worker_messages import SchedulerOutput, WorkerError, WorkerReady, WorkerShutdown
+
+logger = logging.getLogger("engine.worker")
 
 
 def main() -> None:
     # The engine owns shutdown: a Ctrl-C on the terminal reaches the whole group, and the worker
     # must keep answering until the engine tells it to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    address = sys.argv[1]
+    phases = StartupPhases("worker")
+    address, parent = sys.argv[1], os.getppid()
+    exit_with_parent(
+        int(sys.argv[2]) if len(sys.argv) > 2 else 0, signal.SIGKILL
+    )  # loading too: nothing to save
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerConfig)
     configure_logging(config.log_level, config.log_format)
     input_codec, output_codec = worker_input_codec(), worker_output_codec()
@@ -30,14 +38,16 @@ def main() -> None:
     socket = context.socket(zmq.PAIR)
     socket.setsockopt(zmq.LINGER, 1000)
     socket.connect(address)
-    parent = os.getppid()
     try:
         from worker.model_runner import ModelRunner
 
-        runner = ModelRunner(config)
+        phases.mark("imports")
+        runner = ModelRunner(config, phases)
         gc.collect()
         gc.freeze()  # torch's and the model's objects are never garbage: collections need not walk them
         socket.send_multipart(output_codec.encode(WorkerReady(runner.model_info())))
+        phases.mark("ready")
+        phases.log(logger)
         while True:
             if not socket.poll(1000):
                 if os.getppid() != parent:  # the engine died without telling us

@@ -16,17 +16,18 @@ import torch
 
 from protocol.config import WorkerConfig
 from protocol.messages import Logprobs, ModelInfo
+from protocol.startup import StartupPhases
 from protocol.version import __version__
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from structured_outputs import resolve_backend_name
 from worker.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from worker.gguf_cache import load_model_files
 from worker.grammar import GrammarManager
-from worker.host_memory import keep_freed_memory, trim_freed_memory, zeros_on_huge_pages
+from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
 from worker.input_batch import InputBatch, RequestState
-from worker.model_config import ModelConfig, open_gguf
+from worker.model_config import ModelConfig
 from worker.models import build_model
 from worker.sampler import SamplingBatch, gather_logprobs, sample
-from worker.weights import iterate_weights
 
 logger = logging.getLogger("engine.worker")
 
@@ -69,31 +70,35 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, phases: StartupPhases | None = None) -> None:
+        phases = phases or StartupPhases("worker")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        gguf_reader = open_gguf(config.model) if config.model.endswith(".gguf") else None
-        self.model_config = ModelConfig.load(config.model, gguf_reader)
+        self.model_config, weights = load_model_files(config.model, config.cache_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.block_size = config.block_size
+        phases.mark("config")
         self.backend = get_attention_backend(config.attention_backend, self.dtype)
+        phases.mark("kernels")
         self.model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None))
-        self.model.load_weights(iterate_weights(config.model, self.model_config, gguf_reader))
+        self.model.load_weights(weights)
+        phases.mark("weights")
         self.model.finalize()
-        del gguf_reader
         self.model.init_rotary(self.max_model_len, torch.device("cpu"))
         self.model.eval()
+        phases.mark("packing")
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
         mc = self.model_config
         shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = zeros_on_huge_pages([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
+        self.kv_caches = zeroed_pool([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
         trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
         keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
+        phases.mark("kv cache")
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids

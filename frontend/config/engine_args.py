@@ -64,8 +64,9 @@ class EngineArgs:
         "cpu: the csrc kernels; torch: the plain reference; auto: cpu if built",
         choices=["auto", "torch", "cpu"],
     )
-    tokenizer_cache_dir: str | None = option(
-        default_factory=default_cache_dir, help="where converted GGUF tokenizers are kept"
+    cache_dir: str | None = option(
+        default_factory=default_cache_dir,
+        help="where conversions of GGUF files are kept (tokenizer, weights)",
     )
     structured_outputs_config: dict[str, Any] = option(
         default_factory=dict,
@@ -125,7 +126,7 @@ class EngineArgs:
             grammar_compile_timeout_s=float(
                 self.structured_outputs_config.get("grammar_compile_timeout_s", 30.0)
             ),
-            tokenizer_cache_dir=self.tokenizer_cache_dir,
+            cache_dir=self.cache_dir,
         )
         return EngineConfig(
             worker=worker,

@@ -11,6 +11,7 @@ import tempfile
 import msgspec
 
 from protocol.config import EngineConfig
+from protocol.startup import parent_pid_arg
 
 
 class EngineProcess:
@@ -23,7 +24,9 @@ class EngineProcess:
             config.input_address = config.input_address or f"ipc://{self._ipc_dir}/input"
             config.output_address = config.output_address or f"ipc://{self._ipc_dir}/output"
         self.config = config
-        self.process = subprocess.Popen([sys.executable, "-m", "engine_core.main"], stdin=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine_core.main", parent_pid_arg()], stdin=subprocess.PIPE
+        )
         assert self.process.stdin is not None
         self.process.stdin.write(msgspec.json.encode(config))
         self.process.stdin.close()

@@ -29,6 +29,7 @@ from frontend.server.admission import AdmissionLimits
 from frontend.server.app import build_app
 from frontend.server.deps import AppDeps, ServerConfig
 from protocol.log_format import configure_logging
+from protocol.startup import StartupPhases, exit_with_parent
 
 logger = logging.getLogger("engine.api")
 
@@ -69,9 +70,16 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(config: ServerConfig, sock: socket.socket) -> None:
+async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases) -> None:
     client = AsyncEngineClient(
         config.input_address, config.output_address, f"api{config.server_index}-{os.getpid()}"
+    )
+    # The tokenizer (transformers' import, seconds) loads while the engine loads the model; attached
+    # without a model name, it waits for the engine's.
+    tokenizer_load = (
+        asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model, config.cache_dir))
+        if config.model
+        else None
     )
     try:
         model_info = await client.register(config.register_timeout_s)
@@ -80,9 +88,13 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
             f"API server {config.server_index}: no engine answered at {config.input_address} "
             f"within {config.register_timeout_s:.0f} s ({error}). Is the address right, and is the engine up?"
         ) from None
-    tokenizer = await asyncio.to_thread(
-        load_tokenizer, config.model or model_info.model, config.tokenizer_cache_dir
-    )
+    phases.mark("engine")
+    if tokenizer_load is None:
+        tokenizer_load = asyncio.create_task(
+            asyncio.to_thread(load_tokenizer, model_info.model, config.cache_dir)
+        )
+    tokenizer = await tokenizer_load
+    phases.mark("tokenizer")
     defaults = load_generation_defaults(config.model or model_info.model, config.generation_config)
     if defaults:
         logger.info("sampling defaults from the generation config: %s", defaults)
@@ -119,6 +131,8 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
     # full collection walked them in 230-290 ms, a stall of every stream. Frozen, it walks only new ones.
     gc.collect()
     gc.freeze()
+    phases.mark("app")
+    phases.log(logger)
     logger.info("API server %d ready", config.server_index)
     try:
         await server.serve(sockets=[sock])
@@ -127,12 +141,18 @@ async def serve(config: ServerConfig, sock: socket.socket) -> None:
 
 
 def main() -> None:
+    phases = StartupPhases("API server")
+    exit_with_parent(
+        int(sys.argv[2]) if len(sys.argv) > 2 else 0, signal.SIGTERM
+    )  # launcher killed: drain, go
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
     configure_logging(config.log_level, config.log_format)
+    phases.process = f"API server {config.server_index}"
     sock = socket.socket(fileno=int(sys.argv[1]))
     import uvloop
 
-    uvloop.run(serve(config, sock))
+    phases.mark("imports")
+    uvloop.run(serve(config, sock, phases))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,13 @@ def silu_and_mul(gate_up: torch.Tensor, ops: CpuOps | None = None) -> torch.Tens
     return F.silu(gate) * up
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without the random initialization: its weight comes from the checkpoint."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose weight `pack()` reorders once for oneDNN.
 
@@ -71,6 +78,9 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     pairs: torch.Tensor | None = None
     ops: CpuOps | None = None
+
+    def reset_parameters(self) -> None:
+        """Nothing: every weight comes from the checkpoint (`load_weights` checks that none is missing)."""
 
     def pack(self, ops: CpuOps | None = None) -> None:
         weight = self.weight.detach()

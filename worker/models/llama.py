@@ -16,6 +16,7 @@ from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
 from worker.models.layers import (
     PAIRS_ROWS,
+    Embedding,
     Linear,
     RMSNorm,
     Rope,
@@ -130,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops = ops  # the csrc kernels, or None for the plain torch path
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
