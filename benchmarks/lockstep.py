@@ -4,7 +4,8 @@ prompts, so that a VM whose speed drifts within minutes slows them alike.
     python -m benchmarks.lockstep [--variants 16:4k 64] [--concurrency 64] [--rounds 3]
 
 A variant is a KV block size, optionally `:4k` for the KV cache and the pair-layout weights on the
-default pages instead of 2 MiB ones (worker/host_memory.py). Every engine holds the same number of KV
+default pages instead of 2 MiB ones (worker/host_memory.py), and `:variant` for the batch-variant
+kernels (`--no-batch-invariant`: MKL, oneDNN, tiles; docs/batch-invariance.md). Every engine holds the same number of KV
 tokens, and its free block queue is shuffled first (`--fresh-pool` keeps it in order): a server whose
 pool has cycled hands out blocks in no order (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge
 pages and 64-token blocks").
@@ -39,16 +40,17 @@ class Variant:
     name: str
     block_size: int
     default_pages: bool
+    batch_invariant: bool = True
     core: EngineCore | None = None
     decode_ms: list[float] = field(default_factory=list)
     round_s: list[float] = field(default_factory=list)
 
 
 def parse_variant(text: str) -> Variant:
-    size, _, pages = text.partition(":")
-    if not size.isdigit() or pages not in ("", "4k"):
-        raise argparse.ArgumentTypeError(f"a variant is BLOCK_SIZE or BLOCK_SIZE:4k, got {text!r}")
-    return Variant(text, int(size), pages == "4k")
+    size, *options = text.split(":")
+    if not size.isdigit() or not set(options) <= {"4k", "variant"}:
+        raise argparse.ArgumentTypeError(f"a variant is BLOCK_SIZE[:4k][:variant], got {text!r}")
+    return Variant(text, int(size), "4k" in options, "variant" not in options)
 
 
 def build(variant: Variant, args: argparse.Namespace) -> EngineCore:
@@ -58,6 +60,7 @@ def build(variant: Variant, args: argparse.Namespace) -> EngineCore:
         block_size=variant.block_size,
         num_kv_blocks=args.kv_tokens // variant.block_size,
         max_model_len=1024,
+        batch_invariant=variant.batch_invariant,
     )
     config = EngineConfig(worker=worker, max_num_seqs=args.concurrency, max_num_batched_tokens=args.budget)
     core = EngineCore(config, InprocExecutor(worker))
@@ -151,12 +154,13 @@ def main(argv: list[str] | None = None) -> list[Variant]:
         line = ", ".join(f"{v.name} {statistics.median(v.decode_ms):.2f} ms" for v in variants if v.decode_ms)
         print(f"round {round_index + 1}: decode step medians so far: {line}", flush=True)
     base = statistics.median(variants[0].decode_ms) if variants[0].decode_ms else float("nan")
+    base_round = statistics.median(variants[0].round_s)
     print(f"c={args.concurrency}, {args.input_len} in, {args.output_len} out, {args.rounds} rounds:")
     for variant in variants:
         decode = statistics.median(variant.decode_ms) if variant.decode_ms else float("nan")
         print(
             f"  {variant.name:8} decode step {decode:7.2f} ms ({decode / base:.3f}x)"
-            f"  round {statistics.median(variant.round_s):6.2f} s"
+            f"  round {statistics.median(variant.round_s):6.2f} s ({statistics.median(variant.round_s) / base_round:.3f}x)"
         )
     return variants
 

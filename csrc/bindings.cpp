@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pairs_available", &pairs_available, "Whether linear_pairs is built (AVX-512 BF16)");
   m.def("pack_pairs", &pack_pairs, "A bf16 [N, K] weight in linear_pairs' layout");
   m.def("linear_pairs", &linear_pairs, "x W^T (+ bias) of a few bf16 rows, W from pack_pairs (CPU)");
+  m.def("pack_rows", &pack_rows, "A float32 or bf16 [N, K] weight in linear_rows' layout");
+  m.def("linear_rows", &linear_rows, "x W^T (+ bias) with each row's sums in one fixed order (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "Residual add then RMSNorm, in place (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding of q and k, in place (CPU)");

@@ -20,6 +20,10 @@ bool pairs_available();
 torch::Tensor pack_pairs(torch::Tensor weight);
 torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 
+// Batch-invariant products, float32 or bf16 (csrc/gemm_rows_cpu.cpp): each row's sums in one fixed order.
+torch::Tensor pack_rows(torch::Tensor weight);
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t out_features);
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,

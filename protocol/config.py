@@ -31,6 +31,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     structured_outputs_backend: str = "auto"  # grammar engine: "auto" or "guidance" (llguidance)
     grammar_compile_timeout_s: float = 30.0  # a request whose grammar is not ready by then fails
     cache_dir: str | None = None  # where conversions of GGUF files are kept (tokenizer, weights)
+    batch_invariant: bool = True  # each row's results independent of the batch (docs/batch-invariance.md)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -146,8 +146,8 @@ def test_the_last_layer_runs_on_the_scored_rows_only(tiny_model, native: bool, m
         steps.append((len(input_ids), None if out_rows is None else len(out_rows), hidden.shape[0]))
         return hidden
 
-    def finalize_and_hook(self):  # type: ignore[no-untyped-def]
-        finalize(self)
+    def finalize_and_hook(self, *args):  # type: ignore[no-untyped-def]
+        finalize(self, *args)
         if not native:
             self.native_layers = None
         self.layers[-1].mlp.register_forward_hook(lambda _m, args, _out: mlp_rows.append(args[0].shape[0]))
@@ -240,9 +240,15 @@ def test_async_scheduling_samples_what_sync_does(tiny_model) -> None:  # type: i
 
 
 def prompt_logprobs(
-    folder: str, prompts: list[list[int]], backend: str
+    folder: str, prompts: list[list[int]], backend: str, batch_invariant: bool = False
 ) -> tuple[list[list[float]], EngineCore]:
-    worker = WorkerConfig(model=folder, dtype="bfloat16", block_size=16, attention_backend=backend)
+    worker = WorkerConfig(
+        model=folder,
+        dtype="bfloat16",
+        block_size=16,
+        attention_backend=backend,
+        batch_invariant=batch_invariant,
+    )
     # 16-token chunks: later chunks attend to their cached context; one token of output also decodes.
     core = EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=16), InprocExecutor(worker))
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
@@ -260,9 +266,9 @@ def prompt_logprobs(
 
 def test_bf16_fast_path_matches_the_torch_reference(tiny_model) -> None:  # type: ignore[no-untyped-def]
     """bf16 through the csrc kernels and packed weights (oneDNN's, and on CPUs with AVX-512 BF16 and no
-    AMX the pair layout for few rows: these 16-token chunks take it) vs the plain torch layers: same
-    prompt logprobs up to bf16 rounding (the two paths round the same steps; products sum in other
-    orders)."""
+    AMX the pair layout for few rows: these 16-token chunks take it), and through the batch-invariant
+    kernels, vs the plain torch layers: same prompt logprobs up to bf16 rounding (the paths round the
+    same steps; products sum in other orders)."""
     from worker.csrc_ops import load_cpu_ops
     from worker.models.layers import Linear, can_pack, use_pairs
 
@@ -278,9 +284,13 @@ def test_bf16_fast_path_matches_the_torch_reference(tiny_model) -> None:  # type
     packs = can_pack(torch.bfloat16)
     assert linears and all((m.packed is not None) == packs for m in linears), "bf16 packing as the CPU allows"
     assert all((m.pairs is not None) == use_pairs(load_cpu_ops()) for m in linears)
-    for ours, expected in zip(fast, reference, strict=True):
-        assert len(ours) == len(expected) > 0
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(expected), atol=0.15, rtol=0.05)
+    invariant, core = prompt_logprobs(folder, prompts, "cpu", batch_invariant=True)
+    linears = [m for m in core.executor.runner.model.modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
+    assert all(m.rows is not None or m.pairs is not None for m in linears), "one kernel for every row count"
+    for path in (fast, invariant):
+        for ours, expected in zip(path, reference, strict=True):
+            assert len(ours) == len(expected) > 0
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(expected), atol=0.15, rtol=0.05)
 
 
 class _CountingOps:

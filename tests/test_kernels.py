@@ -180,6 +180,52 @@ def test_pair_weights_move_onto_huge_pages(ops) -> None:  # type: ignore[no-unty
         assert "hg" in mapping_of(pairs[0].data_ptr())["VmFlags"].split()
 
 
+# ---- batch-invariant products (csrc/gemm_rows_cpu.cpp) ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_rows_matches_linear(ops, dtype, bias) -> None:  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(3)
+    for rows, in_features, out_features in [
+        (1, 64, 16),
+        (5, 96, 40),
+        (6, 576, 1536),
+        (13, 200, 48),
+        (100, 64, 320),
+    ]:
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+        expected = torch.nn.functional.linear(x.float(), weight.float(), b.float() if bias else None)
+        actual = ops.linear_rows(x, ops.pack_rows(weight), b if bias else torch.empty(0), out_features)
+        assert actual.dtype == dtype and actual.shape == (rows, out_features)
+        tol = EXACT[dtype] * (10 if dtype == torch.float32 else 1)  # float32: K-long sums in another order
+        torch.testing.assert_close(actual.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_gives_each_row_the_same_bits_in_any_batch(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    """A row's result does not depend on the rows beside it, their number, or the thread count (MKL's
+    float32 product fails this at almost every row count: the reason for this kernel)."""
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(1536, 576, generator=generator).to(dtype)
+    packed = ops.pack_rows(weight)
+    x = torch.randn(300, 576, generator=generator).to(dtype)
+    alone = torch.cat([ops.linear_rows(x[i : i + 1], packed, torch.empty(0), 1536) for i in range(300)])
+    for rows in (2, 5, 6, 7, 64, 97, 300):
+        batch = ops.linear_rows(x[:rows], packed, torch.empty(0), 1536)
+        assert torch.equal(batch, alone[:rows]), rows
+    order = torch.randperm(300, generator=generator)
+    assert torch.equal(ops.linear_rows(x[order], packed, torch.empty(0), 1536), alone[order])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(ops.linear_rows(x, packed, torch.empty(0), 1536), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---- fused element-wise kernels (csrc/fused_cpu.cpp) against the torch layers they replace ----
 
 

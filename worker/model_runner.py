@@ -25,6 +25,7 @@ from worker.gguf_cache import load_model_files
 from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
 from worker.input_batch import InputBatch, RequestState
+from worker.kernel_table import log_kernel_table
 from worker.model_config import ModelConfig
 from worker.models import build_model
 from worker.sampler import SamplingBatch, gather_logprobs, sample
@@ -83,14 +84,15 @@ class ModelRunner:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.block_size = config.block_size
         phases.mark("config")
-        self.backend = get_attention_backend(config.attention_backend, self.dtype)
+        self.backend = get_attention_backend(config.attention_backend, self.dtype, config.batch_invariant)
         phases.mark("kernels")
         self.model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None))
         self.model.load_weights(weights)
         phases.mark("weights")
-        self.model.finalize()
+        self.model.finalize(config.batch_invariant)
         self.model.init_rotary(self.max_model_len, torch.device("cpu"))
         self.model.eval()
+        log_kernel_table(self.model, self.backend, self.dtype)
         phases.mark("packing")
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
         mc = self.model_config

@@ -59,6 +59,11 @@ class EngineArgs:
     )
     seed: int = option(0, "seed of unseeded sampling")
     num_threads: int | None = option(None, "the worker's torch intra-op threads (default: one per core)")
+    batch_invariant: bool = option(
+        True,
+        "the same greedy tokens for a prompt whatever else is in the batch: one product and one attention "
+        "kernel for every row count (docs/batch-invariance.md)",
+    )
     attention_backend: str = option(
         "auto",
         "cpu: the csrc kernels; torch: the plain reference; auto: cpu if built",
@@ -118,6 +123,7 @@ class EngineArgs:
             # vLLM's default: the model as the user named it; the bundled model by its own name.
             served_model_names=self.served_model_name or [self.model or DEFAULT_MODEL_NAME],
             attention_backend=self.attention_backend,
+            batch_invariant=self.batch_invariant,
             seed=self.seed,
             num_threads=self.num_threads,
             log_level=self.log_level,

@@ -18,7 +18,9 @@ logger = logging.getLogger("engine.worker")
 BACKENDS = ("auto", "torch", "cpu")
 
 
-def get_attention_backend(name: str, dtype: torch.dtype | None = None) -> AttentionBackend:
+def get_attention_backend(
+    name: str, dtype: torch.dtype | None = None, batch_invariant: bool = False
+) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
     from worker.attention.torch_ref import TorchAttentionBackend
@@ -34,7 +36,7 @@ def get_attention_backend(name: str, dtype: torch.dtype | None = None) -> Attent
         return TorchAttentionBackend()
     from worker.attention.cpu import CpuAttentionBackend
 
-    return CpuAttentionBackend(ops, dtype)
+    return CpuAttentionBackend(ops, dtype, batch_invariant)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "PrefillChunk", "get_attention_backend"]

@@ -51,9 +51,18 @@ TILED_PREFILL_PAIRS = 1 << 62
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, ops: CpuOps, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, ops: CpuOps, dtype: torch.dtype | None = None, batch_invariant: bool = False) -> None:
         self.ops = ops
-        tiled = dtype == torch.bfloat16 and bool(ops.prefill_tiles())
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            # NOTE: every row, decode or prefill, is one paged-kernel row: one task computes each (row,
+            # head) over its keys in one order, whatever the batch. No tiles: a tile weighs values in bf16
+            # where a row does in float32, and which rows share a tile depends on how the prompt was
+            # chunked (a chunk's last row alone takes the row path). The tile choice is the process's.
+            ops.use_prefill_tiles("none")
+            self.paged_pairs = TILED_PREFILL_PAIRS
+            return
+        tiled = dtype == torch.bfloat16 and bool(ops.use_prefill_tiles("auto"))
         self.paged_pairs = TILED_PREFILL_PAIRS if tiled else PAGED_PREFILL_PAIRS
 
     def write_kv(

@@ -56,6 +56,17 @@ def silu_and_mul(gate_up: torch.Tensor, ops: CpuOps | None = None) -> torch.Tens
     return F.silu(gate) * up
 
 
+PACK_BATCH_HINT = 64  # oneDNN picks the blocked layout for this many rows; any number of rows works
+# Products of up to this many rows take the pair layout where it is used (use_pairs). Isolated, the two
+# kernels are level from 96 to 256 rows and oneDNN is ahead from 512; in the model, where each product's
+# weights come from memory, whole steps on the pair kernel against oneDNN above 64 rows (one engine,
+# switching every step; EPYC, 2026-12-01): 128-row steps 0.958, 256 0.968 (0.989 for chunks of 1,000-token
+# prompts), 512 0.984 (0.963), 1,024 1.022, 2,048 1.035
+# (benchmarks/results/2026-11-29-lab-notes-performance.md, "Where a c=64 wave's steps go now").
+PAIRS_ROWS = 512
+NO_BIAS = torch.empty(0)
+
+
 class Embedding(nn.Embedding):
     """nn.Embedding without the random initialization: its weight comes from the checkpoint."""
 
@@ -77,6 +88,8 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     pairs: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # csrc linear_rows' layout (batch-invariant products)
+    pairs_rows = PAIRS_ROWS  # products of up to this many rows take the pairs layout, when there is one
     ops: CpuOps | None = None
 
     def reset_parameters(self) -> None:
@@ -89,8 +102,28 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    def pack_invariant(self, ops: CpuOps) -> bool:
+        """One kernel for every row count, each row's sums in one fixed order (docs/batch-invariance.md):
+        the pairs kernel where the CPU has AVX-512 BF16 (bf16), else linear_rows. False where neither
+        takes this shape (the plain product stays, and is not batch-invariant)."""
+        weight = self.weight.detach()
+        pairs_fit = weight.shape[0] % 64 == 0 and weight.shape[1] % 2 == 0
+        if weight.dtype == torch.bfloat16 and ops.pairs_available() and pairs_fit:
+            self.pairs, self.pairs_rows = ops.pack_pairs(weight), 1 << 62
+        elif weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[0] % 16 == 0:
+            self.rows = ops.pack_rows(weight)
+        else:
+            return False
+        self.ops = ops
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pairs is not None and x.shape[0] <= PAIRS_ROWS:
+        if self.rows is not None:
+            assert self.ops is not None  # pack_invariant sets the two together
+            bias = self.bias if self.bias is not None else NO_BIAS
+            return self.ops.linear_rows(x, self.rows, bias, self.out_features)
+        if self.pairs is not None and x.shape[0] <= self.pairs_rows:
             assert self.ops is not None  # pack() sets the two together
             return self.ops.linear_pairs(x, self.pairs, self.bias if self.bias is not None else NO_BIAS)
         if self.packed is not None:
@@ -100,34 +133,26 @@ class Linear(nn.Linear):
 
 
 def pairs_onto_huge_pages(linears: list[Linear]) -> None:
-    """Move the pair-layout weights into one buffer on huge pages (worker/host_memory.py), one at a time so
-    that each copy frees its original: a decode step reads every one of them, and on 4 KiB pages the
-    products at one row took 12% longer (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages
-    and 64-token blocks")."""
-    linears = [linear for linear in linears if linear.pairs is not None]
-    if not linears:
-        return
-    slots = empty_on_huge_pages([tuple(_pairs(linear).shape) for linear in linears], _pairs(linears[0]).dtype)
-    for linear, slot in zip(linears, slots, strict=True):
-        slot.copy_(_pairs(linear))
-        linear.pairs = slot
+    """Move the pair-layout (and linear_rows-layout) weights into one buffer on huge pages
+    (worker/host_memory.py), one at a time so that each copy frees its original: a decode step reads every
+    one of them, and on 4 KiB pages the products at one row took 12% longer
+    (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages and 64-token blocks")."""
+    for name in ("pairs", "rows"):
+        owners = [linear for linear in linears if getattr(linear, name) is not None]
+        if not owners:
+            continue
+        weights = [_packed(linear, name) for linear in owners]
+        slots = empty_on_huge_pages([tuple(w.shape) for w in weights], weights[0].dtype)
+        for linear, slot in zip(owners, slots, strict=True):
+            slot.copy_(_packed(linear, name))
+            setattr(linear, name, slot)
 
 
-def _pairs(linear: Linear) -> torch.Tensor:
-    """The pair-layout weight of a Linear that pairs_onto_huge_pages kept for having one."""
-    assert linear.pairs is not None
-    return linear.pairs
-
-
-PACK_BATCH_HINT = 64  # oneDNN picks the blocked layout for this many rows; any number of rows works
-# Products of up to this many rows take the pair layout where it is used (use_pairs). Isolated, the two
-# kernels are level from 96 to 256 rows and oneDNN is ahead from 512; in the model, where each product's
-# weights come from memory, whole steps on the pair kernel against oneDNN above 64 rows (one engine,
-# switching every step; EPYC, 2026-12-01): 128-row steps 0.958, 256 0.968 (0.989 for chunks of 1,000-token
-# prompts), 512 0.984 (0.963), 1,024 1.022, 2,048 1.035
-# (benchmarks/results/2026-11-29-lab-notes-performance.md, "Where a c=64 wave's steps go now").
-PAIRS_ROWS = 512
-NO_BIAS = torch.empty(0)
+def _packed(linear: Linear, name: str) -> torch.Tensor:
+    """A packed weight of a Linear that pairs_onto_huge_pages kept for having one."""
+    weight = getattr(linear, name)
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def use_pairs(ops: CpuOps | None) -> TypeGuard[CpuOps]:

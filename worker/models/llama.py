@@ -6,6 +6,7 @@ the paged KV cache through the backend, so the model never sees padding.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
@@ -15,7 +16,6 @@ from torch import nn
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
 from worker.models.layers import (
-    PAIRS_ROWS,
     Embedding,
     Linear,
     RMSNorm,
@@ -28,6 +28,9 @@ from worker.models.layers import (
 
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
+
+
+logger = logging.getLogger("engine.worker")
 
 
 class Attention(nn.Module):
@@ -138,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         # The layers' weights for the csrc stack (csrc/decoder_cpu.cpp), set by finalize() when it is built.
         self.native_layers: list[list[torch.Tensor]] | None = None
+        self.batch_invariant = False  # finalize() says
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         config = self.config
@@ -171,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
                     attention.num_kv_heads,
                     attention.head_dim,
                     int(packed),
-                    PAIRS_ROWS,
+                    first.mlp.down_proj.pairs_rows,
                 ]
                 assert self.ops is not None  # finalize() builds native_layers only with the kernels
                 x, residual = self.ops.decoder_layers(
@@ -193,11 +197,25 @@ class LlamaForCausalLM(nn.Module):
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
         return logits
 
-    def finalize(self) -> None:
-        """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays."""
+    def finalize(self, batch_invariant: bool = False) -> None:
+        """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays,
+        or, batch-invariant, for the one product kernel every row count takes (docs/batch-invariance.md)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        if can_pack(self.embed_tokens.weight.dtype):
+        self.batch_invariant = batch_invariant and self.ops is not None
+        if batch_invariant and self.ops is None:
+            logger.warning("batch-invariant products need the csrc kernels; this model runs torch's")
+        if self.batch_invariant:
+            assert self.ops is not None
+            linears = [module for module in self.modules() if isinstance(module, Linear)]
+            plain = [linear for linear in linears if not linear.pack_invariant(self.ops)]
+            if plain:
+                logger.warning(
+                    "%d products have a shape the batch-invariant kernels do not take; they stay variant",
+                    len(plain),
+                )
+            pairs_onto_huge_pages(linears)
+        elif can_pack(self.embed_tokens.weight.dtype):
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.pack(self.ops)  # the tied lm_head packs a copy: the embedding keeps its plain one
@@ -271,5 +289,5 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
         layer.input_layernorm.weight.detach(), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
         weight(attention.o_proj), layer.post_attention_layernorm.weight.detach(), weight(mlp.gate_up_proj),
         weight(mlp.down_proj), optional(attention.q_norm, "weight"), optional(attention.k_norm, "weight"),
-        *(optional(linear, "pairs") for linear in linears),
+        *(optional(linear, "rows" if linear.rows is not None else "pairs") for linear in linears),
     ]  # fmt: skip

@@ -1,0 +1,182 @@
+// Products whose every output row is computed the same way whatever else is in the batch: the batch-
+// invariant path (docs/batch-invariance.md), for float32 and for bf16 where the CPU has no bf16 arithmetic.
+// Reference: at::linear (worker/models/layers.py Linear).
+//
+// pack_rows(weight [N, K] float32 or bf16) -> [ceil(N / 16), K, 16], same dtype: for each group of 16
+//   output columns, for each input dim, the 16 columns' weights side by side (zero past N).
+// linear_rows(x [M, K], packed, bias [N] or empty) -> [M, N] in x's dtype (x and the weight share it):
+//   y[m, n] = (sum over k = 0, 1, ..., K - 1 of x[m, k] * w[n, k], one fused multiply-add after another
+//   in float32, from 0) + bias[n], rounded once to the dtype.
+//
+// Why: MKL's and oneDNN's products pick their kernels, blockings and K-splits by the number of rows, so a
+// row's sums depend on how many rows share the product (float32, MKL 2024.2, AMD EPYC AVX2, 2026-12-01:
+// row 0 of a 576 x 1536 product differed from its single-row result at every M tested from 2 to 512).
+// Here each output is one chain of FMAs in k order, done by one thread: neither the rows beside it nor
+// the thread count changes it. (The portable loop, for CPUs without AVX2 and FMA, makes the same chain
+// with std::fma.)
+// Rows go in passes of up to 6 against one group's 16 columns (12 accumulators in 16 AVX2 registers); a
+// group's K x 16 weights are read once per call and reused from cache by every pass.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ENGINE_ROWS_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t COLS = 16;   // output columns of a group
+constexpr int MAX_ROWS = 6;    // rows of a pass
+constexpr int64_t ROW_BLOCK = 96;  // rows whose passes run against a group before the next group
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+// Weights of one input dim (16 columns) as float32 vectors.
+#if defined(ENGINE_ROWS_AVX2)
+template <typename W>
+inline void load_cols(const W* w, __m256& lo, __m256& hi);
+template <>
+inline void load_cols<float>(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+template <>
+inline void load_cols<c10::BFloat16>(const c10::BFloat16* w, __m256& lo, __m256& hi) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits)), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)), 16));
+}
+
+// ROWS rows (float32, row stride k) against one group: sums[m][c] for c < 16. NOTE: the accumulators are
+// named variables, not an array: GCC kept an array's copy on the stack, 12 stores a step (40 GFLOPS on two
+// threads against 90+ this way, AMD EPYC AVX2, 2026-12-01).
+template <int ROWS, typename W>
+void group_pass(const float* x, int64_t k, const W* w, float* sums) {
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0, b4 = a0,
+         a5 = a0, b5 = a0;
+  for (int64_t d = 0; d < k; ++d) {
+    __m256 lo, hi;
+    load_cols<W>(w + d * COLS, lo, hi);
+#define ENGINE_ROW(m)                                                    \
+  if constexpr (ROWS > m) {                                              \
+    const __m256 xv = _mm256_broadcast_ss(x + m * k + d);                \
+    a##m = _mm256_fmadd_ps(xv, lo, a##m);                                \
+    b##m = _mm256_fmadd_ps(xv, hi, b##m);                                \
+  }
+    ENGINE_ROW(0) ENGINE_ROW(1) ENGINE_ROW(2) ENGINE_ROW(3) ENGINE_ROW(4) ENGINE_ROW(5)
+#undef ENGINE_ROW
+  }
+  const __m256 los[6] = {a0, a1, a2, a3, a4, a5}, his[6] = {b0, b1, b2, b3, b4, b5};
+  for (int m = 0; m < ROWS; ++m) {
+    _mm256_storeu_ps(sums + m * COLS, los[m]);
+    _mm256_storeu_ps(sums + m * COLS + 8, his[m]);
+  }
+}
+#else
+template <typename W>
+inline float weight_of(const W* w, int64_t i);
+template <>
+inline float weight_of<float>(const float* w, int64_t i) {
+  return w[i];
+}
+template <>
+inline float weight_of<c10::BFloat16>(const c10::BFloat16* w, int64_t i) {
+  return bf16_to_float(reinterpret_cast<const uint16_t*>(w)[i]);
+}
+
+template <int ROWS, typename W>
+void group_pass(const float* x, int64_t k, const W* w, float* sums) {
+  float acc[ROWS][COLS] = {};
+  for (int64_t d = 0; d < k; ++d)
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t c = 0; c < COLS; ++c) acc[m][c] = std::fma(x[m * k + d], weight_of<W>(w, d * COLS + c), acc[m][c]);
+  for (int m = 0; m < ROWS; ++m) std::memcpy(sums + m * COLS, acc[m], sizeof(acc[m]));
+}
+#endif
+
+template <typename W>
+using GroupPass = void (*)(const float*, int64_t, const W*, float*);
+template <typename W>
+constexpr GroupPass<W> GROUP_PASS[MAX_ROWS + 1] = {nullptr,           group_pass<1, W>, group_pass<2, W>,
+                                                   group_pass<3, W>, group_pass<4, W>, group_pass<5, W>,
+                                                   group_pass<6, W>};
+
+template <typename T>
+void store_row(const float* sums, const float* bias, T* y, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) y[c] = static_cast<T>(bias != nullptr ? sums[c] + bias[c] : sums[c]);
+}
+
+template <typename T>
+void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, torch::Tensor& y) {
+  const int64_t rows = x.size(0), k = x.size(1), n = y.size(1), groups = packed.size(0);
+  // The rows in float32 once (bf16 widens exactly); the products read them from there.
+  const torch::Tensor x32 = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const float* xs = x32.data_ptr<float>();
+  const T* w = packed.data_ptr<T>();
+  T* out = y.data_ptr<T>();
+  const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+  // Units of (row block, group), a block's groups in a run: a thread's groups reuse its rows from cache and
+  // each group's weights serve the block's passes. Which thread does a unit changes no result.
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    float sums[MAX_ROWS * COLS];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t block = unit / groups, g = unit % groups;
+      const int64_t cols = std::min(COLS, n - g * COLS);
+      const int64_t last = std::min(rows, (block + 1) * ROW_BLOCK);
+      for (int64_t r = block * ROW_BLOCK; r < last; r += MAX_ROWS) {
+        const int pass = static_cast<int>(std::min<int64_t>(MAX_ROWS, last - r));
+        GROUP_PASS<T>[pass](xs + r * k, k, w + g * k * COLS, sums);
+        for (int m = 0; m < pass; ++m)
+          store_row<T>(sums + m * COLS, bias != nullptr ? bias + g * COLS : nullptr, out + (r + m) * n + g * COLS,
+                       cols);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor pack_rows(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_rows takes a 2-d weight");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "pack_rows takes float32 or bf16");
+  const int64_t n = weight.size(0), k = weight.size(1), groups = (n + COLS - 1) / COLS;
+  auto padded = torch::zeros({groups * COLS, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  // [groups, 16, k] -> [groups, k, 16]
+  return padded.view({groups, COLS, k}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == COLS, "linear_rows: x [M, K], packed from pack_rows");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear_rows: x and the weight share a dtype");
+  TORCH_CHECK(packed.size(1) == x.size(1), "linear_rows: in features differ");
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * COLS && out_features <= packed.size(0) * COLS,
+              "linear_rows: out_features does not match the packing");
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has_bias || bias.numel() == out_features, "linear_rows: bias size");
+  const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
+  const float* b = has_bias ? bias32.data_ptr<float>() : nullptr;
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    run<float>(x, packed.contiguous(), b, y);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_rows takes float32 or bf16");
+    run<c10::BFloat16>(x, packed.contiguous(), b, y);
+  }
+  return y;
+}
