@@ -3,6 +3,7 @@ official `openai` client and by raw HTTP."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -214,6 +215,48 @@ def test_both_api_servers_answer(server) -> None:  # type: ignore[no-untyped-def
         if seen == {"0", "1"}:
             break
     assert seen == {"0", "1"}
+
+
+INVARIANCE_PROMPTS = [
+    "The sky is",
+    "Write one sentence about the sea:",
+    "List three colors:",
+    "def fibonacci(n):",
+    "Translate to French: good morning",
+    "The capital of Italy is",
+    "Once upon a time,",
+    "2 + 2 =",
+]
+
+
+def test_greedy_is_the_same_alone_and_under_load_through_both_api_servers(server) -> None:  # type: ignore[no-untyped-def]
+    """Batch-invariant greedy (docs/batch-invariance.md): each prompt alone, then all of them at once
+    with long prompts prefilled between their steps, each on a fresh connection (the kernel spreads them
+    over both API servers): the same text and the same logprobs, bit for bit."""
+
+    def complete(prompt: str, max_tokens: int = 24) -> tuple[str, list[float], str]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 0,
+            "ignore_eos": True,
+        }
+        with httpx.Client(timeout=300) as fresh:
+            response = fresh.post(f"{server['base']}/v1/completions", json=body, headers=auth())
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["token_logprobs"], response.headers["x-engine-server"]
+
+    alone = [complete(prompt)[:2] for prompt in INVARIANCE_PROMPTS]
+    load = [" ".join(["word"] * 300 + [str(i)]) for i in range(6)]  # prefills of 300 tokens meanwhile
+    with concurrent.futures.ThreadPoolExecutor(len(INVARIANCE_PROMPTS) + len(load)) as pool:
+        busy = [pool.submit(complete, prompt, 8) for prompt in load]
+        together = [pool.submit(complete, prompt) for prompt in INVARIANCE_PROMPTS]
+        results = [future.result() for future in together]
+        for future in busy:
+            future.result()
+    assert [result[:2] for result in results] == alone
 
 
 def test_tokenize_detokenize(server) -> None:  # type: ignore[no-untyped-def]

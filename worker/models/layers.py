@@ -102,21 +102,40 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def pack_invariant(self, ops: CpuOps) -> bool:
-        """One kernel for every row count, each row's sums in one fixed order (docs/batch-invariance.md):
-        the pairs kernel where the CPU has AVX-512 BF16 (bf16), else linear_rows. False where neither
-        takes this shape (the plain product stays, and is not batch-invariant)."""
+    def invariant_kernel(self, ops: CpuOps) -> str | None:
+        """The one kernel every row count takes in batch-invariant mode (docs/batch-invariance.md): "pairs"
+        where the CPU has AVX-512 BF16 (bf16), else "rows" (csrc linear_rows); None where neither takes
+        this shape (the plain product stays, and is not batch-invariant)."""
+        out_features, in_features = self.weight.shape
+        if self.weight.dtype == torch.bfloat16 and ops.pairs_available():
+            if out_features % 64 == 0 and in_features % 2 == 0:
+                return "pairs"
+        if self.weight.dtype in (torch.float32, torch.bfloat16) and out_features % 16 == 0:
+            return "rows"
+        return None
+
+    @property
+    def rows_shape(self) -> tuple[int, int, int]:
+        """linear_rows' layout of this weight: [out / 16, in, 16]."""
+        out_features, in_features = self.weight.shape
+        return (out_features // 16, in_features, 16)
+
+    def pack_invariant(self, ops: CpuOps, slot: torch.Tensor | None = None) -> None:
+        """Pack for invariant_kernel(ops), which must not be None; slot: where the rows layout goes (a
+        buffer on huge pages), else a new tensor. The plain weight is dropped."""
         weight = self.weight.detach()
-        pairs_fit = weight.shape[0] % 64 == 0 and weight.shape[1] % 2 == 0
-        if weight.dtype == torch.bfloat16 and ops.pairs_available() and pairs_fit:
+        kind = self.invariant_kernel(ops)
+        if kind == "pairs":
             self.pairs, self.pairs_rows = ops.pack_pairs(weight), 1 << 62
-        elif weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[0] % 16 == 0:
-            self.rows = ops.pack_rows(weight)
         else:
-            return False
+            assert kind == "rows", "a shape no batch-invariant kernel takes"
+            groups, in_features, _ = self.rows_shape
+            rows = slot if slot is not None else torch.empty(self.rows_shape, dtype=weight.dtype)
+            # [out, in] -> [out / 16, 16, in] -> [out / 16, in, 16] in one strided pass: pack_rows' layout
+            rows.copy_(weight.view(groups, 16, in_features).transpose(1, 2))
+            self.rows = rows
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows is not None:
@@ -133,26 +152,23 @@ class Linear(nn.Linear):
 
 
 def pairs_onto_huge_pages(linears: list[Linear]) -> None:
-    """Move the pair-layout (and linear_rows-layout) weights into one buffer on huge pages
-    (worker/host_memory.py), one at a time so that each copy frees its original: a decode step reads every
-    one of them, and on 4 KiB pages the products at one row took 12% longer
-    (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages and 64-token blocks")."""
-    for name in ("pairs", "rows"):
-        owners = [linear for linear in linears if getattr(linear, name) is not None]
-        if not owners:
-            continue
-        weights = [_packed(linear, name) for linear in owners]
-        slots = empty_on_huge_pages([tuple(w.shape) for w in weights], weights[0].dtype)
-        for linear, slot in zip(owners, slots, strict=True):
-            slot.copy_(_packed(linear, name))
-            setattr(linear, name, slot)
+    """Move the pair-layout weights into one buffer on huge pages (worker/host_memory.py), one at a time so
+    that each copy frees its original: a decode step reads every one of them, and on 4 KiB pages the
+    products at one row took 12% longer (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages
+    and 64-token blocks"). linear_rows' layout goes onto huge pages as it is packed (LlamaForCausalLM.finalize)."""
+    linears = [linear for linear in linears if linear.pairs is not None]
+    if not linears:
+        return
+    slots = empty_on_huge_pages([tuple(_pairs(linear).shape) for linear in linears], _pairs(linears[0]).dtype)
+    for linear, slot in zip(linears, slots, strict=True):
+        slot.copy_(_pairs(linear))
+        linear.pairs = slot
 
 
-def _packed(linear: Linear, name: str) -> torch.Tensor:
-    """A packed weight of a Linear that pairs_onto_huge_pages kept for having one."""
-    weight = getattr(linear, name)
-    assert isinstance(weight, torch.Tensor)
-    return weight
+def _pairs(linear: Linear) -> torch.Tensor:
+    """The pair-layout weight of a Linear that pairs_onto_huge_pages kept for having one."""
+    assert linear.pairs is not None
+    return linear.pairs
 
 
 def use_pairs(ops: CpuOps | None) -> TypeGuard[CpuOps]:

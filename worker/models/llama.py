@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
+from worker.host_memory import empty_on_huge_pages
 from worker.model_config import ModelConfig
 from worker.models.layers import (
     Embedding,
@@ -208,12 +209,23 @@ class LlamaForCausalLM(nn.Module):
         if self.batch_invariant:
             assert self.ops is not None
             linears = [module for module in self.modules() if isinstance(module, Linear)]
-            plain = [linear for linear in linears if not linear.pack_invariant(self.ops)]
-            if plain:
+            kinds = [linear.invariant_kernel(self.ops) for linear in linears]
+            if None in kinds:
                 logger.warning(
                     "%d products have a shape the batch-invariant kernels do not take; they stay variant",
-                    len(plain),
+                    kinds.count(None),
                 )
+            rows = [linear for linear, kind in zip(linears, kinds, strict=True) if kind == "rows"]
+            # packed straight onto huge pages: each copy of the weights is new memory to fault in, the
+            # larger part of a start's packing time
+            slots = empty_on_huge_pages(
+                [linear.rows_shape for linear in rows], self.embed_tokens.weight.dtype
+            )
+            for linear, slot in zip(rows, slots, strict=True):
+                linear.pack_invariant(self.ops, slot)
+            for linear, kind in zip(linears, kinds, strict=True):
+                if kind == "pairs":
+                    linear.pack_invariant(self.ops)
             pairs_onto_huge_pages(linears)
         elif can_pack(self.embed_tokens.weight.dtype):
             for module in self.modules():
