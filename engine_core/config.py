@@ -17,6 +17,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
     long_prefill_token_threshold: int = 0  # >0: cap a prefill chunk below the budget
+    # >0: while any request decodes, a step's prefill tokens (all chunks together) stay at most this many,
+    # so that a decode row waits through a bounded prefill, not a whole budget's worth
+    decode_prefill_token_budget: int = 0
 
     def __post_init__(self) -> None:
         for name in (

@@ -52,6 +52,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            decode_prefill_token_budget=config.decode_prefill_token_budget,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0

@@ -147,6 +147,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """The next step, or None when there is nothing for a worker to do (no tokens, no state to drop)."""
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted = False
@@ -162,6 +163,9 @@ class Scheduler:
                 budget,
                 self._prefill_cap(),
             )
+            prefill = num_new > 1 or request.num_computed_after_flight < request.num_prompt_tokens
+            if prefill:
+                num_new = min(num_new, prefill_budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -183,6 +187,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
             budget -= num_new
+            if prefill:
+                prefill_budget -= num_new
             index += 1
 
         # NOTE: after a preemption the pool is tight; admitting new work would only thrash.
@@ -194,7 +200,9 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget, self._prefill_cap())
+            num_new = min(request.num_tokens - num_cached, budget, self._prefill_cap(), prefill_budget)
+            if num_new <= 0:
+                break
             new_blocks = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
             if new_blocks is None:
                 break
@@ -207,6 +215,7 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            prefill_budget -= num_new
 
         return self._make_output(num_scheduled, new_block_ids)
 
@@ -217,6 +226,13 @@ class Scheduler:
         return (max_tokens is not None and num_outputs >= max_tokens) or (
             request.num_tokens_after_flight >= self.config.max_model_len
         )
+
+    def _prefill_budget(self) -> int:
+        """The step's prefill tokens: decode_prefill_token_budget while any running request decodes."""
+        cap = self.config.decode_prefill_token_budget
+        if cap > 0 and any(r.num_computed_after_flight >= r.num_prompt_tokens for r in self.running):
+            return cap
+        return self.config.max_num_batched_tokens
 
     def _prefill_cap(self) -> int:
         cap = self.config.long_prefill_token_threshold

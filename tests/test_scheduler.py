@@ -352,3 +352,22 @@ def test_a_worker_error_finishes_its_request_only(async_scheduling: bool) -> Non
     assert outputs["good"][-1].finish_reason == "length"
     assert core.make_stats().kv_cache_usage == 0.0, "no block left behind"
     core.scheduler.check_invariants()
+
+
+def test_while_requests_decode_a_step_prefills_at_most_the_decode_prefill_budget() -> None:
+    """--decode-prefill-token-budget: a decode row waits through at most that much prefill a step; with
+    no request decoding, prefills take the whole budget (a burst's first step is not slowed)."""
+    core, executor = make_core(max_num_batched_tokens=64, decode_prefill_token_budget=8)
+    add(core, "a", list(range(40)), max_tokens=30)
+    add(core, "b", list(range(100, 150)), max_tokens=30)
+    core.step()
+    first = executor.steps[-1].num_scheduled_tokens
+    assert sum(first.values()) == 64  # nobody decodes yet: the whole budget
+    outputs = run_to_completion(core)
+    assert {"a", "b"} <= set(outputs)
+    mixed = [
+        s for s in executor.steps if 1 in s.num_scheduled_tokens.values() and len(s.num_scheduled_tokens) > 1
+    ]
+    assert mixed and all(sum(c for c in s.num_scheduled_tokens.values() if c > 1) <= 8 for s in mixed), (
+        "a step with a decode row carries at most 8 prefill tokens"
+    )

@@ -52,6 +52,11 @@ class EngineArgs:
     max_num_seqs: int = option(128, "requests running at once")
     max_num_batched_tokens: int = option(2048, "token budget of one step")
     long_prefill_token_threshold: int = option(0, "cap each prefill chunk at this many tokens (0: no cap)")
+    decode_prefill_token_budget: int = option(
+        0,
+        "while requests decode, at most this many prefill tokens a step, so that an inter-token gap never "
+        "holds a whole budget of prefill (0: the step's budget)",
+    )
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prefixes")
     scheduling_policy: str = option("fcfs", "which waiting request goes first", choices=["fcfs", "priority"])
     async_scheduling: bool = option(
@@ -141,6 +146,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            decode_prefill_token_budget=self.decode_prefill_token_budget,
             async_scheduling=self.async_scheduling,
             log_level=self.log_level,
             log_format=self.log_format,
