@@ -11,11 +11,21 @@ import pytest
 from frontend.cli.main import build_parser
 from frontend.config.engine_args import EngineArgs
 from frontend.config.flags import default_of, flag_name, from_namespace, human_bytes
-from frontend.config.server_args import SERVE_MAX_NUM_BATCHED_TOKENS, ServerArgs, origins
+from frontend.config.server_args import (
+    SERVE_DECODE_PREFILL_TOKEN_BUDGET,
+    SERVE_MAX_NUM_BATCHED_TOKENS,
+    ServerArgs,
+    origins,
+)
 from protocol.config import EngineConfig, WorkerConfig
 
 # Per-command defaults that differ from the field's, on purpose (each is documented where it is set).
-COMMAND_DEFAULTS = {"serve": {"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS}}
+COMMAND_DEFAULTS = {
+    "serve": {
+        "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS,
+        "decode_prefill_token_budget": SERVE_DECODE_PREFILL_TOKEN_BUDGET,
+    }
+}
 COMMANDS = {
     "serve": (EngineArgs, ServerArgs),
     "generate": (EngineArgs,),

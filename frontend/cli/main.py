@@ -11,7 +11,11 @@ from typing import Any
 
 from frontend.config.engine_args import EngineArgs
 from frontend.config.flags import add_flags, from_namespace
-from frontend.config.server_args import SERVE_MAX_NUM_BATCHED_TOKENS, ServerArgs
+from frontend.config.server_args import (
+    SERVE_DECODE_PREFILL_TOKEN_BUDGET,
+    SERVE_MAX_NUM_BATCHED_TOKENS,
+    ServerArgs,
+)
 from protocol.log_format import configure_logging
 from protocol.version import __version__
 
@@ -62,7 +66,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP + SSE)")
-    add_flags(serve, EngineArgs, defaults={"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS})
+    serve_defaults = {
+        "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS,
+        "decode_prefill_token_budget": SERVE_DECODE_PREFILL_TOKEN_BUDGET,
+    }
+    add_flags(serve, EngineArgs, defaults=serve_defaults)
     add_flags(serve, ServerArgs)
     serve.set_defaults(func=cmd_serve)
 

@@ -14,6 +14,12 @@ from frontend.config.flags import option
 # benchmarks/results/2026-11-29-lab-notes-performance.md, "Where a step goes now"). Offline commands keep
 # the larger budget, which prefills a long prompt in fewer steps.
 SERVE_MAX_NUM_BATCHED_TOKENS = 256
+# While requests decode, a served step carries at most this many prefill tokens, so that an inter-token
+# gap holds 64 tokens of prefill, not 256. Served c=16, 48 requests of 100 in / 64 out, float32, 3 rounds
+# alternating (AMD EPYC, AVX2 only, 2026-12-01): ITL p99 653-709 -> 190-312 ms, TTFT p50 1.24-1.47 ->
+# 0.62-0.83 s, throughput level; 32 kept ITL p99 at 206-214 ms but raised ITL p50 from 73 to 110-118 ms
+# (benchmarks/results/2026-12-01-lab-notes-issue25.md, "A step's prefill share").
+SERVE_DECODE_PREFILL_TOKEN_BUDGET = 64
 
 API_KEY_ENV = ("ENGINE_API_KEY", "VLLM_API_KEY")  # read in this order, comma-separated keys each
 
