@@ -15,7 +15,9 @@
 // the thread count changes it. (The portable loop, for CPUs without AVX2 and FMA, makes the same chain
 // with std::fma.)
 // Rows go in passes of up to 6 against one group's 16 columns (12 accumulators in 16 AVX2 registers); a
-// group's K x 16 weights are read once per call and reused from cache by every pass.
+// group's K x 16 weights are read once per call and reused from cache by every pass. At one row the
+// weights stream at 25-33 GB/s, the machine's 30 GB/s of a plain sum (AVX2 EPYC, 2026-12-01); asking for
+// lines 4 KiB ahead measured no faster (21.3 vs 16.4-19.4 ms for SmolLM2's 538 MB), so it does not.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
