@@ -28,9 +28,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     phases = StartupPhases("worker")
     address, parent = sys.argv[1], os.getppid()
-    exit_with_parent(
-        int(sys.argv[2]) if len(sys.argv) > 2 else 0, signal.SIGKILL
-    )  # loading too: nothing to save
+    # SIGKILL when the engine dies, even mid-load: a worker has nothing to save
+    exit_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else 0, signal.SIGKILL)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerConfig)
     configure_logging(config.log_level, config.log_format)
     input_codec, output_codec = worker_input_codec(), worker_output_codec()

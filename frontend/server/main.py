@@ -1,6 +1,6 @@
 """One API-server process: FastAPI + uvicorn on the listening socket the launcher hands down.
 
-`python -m frontend.server.main FD` reads its ServerConfig as JSON on stdin; FD is the shared,
+`python -m frontend.server.main FD [PARENT_PID]` reads its ServerConfig as JSON on stdin; FD is the shared,
 already-listening TCP socket (N processes accept on it, the kernel spreads the connections).
 """
 
@@ -142,9 +142,8 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
 
 def main() -> None:
     phases = StartupPhases("API server")
-    exit_with_parent(
-        int(sys.argv[2]) if len(sys.argv) > 2 else 0, signal.SIGTERM
-    )  # launcher killed: drain, go
+    # SIGTERM when the launcher dies, even killed outright: drain, then go
+    exit_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else 0, signal.SIGTERM)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
     configure_logging(config.log_level, config.log_format)
     phases.process = f"API server {config.server_index}"
