@@ -66,10 +66,12 @@ def mapping_of(address: int) -> dict[str, str]:
 def test_kv_cache_buffer_is_zeroed_aligned_and_advised_for_huge_pages() -> None:
     import torch
 
-    from worker.host_memory import HUGE_PAGE_BYTES, zeros_on_huge_pages
+    from worker.host_memory import HUGE_PAGE_BYTES, MMAP_THRESHOLD, zeroed_pool
 
+    large = zeroed_pool([(MMAP_THRESHOLD,)], torch.bfloat16)  # a fresh mapping, faulted in on a thread
+    assert not large[0].any() and large[0].data_ptr() % HUGE_PAGE_BYTES == 0
     shapes = [(64, 2, 16, 3, 64)] * 3 + [(5, 7)]
-    tensors = zeros_on_huge_pages(shapes, torch.bfloat16)
+    tensors = zeroed_pool(shapes, torch.bfloat16)  # below the threshold: zeroed here
     assert [tuple(t.shape) for t in tensors] == shapes
     assert all(t.is_contiguous() and t.dtype == torch.bfloat16 and not t.any() for t in tensors)
     assert tensors[0].data_ptr() % HUGE_PAGE_BYTES == 0

@@ -211,6 +211,12 @@ def test_linear_rows_gives_each_row_the_same_bits_in_any_batch(ops, dtype) -> No
     generator = torch.Generator().manual_seed(11)
     weight = torch.randn(1536, 576, generator=generator).to(dtype)
     packed = ops.pack_rows(weight)
+    linear = Linear(576, 1536, bias=False, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    if linear.invariant_kernel(ops) == "rows":  # bf16 with AVX-512 BF16 takes the pairs kernel instead
+        linear.pack_invariant(ops)  # the model packs in Python, straight onto huge pages: the same layout
+        assert linear.rows is not None and torch.equal(linear.rows, packed)
     x = torch.randn(300, 576, generator=generator).to(dtype)
     alone = torch.cat([ops.linear_rows(x[i : i + 1], packed, torch.empty(0), 1536) for i in range(300)])
     for rows in (2, 5, 6, 7, 64, 97, 300):

@@ -87,14 +87,6 @@ def empty_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
     return tensors
 
 
-def zeros_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """empty_on_huge_pages, zeroed: the writes fault the pages in, huge where the kernel can."""
-    tensors = empty_on_huge_pages(shapes, dtype)
-    for tensor in tensors:
-        tensor.zero_()
-    return tensors
-
-
 def zeroed_pool(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Zeroed tensors on huge pages (the KV cache): one above glibc's mmap threshold is a fresh mapping,
     zero already, and faults in on a thread (fault_in_background); a smaller one is zeroed here."""
