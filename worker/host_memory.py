@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import mmap
 import os
 import sys
 import threading
@@ -70,12 +71,18 @@ def trim_freed_memory() -> bool:
 
 
 def empty_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Tensors of these shapes, back to back in one buffer aligned to 2 MiB and advised for transparent
-    huge pages before any of it is touched; default pages where madvise is refused. Uninitialized, except
-    that a buffer larger than glibc's mmap threshold is a fresh mapping, which reads as zeros."""
+    """Uninitialized tensors of these shapes, back to back in one buffer aligned to 2 MiB and advised for
+    transparent huge pages before any of it is touched; default pages where madvise is refused."""
+    num_bytes = sum(math.prod(shape) * dtype.itemsize for shape in shapes)
+    raw = torch.empty(num_bytes + HUGE_PAGE_BYTES, dtype=torch.uint8)  # large: a fresh mapping, no pages yet
+    return _views_on_huge_pages(raw, shapes, dtype)
+
+
+def _views_on_huge_pages(
+    raw: torch.Tensor, shapes: list[tuple[int, ...]], dtype: torch.dtype
+) -> list[torch.Tensor]:
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     num_bytes = sum(sizes)
-    raw = torch.empty(num_bytes + HUGE_PAGE_BYTES, dtype=torch.uint8)  # large: a fresh mapping, no pages yet
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     buffer = raw[start : start + num_bytes]
     if not _advise_huge_pages(buffer.data_ptr(), num_bytes):
@@ -88,14 +95,19 @@ def empty_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
 
 
 def zeroed_pool(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zeroed tensors on huge pages (the KV cache): one above glibc's mmap threshold is a fresh mapping,
-    zero already, and faults in on a thread (fault_in_background); a smaller one is zeroed here."""
-    tensors = empty_on_huge_pages(shapes, dtype)
-    if sum(t.numel() * t.element_size() for t in tensors) <= MMAP_THRESHOLD:
+    """Zeroed tensors on huge pages (the KV cache). A large pool is an anonymous mapping of its own, which
+    the kernel hands out as zeros, faulted in on a thread (fault_in_background); a small one is zeroed here.
+    NOTE: not malloc's memory: with the trim threshold raised, malloc served a 66 MB block from freed heap
+    memory that still held old values (tests/test_host_memory.py)."""
+    num_bytes = sum(math.prod(shape) * dtype.itemsize for shape in shapes)
+    if num_bytes <= MMAP_THRESHOLD:
+        tensors = empty_on_huge_pages(shapes, dtype)
         for tensor in tensors:
             tensor.zero_()
-    else:
-        fault_in_background(tensors)
+        return tensors
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES)  # the tensors keep it alive
+    tensors = _views_on_huge_pages(torch.frombuffer(mapping, dtype=torch.uint8), shapes, dtype)
+    fault_in_background(tensors)
     return tensors
 
 
