@@ -133,19 +133,68 @@ class Supervisor:
         return 0
 
 
+def check_parsers(args: ServerArgs) -> None:
+    """A bad parser name or plugin stops us before the engine loads."""
+    from frontend.parsers.registry import Parsers
+
+    parsers = Parsers.with_plugin(args.tool_parser_plugin)
+    if args.tool_call_parser:
+        parsers.tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        parsers.reasoning_parser(args.reasoning_parser)
+
+
+def server_config(
+    engine_args: EngineArgs,
+    args: ServerArgs,
+    model: str,
+    input_address: str,
+    output_address: str,
+    server_index: int = 0,
+) -> ServerConfig:
+    """What an API server (or `engine run-batch`, which runs the same app in-process) is told."""
+    chat_template = None
+    if args.chat_template:
+        chat_template = (
+            open(args.chat_template).read() if os.path.exists(args.chat_template) else args.chat_template
+        )
+    return ServerConfig(
+        model=model,
+        input_address=input_address,
+        output_address=output_address,
+        server_index=server_index,
+        api_keys=args.api_keys(),
+        chat_template=chat_template,
+        allowed_origins=args.allowed_origins,
+        cache_dir=engine_args.cache_dir,
+        log_level=engine_args.log_level,
+        generation_config=args.generation_config,
+        log_format=engine_args.log_format,
+        log_requests=args.enable_log_requests,
+        max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        max_inflight_requests=args.max_inflight_requests,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        engine_stall_timeout_s=args.engine_stall_timeout_s,
+        enable_docs=args.enable_fastapi_docs,
+        register_timeout_s=args.engine_connect_timeout_s,
+        metrics_prefix=args.metrics_prefix,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        tool_parser_plugin=args.tool_parser_plugin,
+        reasoning_parser=args.reasoning_parser,
+    )
+
+
 def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     from frontend.model_files import resolve_model
-    from frontend.parsers.registry import Parsers
 
     configure_logging(engine_args.log_level, engine_args.log_format)
     phases = StartupPhases("launcher")
     phases.mark("imports")
-    if not args.headless:  # a bad parser name or plugin stops us before the engine loads
-        parsers = Parsers.with_plugin(args.tool_parser_plugin)
-        if args.tool_call_parser:
-            parsers.tool_parser(args.tool_call_parser)
-        if args.reasoning_parser:
-            parsers.reasoning_parser(args.reasoning_parser)
+    if not args.headless:
+        check_parsers(args)
     phases.mark("parsers")
     supervisor = Supervisor(args.shutdown_timeout_s)
     # The HTTP port first: a port in use must stop us before an engine is started (and left behind).
@@ -192,42 +241,9 @@ def _start_api_servers(
         # Every API server writes its metrics here; /metrics on any of them sums the files.
         supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
-    chat_template = None
-    if args.chat_template:
-        chat_template = (
-            open(args.chat_template).read() if os.path.exists(args.chat_template) else args.chat_template
-        )
     for index in range(args.api_server_count):
-        supervisor.start_api_server(
-            sock,
-            ServerConfig(
-                model=model,
-                input_address=input_address,
-                output_address=output_address,
-                server_index=index,
-                api_keys=args.api_keys(),
-                chat_template=chat_template,
-                allowed_origins=args.allowed_origins,
-                cache_dir=engine_args.cache_dir,
-                log_level=engine_args.log_level,
-                generation_config=args.generation_config,
-                log_format=engine_args.log_format,
-                log_requests=args.enable_log_requests,
-                max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
-                max_queued_requests=args.max_queued_requests,
-                max_queued_tokens=args.max_queued_tokens,
-                max_inflight_requests=args.max_inflight_requests,
-                shutdown_timeout_s=args.shutdown_timeout_s,
-                engine_stall_timeout_s=args.engine_stall_timeout_s,
-                enable_docs=args.enable_fastapi_docs,
-                register_timeout_s=args.engine_connect_timeout_s,
-                metrics_prefix=args.metrics_prefix,
-                enable_auto_tool_choice=args.enable_auto_tool_choice,
-                tool_call_parser=args.tool_call_parser,
-                tool_parser_plugin=args.tool_parser_plugin,
-                reasoning_parser=args.reasoning_parser,
-            ),
-        )
+        config = server_config(engine_args, args, model, input_address, output_address, index)
+        supervisor.start_api_server(sock, config)
     sock.close()  # the API servers hold it now
     phases.mark("API server processes")
     phases.log(logger)

@@ -8,7 +8,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from frontend.openai import chat, completions, tokenize
+from frontend.openai import chat, chat_batch, completions, tokenize
 from frontend.server import admin
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
@@ -60,6 +60,6 @@ def build_app(deps: AppDeps) -> FastAPI:
     async def http_error(_: Request, error: HTTPException) -> Response:
         return error_response(http_status_error(error.status_code, error.detail))
 
-    for router in (chat.router, completions.router, tokenize.router, admin.router):
+    for router in (chat.router, chat_batch.router, completions.router, tokenize.router, admin.router):
         app.include_router(router)
     return app

@@ -22,12 +22,10 @@ from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.client import AsyncEngineClient
 from frontend.engine.output_processor import SHUTDOWN_REASON
 from frontend.metrics import Metrics
-from frontend.model_files import load_generation_defaults, load_tokenizer
+from frontend.model_files import load_tokenizer
 from frontend.openai.serving import OpenAIServing
-from frontend.parsers.registry import Parsers
-from frontend.server.admission import AdmissionLimits
 from frontend.server.app import build_app
-from frontend.server.deps import AppDeps, ServerConfig
+from frontend.server.deps import AppDeps, ServerConfig, build_serving
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, exit_with_parent
 
@@ -95,28 +93,8 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
         )
     tokenizer = await tokenizer_load
     phases.mark("tokenizer")
-    defaults = load_generation_defaults(config.model or model_info.model, config.generation_config)
-    if defaults:
-        logger.info("sampling defaults from the generation config: %s", defaults)
     metrics = Metrics(model_info, prefix=config.metrics_prefix)
-    llm = AsyncLLM(client, tokenizer, metrics)
-    llm.log_requests = config.log_requests
-    limits = AdmissionLimits(
-        max_queued_requests=config.max_queued_requests,
-        max_queued_tokens=config.max_queued_tokens,
-        max_inflight_requests=config.max_inflight_requests,
-    )
-    serving = OpenAIServing(
-        llm,
-        model_info,
-        config.chat_template,
-        defaults,
-        limits,
-        parsers=Parsers.with_plugin(config.tool_parser_plugin),
-        enable_auto_tool_choice=config.enable_auto_tool_choice,
-        tool_call_parser=config.tool_call_parser,
-        reasoning_parser=config.reasoning_parser,
-    )
+    serving = build_serving(config, AsyncLLM(client, tokenizer, metrics), model_info)
     app = build_app(AppDeps(config, serving, metrics))
     uv_config = uvicorn.Config(
         app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=10
