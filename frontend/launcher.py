@@ -74,6 +74,7 @@ class Supervisor:
         self.api_servers: list[subprocess.Popen[bytes]] = []
         self.stopping = False
         self.metrics_dir: str | None = None  # ours to remove at exit
+        self.state_dir: str | None = None  # ours to remove at exit: the responses store
         self.shutdown_timeout_s = shutdown_timeout_s
 
     def start_api_server(self, sock: socket.socket, config: ServerConfig) -> None:
@@ -128,8 +129,9 @@ class Supervisor:
                 process.wait()
         if self.engine is not None:
             self.engine.shutdown()
-        if self.metrics_dir is not None:
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        for folder in (self.metrics_dir, self.state_dir):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
         return 0
 
 
@@ -192,6 +194,7 @@ def _start_api_servers(
         # Every API server writes its metrics here; /metrics on any of them sums the files.
         supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
+    supervisor.state_dir = tempfile.mkdtemp(prefix="engine-state-")
     chat_template = None
     if args.chat_template:
         chat_template = (
@@ -226,6 +229,9 @@ def _start_api_servers(
                 tool_call_parser=args.tool_call_parser,
                 tool_parser_plugin=args.tool_parser_plugin,
                 reasoning_parser=args.reasoning_parser,
+                responses_store_path=os.path.join(supervisor.state_dir, "responses.sqlite"),
+                responses_store_max_count=args.responses_store_max_count,
+                responses_store_max_bytes=int(args.responses_store_max_mb * (1 << 20)),
             ),
         )
     sock.close()  # the API servers hold it now

@@ -105,6 +105,10 @@ class ServerArgs:
     reasoning_parser: str | None = option(
         None, "split <think> sections into message.reasoning: deepseek_r1 or qwen3"
     )
+    responses_store_max_count: int = option(
+        10000, "stored /v1/responses kept at most, least recently used evicted first (0: no store)"
+    )
+    responses_store_max_mb: float = option(256.0, "and at most this much of them (their JSON)")
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_call_parser:

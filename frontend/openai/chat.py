@@ -26,6 +26,7 @@ from frontend.openai.format import SSE_DONE, chat_logprobs, prompt_logprobs_body
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import chat_prompt
 from frontend.openai.schemas import ChatCompletionRequest
+from frontend.openai.serving import OpenAIServing
 from frontend.openai.structured import spec_of_request
 from frontend.openai.tools import ChatPlan, plan_chat, select_tools
 from frontend.parsers.base import Delta as ParsedDelta
@@ -57,6 +58,19 @@ class ChatRun(Run):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
+    run, stream = start_chat(body, request, serving)
+    headers = id_headers(request, body)
+    if body.stream:
+        return StreamingResponse(_stream(run, stream), media_type="text/event-stream", headers=headers)
+    state = await until_disconnected(request, final_state(stream))
+    return json_response(_full_body(run, state), headers)
+
+
+def start_chat(
+    body: ChatCompletionRequest, request: Request, serving: OpenAIServing, id_prefix: str = "chatcmpl"
+) -> tuple[ChatRun, AsyncGenerator[tuple[RequestState, Delta], None]]:
+    """The one rendering path of every chat-shaped door (chat completions, responses, messages, batch):
+    checks, the chat template, the tool plan and the sampling params; then the generation, started."""
     serving.admit()
     body.check_supported()
     serving.check_priority(body.priority)
@@ -83,7 +97,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
         structured_outputs=plan.spec,
     )
     run = ChatRun(
-        serving, new_request_id("chatcmpl"), model, int(time.time()), body, prompt_ids, top or 0, plan
+        serving, new_request_id(id_prefix), model, int(time.time()), body, prompt_ids, top or 0, plan
     )
     if metadata := metadata_of(body):
         logger.debug("request %s metadata: %s", run.request_id, metadata)
@@ -95,11 +109,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
         cache_salt=body.cache_salt,
         log_id=caller_request_id(request, body),
     )
-    headers = id_headers(request, body)
-    if body.stream:
-        return StreamingResponse(_stream(run, stream), media_type="text/event-stream", headers=headers)
-    state = await until_disconnected(request, final_state(stream))
-    return json_response(_full_body(run, state), headers)
+    return run, stream
 
 
 def _full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:

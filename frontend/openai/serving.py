@@ -11,6 +11,7 @@ from frontend.engine.client import AsyncEngineClient
 from frontend.openai.format import TokenText
 from frontend.openai.structured import SpecValidator
 from frontend.parsers.registry import Parsers
+from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits, admit
 from frontend.server.errors import OpenAIError
 from protocol.messages import ModelInfo
@@ -28,6 +29,7 @@ class OpenAIServing:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a name in parsers
     reasoning_parser: str | None = None  # a name in parsers
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(":memory:", 1000, 64 << 20))
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.tokenizer)

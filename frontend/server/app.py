@@ -8,7 +8,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from frontend.anthropic import messages
 from frontend.openai import chat, completions, tokenize
+from frontend.responses import serving as responses
 from frontend.server import admin
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
@@ -40,26 +42,34 @@ def build_app(deps: AppDeps) -> FastAPI:
         )
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, error: OpenAIError) -> Response:
-        return error_response(error)
+    async def openai_error(request: Request, error: OpenAIError) -> Response:
+        return error_response(error, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> Response:
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        path = request.url.path
         first = error.errors()[0] if error.errors() else {}
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
-            return error_response(OpenAIError("The request body is not valid JSON.", param=None))
+            return error_response(OpenAIError("The request body is not valid JSON.", param=None), path)
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(OpenAIError(message, param=location[0] if location else None))
+        return error_response(OpenAIError(message, param=location[0] if location else None), path)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, error: Exception) -> Response:
-        return error_response(to_openai_error(error))  # logged there, with its traceback
+    async def internal_error(request: Request, error: Exception) -> Response:
+        return error_response(to_openai_error(error), request.url.path)  # logged there, with its traceback
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> Response:
-        return error_response(http_status_error(error.status_code, error.detail))
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return error_response(http_status_error(error.status_code, error.detail), request.url.path)
 
-    for router in (chat.router, completions.router, tokenize.router, admin.router):
+    for router in (
+        chat.router,
+        completions.router,
+        responses.router,
+        messages.router,
+        tokenize.router,
+        admin.router,
+    ):
         app.include_router(router)
     return app

@@ -34,3 +34,6 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None  # the model's tool-call format (frontend/parsers/)
     tool_parser_plugin: str | None = None  # a file adding tool parsers
     reasoning_parser: str | None = None  # splits <think> sections into `reasoning`
+    responses_store_path: str = ":memory:"  # the launcher's SQLite file, shared by its API servers
+    responses_store_max_count: int = 10000  # stored responses kept at most (LRU eviction); 0: no store
+    responses_store_max_bytes: int = 256 << 20

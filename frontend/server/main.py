@@ -25,6 +25,7 @@ from frontend.metrics import Metrics
 from frontend.model_files import load_generation_defaults, load_tokenizer
 from frontend.openai.serving import OpenAIServing
 from frontend.parsers.registry import Parsers
+from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits
 from frontend.server.app import build_app
 from frontend.server.deps import AppDeps, ServerConfig
@@ -116,6 +117,9 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
         enable_auto_tool_choice=config.enable_auto_tool_choice,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
+        responses=ResponseStore(
+            config.responses_store_path, config.responses_store_max_count, config.responses_store_max_bytes
+        ),
     )
     app = build_app(AppDeps(config, serving, metrics))
     uv_config = uvicorn.Config(

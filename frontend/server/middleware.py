@@ -71,7 +71,7 @@ class EdgeMiddleware:
                         type="authentication_error",
                         code="invalid_api_key",
                     )
-                    await error_response(error)(scope, receive, send_with_headers)
+                    await error_response(error, scope["path"])(scope, receive, send_with_headers)
                     return
             body_receive = await self._read_body(scope, headers, receive)
             if body_receive is None:
@@ -81,7 +81,7 @@ class EdgeMiddleware:
                     type="invalid_request_error",
                     code="request_too_large",
                 )
-                await error_response(error)(scope, receive, send_with_headers)
+                await error_response(error, scope["path"])(scope, receive, send_with_headers)
                 return
             await self.app(scope, body_receive, send_with_headers)
         finally:
