@@ -8,11 +8,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from frontend.openai import chat, completions, tokenize
-from frontend.server import admin
+from frontend.openai import chat, completions, invocations, tokenize
+from frontend.server import admin, dev
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
 from frontend.server.middleware import EdgeMiddleware
+from frontend.server.orca import OrcaMiddleware
+from frontend.server.user_middleware import add_user_middleware
 from protocol.version import __version__
 
 
@@ -25,8 +27,11 @@ def build_app(deps: AppDeps) -> FastAPI:
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
+        root_path=config.root_path,  # behind a proxy that serves us under a prefix (stripped or not)
     )
     app.state.deps = deps
+    client = deps.client
+    app.add_middleware(OrcaMiddleware, stats=lambda: client.last_stats)
     app.add_middleware(
         EdgeMiddleware,
         api_keys=config.api_keys,
@@ -38,6 +43,7 @@ def build_app(deps: AppDeps) -> FastAPI:
         app.add_middleware(
             CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
         )
+    add_user_middleware(app, config.middleware)  # outermost, as vLLM adds them
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, error: OpenAIError) -> Response:
@@ -60,6 +66,7 @@ def build_app(deps: AppDeps) -> FastAPI:
     async def http_error(_: Request, error: HTTPException) -> Response:
         return error_response(http_status_error(error.status_code, error.detail))
 
-    for router in (chat.router, completions.router, tokenize.router, admin.router):
+    routers = [chat.router, completions.router, invocations.router, tokenize.router, admin.router]
+    for router in routers + ([dev.router] if config.dev_mode else []):
         app.include_router(router)
     return app
