@@ -149,7 +149,7 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     body = run.body
     options = body.stream_options
-    include_usage = options is not None and options.include_usage
+    include_usage = run.serving.include_usage(options)
     continuous = options is not None and options.continuous_usage_stats
     first_extra: dict[str, Any] = {"prompt_token_ids": run.prompt_ids} if body.return_token_ids else {}
     for index in range(body.n):

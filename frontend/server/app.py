@@ -9,12 +9,14 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from frontend.anthropic import messages
-from frontend.openai import chat, completions, tokenize
+from frontend.openai import chat, completions, invocations, tokenize
 from frontend.responses import serving as responses
-from frontend.server import admin
+from frontend.server import admin, dev
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
 from frontend.server.middleware import EdgeMiddleware
+from frontend.server.orca import OrcaMiddleware
+from frontend.server.user_middleware import add_user_middleware
 from protocol.version import __version__
 
 
@@ -27,8 +29,11 @@ def build_app(deps: AppDeps) -> FastAPI:
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
+        root_path=config.root_path,  # behind a proxy that serves us under a prefix (stripped or not)
     )
     app.state.deps = deps
+    client = deps.client
+    app.add_middleware(OrcaMiddleware, stats=lambda: client.last_stats)
     app.add_middleware(
         EdgeMiddleware,
         api_keys=config.api_keys,
@@ -40,6 +45,7 @@ def build_app(deps: AppDeps) -> FastAPI:
         app.add_middleware(
             CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
         )
+    add_user_middleware(app, config.middleware)  # outermost, as vLLM adds them
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> Response:
@@ -63,13 +69,15 @@ def build_app(deps: AppDeps) -> FastAPI:
     async def http_error(request: Request, error: HTTPException) -> Response:
         return error_response(http_status_error(error.status_code, error.detail), request.url.path)
 
-    for router in (
+    routers = [
         chat.router,
         completions.router,
         responses.router,
         messages.router,
+        invocations.router,
         tokenize.router,
         admin.router,
-    ):
+    ]
+    for router in routers + ([dev.router] if config.dev_mode else []):
         app.include_router(router)
     return app

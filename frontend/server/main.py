@@ -23,12 +23,14 @@ from frontend.engine.client import AsyncEngineClient
 from frontend.engine.output_processor import SHUTDOWN_REASON
 from frontend.metrics import Metrics
 from frontend.model_files import load_generation_defaults, load_tokenizer
+from frontend.openai.fingerprint import output_settings, system_fingerprint
 from frontend.openai.serving import OpenAIServing
 from frontend.parsers.registry import Parsers
 from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits
 from frontend.server.app import build_app
 from frontend.server.deps import AppDeps, ServerConfig
+from frontend.server.tls import CertRefresher
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, exit_with_parent
 
@@ -77,9 +79,10 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     )
     # The tokenizer (transformers' import, seconds) loads while the engine loads the model; attached
     # without a model name, it waits for the engine's.
+    tokenizer_path = config.tokenizer or config.model
     tokenizer_load = (
-        asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model, config.cache_dir))
-        if config.model
+        asyncio.create_task(asyncio.to_thread(load_tokenizer, tokenizer_path, config.cache_dir))
+        if tokenizer_path
         else None
     )
     try:
@@ -102,6 +105,7 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     metrics = Metrics(model_info, prefix=config.metrics_prefix)
     llm = AsyncLLM(client, tokenizer, metrics)
     llm.log_requests = config.log_requests
+    llm.max_log_len = config.max_log_len
     limits = AdmissionLimits(
         max_queued_requests=config.max_queued_requests,
         max_queued_tokens=config.max_queued_tokens,
@@ -120,11 +124,25 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
         responses=ResponseStore(
             config.responses_store_path, config.responses_store_max_count, config.responses_store_max_bytes
         ),
+        system_fingerprint=system_fingerprint(
+            config.fingerprint_mode, model_info, output_settings(config), config.fingerprint_value
+        ),
+        force_include_usage=config.force_include_usage,
     )
     app = build_app(AppDeps(config, serving, metrics))
     uv_config = uvicorn.Config(
-        app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=10
+        app,
+        log_level=config.uvicorn_log_level or config.log_level,
+        loop="uvloop",
+        access_log=config.uvicorn_access_log,
+        timeout_graceful_shutdown=10,
+        **tls_options(config),
     )
+    uv_config.load()  # builds the SSL context now, so that the refresher holds the one uvicorn serves
+    refresher = None
+    if config.enable_ssl_refresh and uv_config.ssl is not None and config.ssl_keyfile and config.ssl_certfile:
+        refresher = CertRefresher(uv_config.ssl, config.ssl_keyfile, config.ssl_certfile, config.ssl_ca_certs)
+        refresher.start()
     server = DrainingServer(uv_config, serving, config.shutdown_timeout_s)
     # The launcher's word that the engine process is gone: fail open requests now, not after the
     # heartbeat timeout.
@@ -141,7 +159,23 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     try:
         await server.serve(sockets=[sock])
     finally:
+        if refresher is not None:
+            refresher.stop()
         client.close()
+
+
+def tls_options(config: ServerConfig) -> dict[str, Any]:
+    """uvicorn's ssl_* options: HTTPS when both a key and a certificate are given."""
+    if not (config.ssl_keyfile and config.ssl_certfile):
+        return {}
+    options: dict[str, Any] = {
+        "ssl_keyfile": config.ssl_keyfile,
+        "ssl_certfile": config.ssl_certfile,
+        "ssl_cert_reqs": config.ssl_cert_reqs,
+    }
+    if config.ssl_ca_certs:
+        options["ssl_ca_certs"] = config.ssl_ca_certs
+    return options
 
 
 def main() -> None:

@@ -18,6 +18,14 @@ from frontend.server.errors import OpenAIError, error_response
 OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
 
 
+def route_path(scope: MutableMapping[str, Any]) -> str:
+    """The path without the --root-path prefix, whether the proxy stripped it or not (Starlette's rule)."""
+    path, root = str(scope["path"]), str(scope.get("root_path") or "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("/", ""):
+        return path[len(root) :] or "/"
+    return path
+
+
 class EdgeMiddleware:
     def __init__(
         self,
@@ -63,7 +71,7 @@ class EdgeMiddleware:
             await send(message)
 
         try:
-            if self.keys and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            if self.keys and route_path(scope) not in OPEN_PATHS and scope["method"] != "OPTIONS":
                 if not self.authorized(headers):
                     error = OpenAIError(
                         "Incorrect or missing API key.",
@@ -85,7 +93,7 @@ class EdgeMiddleware:
                 return
             await self.app(scope, body_receive, send_with_headers)
         finally:
-            path = scope["path"]
+            path = route_path(scope)
             if self.metrics is not None and path not in UNMETERED_PATHS:
                 self.metrics.http_requests.labels(scope["method"], path, str(status[0])).inc()
                 self.metrics.http_latency.labels(scope["method"], path).observe(time.monotonic() - started)
