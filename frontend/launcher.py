@@ -137,24 +137,86 @@ class Supervisor:
         return 0
 
 
+def check_parsers(args: ServerArgs) -> None:
+    """A bad parser name, plugin, middleware or TLS file stops us before the engine loads."""
+    from frontend.parsers.registry import Parsers
+
+    parsers = Parsers.with_plugin(args.tool_parser_plugin)
+    if args.tool_call_parser:
+        parsers.tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        parsers.reasoning_parser(args.reasoning_parser)
+    for path in args.middleware:
+        import_middleware(path)
+    check_tls_files(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+
+
+def server_config(
+    engine_args: EngineArgs,
+    args: ServerArgs,
+    model: str,
+    input_address: str,
+    output_address: str,
+    server_index: int = 0,
+) -> ServerConfig:
+    """What an API server (or `engine run-batch`, which runs the same app in-process) is told."""
+    chat_template = None
+    if args.chat_template:
+        chat_template = (
+            open(args.chat_template).read() if os.path.exists(args.chat_template) else args.chat_template
+        )
+    return ServerConfig(
+        model=model,
+        input_address=input_address,
+        output_address=output_address,
+        server_index=server_index,
+        api_keys=args.api_keys(),
+        chat_template=chat_template,
+        allowed_origins=args.allowed_origins,
+        cache_dir=engine_args.cache_dir,
+        log_level=engine_args.log_level,
+        generation_config=args.generation_config,
+        log_format=engine_args.log_format,
+        log_requests=args.enable_log_requests,
+        max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        max_inflight_requests=args.max_inflight_requests,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        engine_stall_timeout_s=args.engine_stall_timeout_s,
+        enable_docs=args.enable_fastapi_docs,
+        register_timeout_s=args.engine_connect_timeout_s,
+        metrics_prefix=args.metrics_prefix,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        tool_parser_plugin=args.tool_parser_plugin,
+        reasoning_parser=args.reasoning_parser,
+        responses_store_max_count=args.responses_store_max_count,
+        responses_store_max_bytes=int(args.responses_store_max_mb * (1 << 20)),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        enable_ssl_refresh=args.enable_ssl_refresh,
+        root_path=args.root_path or "",
+        uvicorn_log_level=args.uvicorn_log_level,
+        uvicorn_access_log=args.enable_uvicorn_access_log,
+        middleware=args.middleware,
+        max_log_len=args.max_log_len,
+        force_include_usage=args.enable_force_include_usage,
+        fingerprint_mode=args.fingerprint_mode,
+        fingerprint_value=args.fingerprint_value,
+    )
+
+
 def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     from frontend.model_files import resolve_model
-    from frontend.parsers.registry import Parsers
 
     configure_logging(engine_args.log_level, engine_args.log_format)
     phases = StartupPhases("launcher")
     phases.mark("imports")
-    if (
-        not args.headless
-    ):  # a bad parser name, plugin, middleware or TLS file stops us before the engine loads
-        parsers = Parsers.with_plugin(args.tool_parser_plugin)
-        if args.tool_call_parser:
-            parsers.tool_parser(args.tool_call_parser)
-        if args.reasoning_parser:
-            parsers.reasoning_parser(args.reasoning_parser)
-        for path in args.middleware:
-            import_middleware(path)
-        check_tls_files(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    if not args.headless:
+        check_parsers(args)
     phases.mark("parsers")
     supervisor = Supervisor(args.shutdown_timeout_s)
     # The HTTP port first: a port in use must stop us before an engine is started (and left behind).
@@ -206,61 +268,14 @@ def _start_api_servers(
         supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
     supervisor.state_dir = tempfile.mkdtemp(prefix="engine-state-")
-    chat_template = None
-    if args.chat_template:
-        chat_template = (
-            open(args.chat_template).read() if os.path.exists(args.chat_template) else args.chat_template
-        )
+    store = os.path.join(supervisor.state_dir, "responses.sqlite")
     dev_mode = ServerArgs.dev_mode()  # read once, here: every API server gets the launcher's answer
     for index in range(args.api_server_count):
-        supervisor.start_api_server(
-            sock,
-            ServerConfig(
-                model=model,
-                input_address=input_address,
-                output_address=output_address,
-                server_index=index,
-                api_keys=args.api_keys(),
-                chat_template=chat_template,
-                allowed_origins=args.allowed_origins,
-                cache_dir=engine_args.cache_dir,
-                log_level=engine_args.log_level,
-                generation_config=args.generation_config,
-                log_format=engine_args.log_format,
-                log_requests=args.enable_log_requests,
-                max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
-                max_queued_requests=args.max_queued_requests,
-                max_queued_tokens=args.max_queued_tokens,
-                max_inflight_requests=args.max_inflight_requests,
-                shutdown_timeout_s=args.shutdown_timeout_s,
-                engine_stall_timeout_s=args.engine_stall_timeout_s,
-                enable_docs=args.enable_fastapi_docs,
-                register_timeout_s=args.engine_connect_timeout_s,
-                metrics_prefix=args.metrics_prefix,
-                enable_auto_tool_choice=args.enable_auto_tool_choice,
-                tool_call_parser=args.tool_call_parser,
-                tool_parser_plugin=args.tool_parser_plugin,
-                reasoning_parser=args.reasoning_parser,
-                responses_store_path=os.path.join(supervisor.state_dir, "responses.sqlite"),
-                responses_store_max_count=args.responses_store_max_count,
-                responses_store_max_bytes=int(args.responses_store_max_mb * (1 << 20)),
-                tokenizer=tokenizer,
-                ssl_keyfile=args.ssl_keyfile,
-                ssl_certfile=args.ssl_certfile,
-                ssl_ca_certs=args.ssl_ca_certs,
-                ssl_cert_reqs=args.ssl_cert_reqs,
-                enable_ssl_refresh=args.enable_ssl_refresh,
-                root_path=args.root_path or "",
-                uvicorn_log_level=args.uvicorn_log_level,
-                uvicorn_access_log=args.enable_uvicorn_access_log,
-                middleware=args.middleware,
-                max_log_len=args.max_log_len,
-                force_include_usage=args.enable_force_include_usage,
-                fingerprint_mode=args.fingerprint_mode,
-                fingerprint_value=args.fingerprint_value,
-                dev_mode=dev_mode,
-            ),
+        config = server_config(engine_args, args, model, input_address, output_address, index)
+        config = msgspec.structs.replace(
+            config, tokenizer=tokenizer, responses_store_path=store, dev_mode=dev_mode
         )
+        supervisor.start_api_server(sock, config)
     sock.close()  # the API servers hold it now
     phases.mark("API server processes")
     phases.log(logger)

@@ -68,6 +68,9 @@ ALLOWED = {
 }
 # modules only the benchmark harness (frontend/bench/, the [bench] extra) may import
 BENCH_ONLY = {"aiohttp", "httpx", "tqdm"}
+# `engine run-batch` (frontend/batch/) draws its progress bar with tqdm, a core dependency; the API server
+# never loads it (test_the_api_server_does_not_load_the_benchmark_harness)
+BATCH_ONLY = {"tqdm"}
 ZMQ_FILES = {"engine_core/process.py", "engine_core/executor.py", "worker/main.py"}
 # what frontend/ must not reach into: the engine is a process, spoken to over protocol/
 FRONTEND_FORBIDDEN_PREFIXES = ("engine_core", "worker")
@@ -107,9 +110,10 @@ def test_each_part_imports_only_what_it_may(part: str) -> None:
     for path in python_files(part):
         relative = str(path.relative_to(ROOT))
         bench = relative.startswith("frontend/bench/")
+        batch = relative.startswith("frontend/batch/")
         for module, line in imports_of(path):
             top = module.split(".")[0]
-            allowed = ALLOWED[part] | (BENCH_ONLY if bench else set())
+            allowed = ALLOWED[part] | (BENCH_ONLY if bench else set()) | (BATCH_ONLY if batch else set())
             if top in STDLIB or (
                 top in allowed and (top != "zmq" or part == "frontend" or relative in ZMQ_FILES)
             ):
@@ -192,7 +196,7 @@ def test_the_api_server_does_not_load_the_benchmark_harness() -> None:
     code = (
         "import sys, frontend.server.main, frontend.cli.main; "
         "bad = sorted(m for m in sys.modules if m.startswith('frontend.bench') or m.split('.')[0] in "
-        "('aiohttp', 'httpx', 'torch')); print(bad); sys.exit(1 if bad else 0)"
+        "('aiohttp', 'httpx', 'torch', 'tqdm')); print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120

@@ -1,5 +1,6 @@
 """The `engine` command: `serve` (the OpenAI-compatible server), `chat` and `complete` (clients of a
-running server), `generate` (offline), `bench`, `collect-env` (for bug reports). Engine and server flags come from EngineArgs and
+running server), `generate` and `run-batch` (offline), `bench`, `collect-env` (for bug reports). Engine and server
+flags come from EngineArgs and
 ServerArgs (frontend.config): each knob is written once, there."""
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def add_generate_parser(commands: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from frontend.batch.cli import add_run_batch_parser
     from frontend.bench.cli import add_bench_parser
     from frontend.cli.clients import add_client_parsers
 
@@ -120,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_parsers(commands)
     add_bench_parser(commands)
     add_generate_parser(commands)
+    add_run_batch_parser(commands)
     collect_env = commands.add_parser(
         "collect-env", help="print versions, the CPU and its ISA flags, torch's build: for bug reports"
     )

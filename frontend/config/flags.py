@@ -66,13 +66,18 @@ def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
 
 
 def add_flags(
-    parser: argparse.ArgumentParser, cls: type[Any], defaults: dict[str, Any] | None = None
+    parser: argparse.ArgumentParser,
+    cls: type[Any],
+    defaults: dict[str, Any] | None = None,
+    only: tuple[str, ...] | None = None,
 ) -> None:
-    """One flag per field of `cls`; `defaults` overrides a field's default for this command (its help
-    says so)."""
+    """One flag per field of `cls` (or per field named in `only`: a command that uses a few of them);
+    `defaults` overrides a field's default for this command (its help says so)."""
     overrides = defaults or {}
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
+        if only is not None and field.name not in only:
+            continue
         default = overrides.get(field.name, default_of(field))
         help_text = field.metadata.get("help", "")
         shown = "" if default is None or default is False or default in ([], "") else f" (default: {default})"

@@ -112,6 +112,11 @@ class LLM:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return {"prompt": text, "prompt_token_ids": ids}
 
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of the caller's on this LLM's event loop, beside its engine client (`engine
+        run-batch` drives the API server's app there), the engine watched as generate() watches it."""
+        return self._call(work)
+
     def reset_prefix_cache(self) -> bool:
         return bool(self._utility("reset_prefix_cache"))
 

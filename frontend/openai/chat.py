@@ -32,6 +32,7 @@ from frontend.openai.tools import ChatPlan, plan_chat, select_tools
 from frontend.parsers.base import Delta as ParsedDelta
 from frontend.parsers.base import Parsed, StreamingParse
 from frontend.server.errors import to_openai_error
+from protocol.sampling import SamplingParams
 
 router = APIRouter()
 logger = logging.getLogger("engine.api")
@@ -55,6 +56,19 @@ class ChatRun(Run):
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return sse(self.envelope("chat.completion.chunk", choices, **extra))
 
+    def generate(
+        self, params: SamplingParams, log_id: str | None
+    ) -> AsyncGenerator[tuple[RequestState, Delta], None]:
+        body = self.body
+        return self.serving.llm.generate(
+            self.request_id,
+            self.prompt_ids,
+            params,
+            priority=body.priority,
+            cache_salt=body.cache_salt,
+            log_id=log_id,
+        )
+
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
@@ -63,7 +77,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
     if body.stream:
         return StreamingResponse(_stream(run, stream), media_type="text/event-stream", headers=headers)
     state = await until_disconnected(request, final_state(stream))
-    return json_response(_full_body(run, state), headers)
+    return json_response(full_body(run, state), headers)
 
 
 def start_chat(
@@ -72,6 +86,17 @@ def start_chat(
     """The one rendering path of every chat-shaped door (chat completions, responses, messages, batch):
     checks, the chat template, the tool plan and the sampling params; then the generation, started."""
     serving.admit()
+    run, params = prepare_chat(body, serving, new_request_id(id_prefix))
+    if metadata := metadata_of(body):
+        logger.debug("request %s metadata: %s", run.request_id, metadata)
+    return run, run.generate(params, caller_request_id(request, body))
+
+
+def prepare_chat(
+    body: ChatCompletionRequest, serving: OpenAIServing, request_id: str
+) -> tuple[ChatRun, SamplingParams]:
+    """One chat request checked and rendered (template, tool plan, sampling params), ready to generate;
+    the batch door (chat_batch.py) runs each of its conversations through it."""
     body.check_supported()
     serving.check_priority(body.priority)
     model = serving.model_name(body.model)
@@ -96,23 +121,11 @@ def start_chat(
         prompt_param="messages",
         structured_outputs=plan.spec,
     )
-    run = ChatRun(
-        serving, new_request_id(id_prefix), model, int(time.time()), body, prompt_ids, top or 0, plan
-    )
-    if metadata := metadata_of(body):
-        logger.debug("request %s metadata: %s", run.request_id, metadata)
-    stream = serving.llm.generate(
-        run.request_id,
-        prompt_ids,
-        params,
-        priority=body.priority,
-        cache_salt=body.cache_salt,
-        log_id=caller_request_id(request, body),
-    )
-    return run, stream
+    run = ChatRun(serving, request_id, model, int(time.time()), body, prompt_ids, top or 0, plan)
+    return run, params
 
 
-def _full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:
+def full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:
     body = run.body
     choices = []
     for choice in state.choices:

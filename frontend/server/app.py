@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from frontend.anthropic import messages
-from frontend.openai import chat, completions, invocations, tokenize
+from frontend.openai import chat, chat_batch, completions, invocations, tokenize
 from frontend.responses import serving as responses
 from frontend.server import admin, dev
 from frontend.server.deps import AppDeps
@@ -71,6 +71,7 @@ def build_app(deps: AppDeps) -> FastAPI:
 
     routers = [
         chat.router,
+        chat_batch.router,
         completions.router,
         responses.router,
         messages.router,

@@ -1,15 +1,26 @@
-"""What an API server's routes depend on, in one typed object (FastAPI reads it from app.state)."""
+"""What an API server's routes depend on, in one typed object (FastAPI reads it from app.state), and the
+OpenAIServing a ServerConfig describes."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.client import AsyncEngineClient
 from frontend.metrics import EngineStatsCollector, Metrics
+from frontend.model_files import load_generation_defaults
+from frontend.openai.fingerprint import output_settings, system_fingerprint
 from frontend.openai.serving import OpenAIServing
+from frontend.parsers.registry import Parsers
+from frontend.responses.store import ResponseStore
+from frontend.server.admission import AdmissionLimits
 from frontend.server.config import ServerConfig
+from protocol.messages import ModelInfo
 
-__all__ = ["AppDeps", "ServerConfig"]
+__all__ = ["AppDeps", "ServerConfig", "build_serving"]
+
+logger = logging.getLogger("engine.api")
 
 
 @dataclass
@@ -30,3 +41,36 @@ class AppDeps:
     @property
     def client(self) -> AsyncEngineClient:
         return self.serving.client
+
+
+def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) -> OpenAIServing:
+    """The doors' shared state a ServerConfig describes: an API server's, and `engine run-batch`'s (which
+    runs the same app in-process)."""
+    defaults = load_generation_defaults(config.model or model_info.model, config.generation_config)
+    if defaults:
+        logger.info("sampling defaults from the generation config: %s", defaults)
+    llm.log_requests = config.log_requests
+    llm.max_log_len = config.max_log_len
+    limits = AdmissionLimits(
+        max_queued_requests=config.max_queued_requests,
+        max_queued_tokens=config.max_queued_tokens,
+        max_inflight_requests=config.max_inflight_requests,
+    )
+    return OpenAIServing(
+        llm,
+        model_info,
+        config.chat_template,
+        defaults,
+        limits,
+        parsers=Parsers.with_plugin(config.tool_parser_plugin),
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        responses=ResponseStore(
+            config.responses_store_path, config.responses_store_max_count, config.responses_store_max_bytes
+        ),
+        system_fingerprint=system_fingerprint(
+            config.fingerprint_mode, model_info, output_settings(config), config.fingerprint_value
+        ),
+        force_include_usage=config.force_include_usage,
+    )

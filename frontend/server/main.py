@@ -22,14 +22,10 @@ from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.client import AsyncEngineClient
 from frontend.engine.output_processor import SHUTDOWN_REASON
 from frontend.metrics import Metrics
-from frontend.model_files import load_generation_defaults, load_tokenizer
-from frontend.openai.fingerprint import output_settings, system_fingerprint
+from frontend.model_files import load_tokenizer
 from frontend.openai.serving import OpenAIServing
-from frontend.parsers.registry import Parsers
-from frontend.responses.store import ResponseStore
-from frontend.server.admission import AdmissionLimits
 from frontend.server.app import build_app
-from frontend.server.deps import AppDeps, ServerConfig
+from frontend.server.deps import AppDeps, ServerConfig, build_serving
 from frontend.server.tls import CertRefresher
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, exit_with_parent
@@ -99,36 +95,8 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
         )
     tokenizer = await tokenizer_load
     phases.mark("tokenizer")
-    defaults = load_generation_defaults(config.model or model_info.model, config.generation_config)
-    if defaults:
-        logger.info("sampling defaults from the generation config: %s", defaults)
     metrics = Metrics(model_info, prefix=config.metrics_prefix)
-    llm = AsyncLLM(client, tokenizer, metrics)
-    llm.log_requests = config.log_requests
-    llm.max_log_len = config.max_log_len
-    limits = AdmissionLimits(
-        max_queued_requests=config.max_queued_requests,
-        max_queued_tokens=config.max_queued_tokens,
-        max_inflight_requests=config.max_inflight_requests,
-    )
-    serving = OpenAIServing(
-        llm,
-        model_info,
-        config.chat_template,
-        defaults,
-        limits,
-        parsers=Parsers.with_plugin(config.tool_parser_plugin),
-        enable_auto_tool_choice=config.enable_auto_tool_choice,
-        tool_call_parser=config.tool_call_parser,
-        reasoning_parser=config.reasoning_parser,
-        responses=ResponseStore(
-            config.responses_store_path, config.responses_store_max_count, config.responses_store_max_bytes
-        ),
-        system_fingerprint=system_fingerprint(
-            config.fingerprint_mode, model_info, output_settings(config), config.fingerprint_value
-        ),
-        force_include_usage=config.force_include_usage,
-    )
+    serving = build_serving(config, AsyncLLM(client, tokenizer, metrics), model_info)
     app = build_app(AppDeps(config, serving, metrics))
     uv_config = uvicorn.Config(
         app,

@@ -1,0 +1,1 @@
+"""`engine run-batch`: OpenAI batch files answered offline through the API server's own app."""

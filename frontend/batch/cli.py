@@ -1,0 +1,78 @@
+"""`engine run-batch MODEL -i requests.jsonl -o results.jsonl` (vLLM's `vllm run-batch`): the engine as
+`engine serve` starts it, the API server's app in this process, every line of the file sent to the app's
+door for its url.
+
+The parser imports only the config; the engine, the app and tqdm load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from frontend.config.batch_args import SERVER_FIELDS, BatchArgs
+from frontend.config.engine_args import EngineArgs
+from frontend.config.flags import add_flags, from_namespace
+from frontend.config.server_args import ServerArgs
+
+
+def add_run_batch_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "run-batch", help="answer a file of requests (OpenAI's batch format) offline, one result a line"
+    )
+    add_flags(parser, EngineArgs)
+    add_flags(parser, ServerArgs, only=SERVER_FIELDS)
+    add_flags(parser, BatchArgs)
+    parser.set_defaults(func=cmd_run_batch)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    try:
+        batch = from_namespace(BatchArgs, args)
+        server_args = from_namespace(ServerArgs, args)
+    except ValueError as error:
+        print(f"engine run-batch: error: {error}", file=sys.stderr)
+        return 2
+    engine_args = from_namespace(EngineArgs, args)
+    return run(engine_args, server_args, batch)
+
+
+def run(engine_args: EngineArgs, server_args: ServerArgs, batch: BatchArgs) -> int:
+    from frontend.batch.runner import run_batch
+    from frontend.launcher import check_parsers, server_config
+    from frontend.offline.llm import LLM
+    from frontend.server.app import build_app
+    from frontend.server.deps import AppDeps, build_serving
+
+    assert batch.input_file is not None and batch.output_file is not None  # BatchArgs checked them
+    try:
+        open(batch.input_file, "rb").close()  # a missing file stops us before the engine loads
+    except OSError as error:
+        print(f"engine run-batch: error: cannot read {batch.input_file}: {error.strerror}", file=sys.stderr)
+        return 2
+    check_parsers(server_args)
+    started = time.monotonic()
+    with LLM.from_engine_args(engine_args) as llm:
+        engine = llm.engine.config
+        config = server_config(
+            engine_args, server_args, llm.model, engine.input_address, engine.output_address
+        )
+        config.api_keys = []  # no socket to guard; ENGINE_API_KEY in the environment must not lock us out
+        serving = build_serving(config, llm.engine_llm, llm.model_info)
+        app = build_app(AppDeps(config, serving))
+        concurrency = batch.concurrency(engine_args.max_num_seqs)
+        summary = llm.run(
+            run_batch(app, batch.input_file, batch.output_file, concurrency, batch.progress_bar)
+        )
+        engine_alive = llm.engine.is_alive()
+    print(
+        f"engine run-batch: {summary.num_lines} lines, {summary.num_ok} answered, {summary.num_errors} "
+        f"errors -> {batch.output_file} ({time.monotonic() - started:.1f} s)",
+        file=sys.stderr,
+    )
+    if not engine_alive:
+        print("engine run-batch: the engine process exited during the run", file=sys.stderr)
+        return 1
+    return 0
