@@ -142,9 +142,9 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     configure_logging(engine_args.log_level, engine_args.log_format)
     phases = StartupPhases("launcher")
     phases.mark("imports")
-    if (
-        not args.headless
-    ):  # a bad parser name, plugin, middleware or TLS file stops us before the engine loads
+    # A bad parser name or plugin, a middleware that does not import or a TLS file that does not load
+    # stops us before the engine loads.
+    if not args.headless:
         parsers = Parsers.with_plugin(args.tool_parser_plugin)
         if args.tool_call_parser:
             parsers.tool_parser(args.tool_call_parser)
@@ -258,9 +258,9 @@ def _start_api_servers(
     sock.close()  # the API servers hold it now
     phases.mark("API server processes")
     phases.log(logger)
-    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"
     print(
-        f"engine: serving {model} on {scheme}://{args.host}:{args.port}{args.root_path or ''} with {args.api_server_count} API server(s); "
+        f"engine: serving {model} on {url} with {args.api_server_count} API server(s); "
         f"engine at {input_address}",
         flush=True,
     )
