@@ -279,9 +279,9 @@ def _start_api_servers(
     sock.close()  # the API servers hold it now
     phases.mark("API server processes")
     phases.log(logger)
-    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"
     print(
-        f"engine: serving {model} on {scheme}://{args.host}:{args.port}{args.root_path or ''} with {args.api_server_count} API server(s); "
+        f"engine: serving {model} on {url} with {args.api_server_count} API server(s); "
         f"engine at {input_address}",
         flush=True,
     )

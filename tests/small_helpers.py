@@ -94,7 +94,7 @@ class TaggingMiddleware:
         await self.app(scope, receive, tagged)
 
 
-async def timing_middleware(request: Any, call_next: Any) -> Any:
+async def function_middleware(request: Any, call_next: Any) -> Any:
     """A function middleware (added as `@app.middleware("http")`)."""
     response = await call_next(request)
     response.headers["x-test-function-middleware"] = "function"

@@ -343,8 +343,13 @@ def test_messages_errors_are_anthropic_shaped(
     assert match in error["error"]["message"]
 
 
-def test_anthropic_sdk_errors_and_metrics(server: str, an: anthropic.Anthropic) -> None:
+def test_errors_are_counted_per_route(server: str, an: anthropic.Anthropic, oa: openai.OpenAI) -> None:
+    """Each door's errors through its SDK, counted in the HTTP metrics under the route (one series for
+    every response id, not one per id)."""
     before = scrape({"base": server})
+    for name in ("resp_a", "resp_b"):
+        with pytest.raises(openai.NotFoundError):
+            oa.responses.retrieve(name)
     with pytest.raises(anthropic.NotFoundError) as missing:
         an.messages.create(model="nope", messages=[{"role": "user", "content": "x"}], max_tokens=4)
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
@@ -355,4 +360,6 @@ def test_anthropic_sdk_errors_and_metrics(server: str, an: anthropic.Anthropic) 
     after = scrape({"base": server})
     key = "engine:http_requests_total{method=POST,path=/v1/messages,status=%s}"
     assert after.get(key % 404, 0) - before.get(key % 404, 0) == 1
-    assert after.get(key % 401, 0) - before.get(key % 401, 0) == 1
+    assert after.get(key % 401, 0) - before.get(key % 401, 0) == 1, [k for k in after if "401" in k]
+    by_id = "engine:http_requests_total{method=GET,path=/v1/responses/{response_id},status=404}"
+    assert after.get(by_id, 0) - before.get(by_id, 0) == 2

@@ -79,7 +79,7 @@ def base(tiny: str):  # type: ignore[no-untyped-def]
         "--middleware",
         "tests.small_helpers.TaggingMiddleware",
         "--middleware",
-        "tests.small_helpers.timing_middleware",
+        "tests.small_helpers.function_middleware",
         "--enable-force-include-usage",
         "--max-log-len",
         "8",

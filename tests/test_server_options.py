@@ -121,7 +121,7 @@ def test_certificates_reload_in_place_and_a_broken_pair_keeps_the_old(tmp_path: 
 
 def test_middleware_import_paths() -> None:
     assert import_middleware("tests.small_helpers.TaggingMiddleware").__name__ == "TaggingMiddleware"
-    assert import_middleware("tests.small_helpers:timing_middleware").__name__ == "timing_middleware"
+    assert import_middleware("tests.small_helpers:function_middleware").__name__ == "function_middleware"
     for path, message in (
         ("tests.small_helpers.Nothing", "cannot import"),
         ("no_such_module.Thing", "cannot import"),

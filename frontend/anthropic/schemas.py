@@ -12,9 +12,9 @@ import json
 import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from frontend.openai.schemas import ChatCompletionRequest, unsupported
+from frontend.openai.schemas import ChatCompletionRequest, chat_request, unsupported
 from frontend.server.errors import OpenAIError
 
 logger = logging.getLogger("engine.api")
@@ -97,12 +97,7 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
             metadata=body.metadata,
             stream=body.stream,
         )
-    try:
-        return ChatCompletionRequest(**fields)
-    except ValidationError as error:
-        first = error.errors()[0]
-        location = ".".join(str(p) for p in first.get("loc", ()))
-        raise OpenAIError(f"{location}: {first.get('msg', 'invalid request')}", param=location) from error
+    return chat_request(fields)
 
 
 def _system_messages(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from frontend.openai.schemas import ChatCompletionRequest, unsupported
+from frontend.openai.schemas import ChatCompletionRequest, chat_request, unsupported
 from frontend.server.errors import OpenAIError
 
 logger = logging.getLogger("engine.api")
@@ -100,12 +100,7 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Ch
         fields["response_format"] = _text_format(body.text)
     if body.reasoning is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": _thinking(body.reasoning)}
-    try:
-        return ChatCompletionRequest(**fields)
-    except ValidationError as error:
-        first = error.errors()[0]
-        location = ".".join(str(p) for p in first.get("loc", ()))
-        raise OpenAIError(f"{location}: {first.get('msg', 'invalid request')}", param=location) from error
+    return chat_request(fields)
 
 
 def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -32,6 +34,7 @@ def build_app(deps: AppDeps) -> FastAPI:
         root_path=config.root_path,  # behind a proxy that serves us under a prefix (stripped or not)
     )
     app.state.deps = deps
+    routes: list[Any] = []  # every door's routes, for the metrics' route labels
     client = deps.client
     app.add_middleware(OrcaMiddleware, stats=lambda: client.last_stats)
     app.add_middleware(
@@ -40,6 +43,7 @@ def build_app(deps: AppDeps) -> FastAPI:
         server_index=config.server_index,
         metrics=deps.metrics,
         max_body_bytes=config.max_request_body_bytes,
+        routes=routes,  # filled in below, with the routers
     )
     if config.allowed_origins:
         app.add_middleware(
@@ -81,4 +85,5 @@ def build_app(deps: AppDeps) -> FastAPI:
     ]
     for router in routers + ([dev.router] if config.dev_mode else []):
         app.include_router(router)
+        routes.extend(router.routes)
     return app

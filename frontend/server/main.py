@@ -101,6 +101,8 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     uv_config = uvicorn.Config(
         app,
         log_level=config.uvicorn_log_level or config.log_level,
+        # None: uvicorn's loggers (its access lines too) go through our handler, in --log-format
+        log_config=None,
         loop="uvloop",
         access_log=config.uvicorn_access_log,
         timeout_graceful_shutdown=10,

@@ -19,7 +19,9 @@ def import_middleware(path: str) -> Any:
     neither or cannot be imported."""
     module_name, _, name = path.replace(":", ".").rpartition(".")
     if not module_name or not name:
-        raise SystemExit(f"--middleware {path}: give module.name, e.g. my_package.middleware.Timing")
+        raise SystemExit(
+            f"--middleware {path}: give module.name, e.g. my_package.middleware.Timing (a class) or my_package.middleware.log_request (a function)"
+        )
     if os.getcwd() not in sys.path and "" not in sys.path:
         # NOTE: the `engine` console script's sys.path lacks the working directory, which the API
         # servers (`python -m`) have: without it, a module beside the operator would pass there only.
