@@ -76,11 +76,19 @@ class EngineCore:
             raise InvalidParameterError("n", "the engine takes n == 1; the frontend fans n > 1 out.")
         self.scheduler.add_request(Request.from_add(message, client_id, info.block_size))
 
-    def abort_requests(self, request_ids: list[str]) -> list[tuple[Request, RequestOutput]]:
+    def abort_requests(
+        self, request_ids: list[str], reason: str | None = None
+    ) -> list[tuple[Request, RequestOutput]]:
+        """reason: the abort outputs' stop_reason (None: the owner reads the abort as a fault)."""
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.request_ended |= bool(finished)
         return [
-            (request, RequestOutput(request.request_id, [], finish_reason="abort", num_cached_tokens=0))
+            (
+                request,
+                RequestOutput(
+                    request.request_id, [], finish_reason="abort", stop_reason=reason, num_cached_tokens=0
+                ),
+            )
             for request in finished
         ]
 

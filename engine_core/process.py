@@ -273,7 +273,7 @@ class EngineCoreProc:
                 )
                 self.output_queue.put((client_id, EngineOutputs([output], time.time())))
         elif isinstance(message, AbortRequests):
-            self._send(self.engine.abort_requests(message.request_ids))
+            self._send(self.engine.abort_requests(message.request_ids, message.reason))
         elif isinstance(message, UtilityCall):
             try:
                 args = [decode_value(arg) for arg in message.args]

@@ -20,6 +20,8 @@ from frontend.config.engine_args import EngineArgs
 from frontend.config.server_args import ServerArgs
 from frontend.engine.process import EngineProcess
 from frontend.server.config import ServerConfig
+from frontend.server.tls import check_tls_files
+from frontend.server.user_middleware import import_middleware
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, parent_pid_arg
 
@@ -74,6 +76,7 @@ class Supervisor:
         self.api_servers: list[subprocess.Popen[bytes]] = []
         self.stopping = False
         self.metrics_dir: str | None = None  # ours to remove at exit
+        self.state_dir: str | None = None  # ours to remove at exit: the responses store
         self.shutdown_timeout_s = shutdown_timeout_s
 
     def start_api_server(self, sock: socket.socket, config: ServerConfig) -> None:
@@ -128,13 +131,14 @@ class Supervisor:
                 process.wait()
         if self.engine is not None:
             self.engine.shutdown()
-        if self.metrics_dir is not None:
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        for folder in (self.metrics_dir, self.state_dir):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
         return 0
 
 
 def check_parsers(args: ServerArgs) -> None:
-    """A bad parser name or plugin stops us before the engine loads."""
+    """A bad parser name, plugin, middleware or TLS file stops us before the engine loads."""
     from frontend.parsers.registry import Parsers
 
     parsers = Parsers.with_plugin(args.tool_parser_plugin)
@@ -142,6 +146,9 @@ def check_parsers(args: ServerArgs) -> None:
         parsers.tool_parser(args.tool_call_parser)
     if args.reasoning_parser:
         parsers.reasoning_parser(args.reasoning_parser)
+    for path in args.middleware:
+        import_middleware(path)
+    check_tls_files(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
 
 
 def server_config(
@@ -184,6 +191,21 @@ def server_config(
         tool_call_parser=args.tool_call_parser,
         tool_parser_plugin=args.tool_parser_plugin,
         reasoning_parser=args.reasoning_parser,
+        responses_store_max_count=args.responses_store_max_count,
+        responses_store_max_bytes=int(args.responses_store_max_mb * (1 << 20)),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        enable_ssl_refresh=args.enable_ssl_refresh,
+        root_path=args.root_path or "",
+        uvicorn_log_level=args.uvicorn_log_level,
+        uvicorn_access_log=args.enable_uvicorn_access_log,
+        middleware=args.middleware,
+        max_log_len=args.max_log_len,
+        force_include_usage=args.enable_force_include_usage,
+        fingerprint_mode=args.fingerprint_mode,
+        fingerprint_value=args.fingerprint_value,
     )
 
 
@@ -202,10 +224,15 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     if args.attach:
         input_address, output_address = engine_addresses(args.attach)
         # "": the tokenizer of the engine's model
-        model = resolve_model(engine_args.model) if engine_args.model else ""
+        model = (
+            resolve_model(engine_args.model, engine_args.revision, engine_args.download_dir)
+            if engine_args.model
+            else ""
+        )
+        tokenizer = engine_args.resolved_tokenizer()
     else:
-        config = engine_args.engine_config()
-        model = config.worker.model
+        config = engine_args.engine_config()  # resolved once here: engine and API servers load one folder
+        model, tokenizer = config.worker.model, config.worker.tokenizer
         if args.engine_address:
             check_exposure(args.engine_address, args.allow_remote_engine)
             config.input_address, config.output_address = engine_addresses(args.engine_address)
@@ -219,9 +246,8 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
         print(f"engine: headless; the engine listens on {input_address} and {output_address}", flush=True)
         return supervisor.run()
     try:
-        return _start_api_servers(
-            supervisor, sock, engine_args, args, model, input_address, output_address, phases
-        )
+        addresses = (input_address, output_address)
+        return _start_api_servers(supervisor, sock, engine_args, args, (model, tokenizer), addresses, phases)
     except BaseException:
         supervisor.shutdown()
         raise
@@ -232,23 +258,30 @@ def _start_api_servers(
     sock: socket.socket,
     engine_args: EngineArgs,
     args: ServerArgs,
-    model: str,
-    input_address: str,
-    output_address: str,
+    model_and_tokenizer: tuple[str, str | None],
+    addresses: tuple[str, str],
     phases: StartupPhases,
 ) -> int:
+    (model, tokenizer), (input_address, output_address) = model_and_tokenizer, addresses
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Every API server writes its metrics here; /metrics on any of them sums the files.
         supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
+    supervisor.state_dir = tempfile.mkdtemp(prefix="engine-state-")
+    store = os.path.join(supervisor.state_dir, "responses.sqlite")
+    dev_mode = ServerArgs.dev_mode()  # read once, here: every API server gets the launcher's answer
     for index in range(args.api_server_count):
         config = server_config(engine_args, args, model, input_address, output_address, index)
+        config = msgspec.structs.replace(
+            config, tokenizer=tokenizer, responses_store_path=store, dev_mode=dev_mode
+        )
         supervisor.start_api_server(sock, config)
     sock.close()  # the API servers hold it now
     phases.mark("API server processes")
     phases.log(logger)
+    url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"
     print(
-        f"engine: serving {model} on http://{args.host}:{args.port} with {args.api_server_count} API server(s); "
+        f"engine: serving {model} on {url} with {args.api_server_count} API server(s); "
         f"engine at {input_address}",
         flush=True,
     )

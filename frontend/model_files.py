@@ -1,4 +1,5 @@
-"""Where models and tokenizers come from: the bundled default model and a tokenizer cache."""
+"""Where models and tokenizers come from: a local path, a Hugging Face id (through huggingface_hub's
+cache), the bundled default model; and a tokenizer cache."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -38,13 +40,61 @@ def default_model() -> str:
     return os.path.join(folder, files[0])
 
 
-def resolve_model(model: str | None) -> str:
+# `org/name`, as the hub spells repository ids (letters, digits, - _ .; no leading or trailing - or .)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+# What a model folder needs from a hub repository: config and tokenizer files, safetensors weights, chat
+# templates. Repositories often also hold PyTorch, ONNX or GGUF copies of the same weights: left behind.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def looks_like_hub_id(model: str) -> bool:
+    return bool(HUB_ID.match(model)) and ".." not in model
+
+
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str:
+    """A model argument -> the local path the engine loads: an existing folder or .gguf file as given;
+    else `org/name` from huggingface_hub's cache (under download_dir, else HF_HUB_CACHE), downloaded first
+    when not there unless HF_HUB_OFFLINE is set; None: the bundled default."""
     if model is None:
         return default_model()
     path = os.path.abspath(os.path.expanduser(model))
-    if not os.path.exists(path):
-        raise ModelNotFoundError(f"model {model!r} not found: pass a Hugging Face folder or a .gguf file")
-    return path
+    if os.path.exists(path):
+        return path
+    if looks_like_hub_id(model):
+        return hub_snapshot(model, revision, download_dir)
+    raise ModelNotFoundError(
+        f"model {model!r} not found: pass a Hugging Face folder, a .gguf file or a hub id (org/name)"
+    )
+
+
+def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+    """The snapshot folder of `repo_id` at `revision` in the hub cache, downloading what is missing."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE  # huggingface_hub reads HF_HUB_OFFLINE once, at its import
+    where = f" in {download_dir}" if download_dir else ""
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=download_dir,
+            local_files_only=offline,
+            allow_patterns=HUB_FILES,
+        )
+    except LocalEntryNotFoundError:
+        at = f" at revision {revision!r}" if revision else ""
+        reason = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        raise ModelNotFoundError(
+            f"{repo_id}{at} is not in the Hugging Face cache{where} and {reason}: download it first "
+            f"(`hf download {repo_id}`), or pass --download-dir where it is"
+        ) from None
+    except (HfHubHTTPError, HFValidationError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a local path, and the hub did not give it: {first_line}"
+        ) from None
+    return str(folder)
 
 
 # generation_config.json key -> the request field it defaults

@@ -39,6 +39,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     grammar_compile_timeout_s: float = 30.0  # a request whose grammar is not ready by then fails
     cache_dir: str | None = None  # where conversions of GGUF files are kept (tokenizer, weights)
     batch_invariant: bool = True  # each row's results independent of the batch (docs/batch-invariance.md)
+    tokenizer: str | None = None  # a tokenizer folder other than the model's (--tokenizer), for grammars
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

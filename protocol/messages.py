@@ -70,6 +70,7 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     """frontend -> engine: stop these requests and free their blocks. Idempotent."""
 
     request_ids: list[str]
+    reason: str | None = None  # the abort outputs' stop_reason: a deliberate end (e.g. a cancel), not a fault
 
 
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):

@@ -63,6 +63,7 @@ ALLOWED = {
         "prometheus_client",
         "transformers",
         "tokenizers",
+        "huggingface_hub",  # hub ids resolved through its cache (frontend/model_files.py)
     },  # fmt: skip
 }
 # modules only the benchmark harness (frontend/bench/, the [bench] extra) may import

@@ -116,3 +116,49 @@ def test_reasoning_streamed_and_not(clients: dict[str, openai.OpenAI], parser: s
     assert off.content and not (off.model_extra or {}).get("reasoning")
     hidden = client.chat.completions.create(**request(True, include_reasoning=False)).choices[0].message
     assert "reasoning" not in (hidden.model_extra or {})
+
+
+def test_thinking_through_messages_and_responses(clients: dict[str, openai.OpenAI]) -> None:
+    """The same reasoning as the chat door's: Anthropic thinking blocks and thinking_delta events, a
+    Responses reasoning item and reasoning_text events; disabled thinking gives only text."""
+    import anthropic
+
+    client = clients["deepseek_r1"]
+    chat = client.chat.completions.create(**request(True)).choices[0].message
+    reasoning = (chat.model_extra or {})["reasoning"]
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    messages = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    turns: Any = [{"role": "user", "content": "Why is the sky blue?"}]
+    greedy: Any = {"temperature": 0}
+    message = messages.messages.create(
+        model="tiny", messages=turns, max_tokens=12, thinking={"type": "adaptive"}, extra_body=greedy
+    )
+    assert [block.type for block in message.content] == ["thinking"]
+    assert message.content[0].thinking == reasoning  # type: ignore[union-attr]
+    thinking = ""
+    with messages.messages.stream(
+        model="tiny", messages=turns, max_tokens=12, thinking={"type": "adaptive"}, extra_body=greedy
+    ) as stream:
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "thinking_delta":
+                thinking += event.delta.thinking
+    assert thinking == reasoning
+    off = messages.messages.create(
+        model="tiny", messages=turns, max_tokens=12, thinking={"type": "disabled"}, extra_body=greedy
+    )
+    assert [block.type for block in off.content] == ["text"]
+    opened: Any = {}  # no effort given: the template's enable_thinking, as the chat request sets it
+    response = client.responses.create(
+        model="tiny", input="Why is the sky blue?", max_output_tokens=12, temperature=0, reasoning=opened
+    )
+    item = response.output[0]
+    assert item.type == "reasoning" and item.content and item.content[0].text == reasoning
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+    streamed = ""
+    with client.responses.stream(
+        model="tiny", input="Why is the sky blue?", max_output_tokens=12, temperature=0, reasoning=opened
+    ) as events:
+        for event in events:
+            if event.type == "response.reasoning_text.delta":
+                streamed += event.delta
+    assert streamed == reasoning

@@ -169,7 +169,7 @@ class GrammarManager:
 
     def _load_backend(self) -> Backend:
         started = time.monotonic()
-        tokenizer = load_tokenizer(self.config.model, self.config.cache_dir)
+        tokenizer = load_tokenizer(self.config.tokenizer or self.config.model, self.config.cache_dir)
         if tokenizer is None:
             raise GrammarCompileError("structured outputs need the model's tokenizer, and it has none")
         backend = get_backend(

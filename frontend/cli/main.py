@@ -1,5 +1,6 @@
 """The `engine` command: `serve` (the OpenAI-compatible server), `chat` and `complete` (clients of a
-running server), `generate` and `run-batch` (offline), `bench`. Engine and server flags come from EngineArgs and
+running server), `generate` and `run-batch` (offline), `bench`, `collect-env` (for bug reports). Engine and server
+flags come from EngineArgs and
 ServerArgs (frontend.config): each knob is written once, there."""
 
 from __future__ import annotations
@@ -60,8 +61,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from frontend.launcher import serve
+    from frontend.model_files import ModelNotFoundError
 
-    return serve(engine_args_of(args), from_namespace(ServerArgs, args))
+    try:  # a bad flag value is the operator's: one line, no traceback
+        engine_args, server_args = engine_args_of(args), from_namespace(ServerArgs, args)
+    except ValueError as error:
+        print(f"engine serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        return serve(engine_args, server_args)
+    except ModelNotFoundError as error:  # a path or hub id that is not there (offline, not cached...)
+        print(f"engine serve: {error}", file=sys.stderr)
+        return 2
+
+
+def cmd_collect_env(args: argparse.Namespace) -> int:
+    from frontend.collect_env import main as collect_env
+
+    return collect_env(as_json=args.json)
 
 
 def add_serve_parser(commands: Any) -> None:
@@ -106,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(commands)
     add_generate_parser(commands)
     add_run_batch_parser(commands)
+    collect_env = commands.add_parser(
+        "collect-env", help="print versions, the CPU and its ISA flags, torch's build: for bug reports"
+    )
+    collect_env.add_argument("--json", action="store_true", help="one JSON object")
+    collect_env.set_defaults(func=cmd_collect_env)
     return parser
 
 

@@ -34,7 +34,15 @@ def _gib(text: str) -> int:
 @dataclass(frozen=True)
 class EngineArgs:
     model: str | None = option(
-        None, "HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)", positional=True
+        None,
+        "HF folder, .gguf file or hub id (org/name) (default: the bundled SmolLM2-135M-Instruct)",
+        positional=True,
+    )
+    revision: str | None = option(None, "a hub model's branch, tag or commit (default: main)")
+    tokenizer: str | None = option(None, "the tokenizer's folder or hub id, when not the model's")
+    tokenizer_revision: str | None = option(None, "a hub tokenizer's branch, tag or commit (default: main)")
+    download_dir: str | None = option(
+        None, "the Hugging Face cache to find and download hub ids in (default: HF_HUB_CACHE)"
     )
     served_model_name: list[str] = option(
         default_factory=list, help="names the API accepts as `model` (default: the model as given)", nargs="+"
@@ -115,10 +123,17 @@ class EngineArgs:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
 
+    def resolved_tokenizer(self) -> str | None:
+        """The local path of --tokenizer (None: the model's own)."""
+        if self.tokenizer is None:
+            return None
+        return resolve_model(self.tokenizer, self.tokenizer_revision, self.download_dir)
+
     def engine_config(self) -> EngineConfig:
-        model = resolve_model(self.model)
+        model = resolve_model(self.model, self.revision, self.download_dir)
         worker = WorkerConfig(
             model=model,
+            tokenizer=self.resolved_tokenizer(),
             dtype=self.dtype,
             block_size=self.block_size,
             max_model_len=self.max_model_len,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from dataclasses import dataclass
 
 from frontend.config.flags import option
@@ -22,6 +23,10 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 256
 SERVE_DECODE_PREFILL_TOKEN_BUDGET = 64
 
 API_KEY_ENV = ("ENGINE_API_KEY", "VLLM_API_KEY")  # read in this order, comma-separated keys each
+# `/server_info` is served when either is 1 (vLLM's VLLM_SERVER_DEV_MODE, and ours); read by the launcher
+DEV_MODE_ENV = ("ENGINE_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
+FINGERPRINT_MODES = ["full", "hash", "custom", "none"]
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
 def origins(text: str) -> list[str]:
@@ -105,10 +110,75 @@ class ServerArgs:
     reasoning_parser: str | None = option(
         None, "split <think> sections into message.reasoning: deepseek_r1 or qwen3"
     )
+    responses_store_max_count: int = option(
+        10000, "stored /v1/responses kept at most, least recently used evicted first (0: no store)"
+    )
+    responses_store_max_mb: float = option(256.0, "and at most this much of them (their JSON)")
+
+    # vLLM's server options (docs/server-options.md)
+    ssl_keyfile: str | None = option(None, "serve HTTPS with this private key (with --ssl-certfile)")
+    ssl_certfile: str | None = option(None, "serve HTTPS with this certificate chain (with --ssl-keyfile)")
+    ssl_ca_certs: str | None = option(None, "CA certificates to verify client certificates against")
+    ssl_cert_reqs: int = option(
+        int(ssl.CERT_NONE), "client certificates: 0 none, 1 optional, 2 required (the ssl module's CERT_*)"
+    )
+    enable_ssl_refresh: bool = option(
+        False, "reload the key, certificate and CA files when they change, without a restart"
+    )
+    root_path: str | None = option(
+        None, "the path prefix a reverse proxy serves us under (FastAPI's root_path)"
+    )
+    uvicorn_log_level: str | None = option(
+        None, "log level of uvicorn's loggers (default: --log-level)", choices=UVICORN_LOG_LEVELS
+    )
+    enable_uvicorn_access_log: bool = option(
+        True,
+        "uvicorn's one line per HTTP request",
+        aliases=[("--disable-uvicorn-access-log", False, "the same as --no-enable-uvicorn-access-log")],
+    )
+    middleware: list[str] = option(
+        default_factory=list,
+        help="an ASGI middleware to add, as module.name: a class (app.add_middleware) or an async function "
+        "(an HTTP middleware)",
+    )
+    max_log_len: int | None = option(
+        None, "request logs show at most this many prompt characters and token ids (default: all)"
+    )
+    enable_force_include_usage: bool = option(
+        False, "usage in every streamed response, as if stream_options.include_usage were set"
+    )
+    fingerprint_mode: str = option(
+        "full",
+        "system_fingerprint of responses: full (engine-VERSION-DTYPE-HASH), hash (engine-VERSION-HASH), "
+        "custom (--fingerprint-value), none (null)",
+        choices=FINGERPRINT_MODES,
+        aliases=[("--fingerprint", str, "the same as --fingerprint-mode")],
+    )
+    fingerprint_value: str | None = option(None, "the system_fingerprint with --fingerprint-mode custom")
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.fingerprint_mode not in FINGERPRINT_MODES:  # the --fingerprint spelling is not checked
+            raise ValueError(
+                f"--fingerprint-mode takes {', '.join(FINGERPRINT_MODES)}, got {self.fingerprint_mode!r}"
+            )
+        if self.fingerprint_mode == "custom" and not self.fingerprint_value:
+            raise ValueError("--fingerprint-mode custom needs --fingerprint-value")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ValueError(f"--ssl-cert-reqs takes 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if self.root_path is not None and self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be 0 or more, got {self.max_log_len}")
+
+    @staticmethod
+    def dev_mode(environ: dict[str, str] | None = None) -> bool:
+        """ENGINE_SERVER_DEV_MODE=1 or VLLM_SERVER_DEV_MODE=1: developer endpoints (/server_info)."""
+        environ = dict(os.environ) if environ is None else environ
+        return any(environ.get(name, "").strip().lower() in ("1", "true") for name in DEV_MODE_ENV)
 
     def api_keys(self, environ: dict[str, str] | None = None) -> list[str]:
         """Keys from --api-key (repeatable), --api-key-file (one a line, # comments), ENGINE_API_KEY and

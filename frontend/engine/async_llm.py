@@ -39,6 +39,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer, metrics)
         self.log_requests = True
+        self.max_log_len: int | None = None  # prompt characters and ids a request's log line shows
 
     async def generate(
         self,
@@ -78,15 +79,18 @@ class AsyncLLM:
     def _log(self, state: RequestState, log_id: str | None) -> None:
         if not (self.log_requests and logger.isEnabledFor(logging.DEBUG)):
             return
-        ids, params = state.prompt_token_ids, state.params
-        shown = self.tokenizer.decode(ids[:64]) if self.tokenizer is not None else ids[:64]
+        ids, params, limit = state.prompt_token_ids, state.params, self.max_log_len
+        text = self.tokenizer.decode(ids[:limit]) if self.tokenizer is not None else None
+        if text is not None and limit is not None:
+            text = text[:limit]
         logger.debug(
-            "request %s%s: %d prompt tokens %r%s, n=%d, max_tokens=%s, temperature=%s",
+            "request %s%s: %d prompt tokens, prompt %r, ids %s%s, n=%d, max_tokens=%s, temperature=%s",
             state.request_id,
             f" (X-Request-Id {log_id})" if log_id else "",
             len(ids),
-            shown,
-            "..." if len(ids) > 64 else "",
+            text,
+            ids[:limit],
+            "..." if limit is not None and len(ids) > limit else "",
             params.n,
             params.max_tokens,
             params.temperature,

@@ -158,11 +158,21 @@ class AsyncEngineClient:
         """Stop routing outputs for a request (after it finished or was aborted)."""
         self._queues.pop(request_id, None)
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], reason: str | None = None) -> None:
+        """reason: for requests another frontend owns (a cancel), the stop_reason their owner sees."""
         for request_id in request_ids:
             self._queues.pop(request_id, None)
         if request_ids and self.dead_reason is None:
-            await self._send(AbortRequests(request_ids))
+            await self._send(AbortRequests(request_ids, reason))
+
+    async def cancel(self, request_ids: list[str], reason: str) -> None:
+        """End requests whichever frontend owns them: one of ours gets its abort output now, the engine
+        sends the others' to their owners; either way with stop_reason `reason`."""
+        for request_id in request_ids:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(RequestOutput(request_id, [], finish_reason="abort", stop_reason=reason))
+        await self.abort(request_ids, reason)
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
         if self.dead_reason is not None:

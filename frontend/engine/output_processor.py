@@ -145,8 +145,8 @@ class OutputProcessor:
         if output.error is not None:
             raise InvalidParameterError(output.error.param, output.error.message)
         finished = output.finish_reason is not None
-        if output.finish_reason == "abort" and output.stop_reason != SHUTDOWN_REASON:
-            raise EngineDeadError("the engine aborted the request")
+        if output.finish_reason == "abort" and output.stop_reason is None:
+            raise EngineDeadError("the engine aborted the request")  # a deliberate abort has a reason
         state.num_cached_tokens = output.num_cached_tokens
         text = choice.detokenizer.update(output.new_token_ids, finished)
         choice.text += text

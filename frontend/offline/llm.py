@@ -47,7 +47,7 @@ class LLM:
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._client: AsyncEngineClient | None = None
         try:
-            self.tokenizer = load_tokenizer(self.model, self.args.cache_dir)
+            self.tokenizer = load_tokenizer(config.worker.tokenizer or self.model, self.args.cache_dir)
             self.model_info: ModelInfo = self._call(self._start(config.input_address, config.output_address))
         except BaseException:
             self.shutdown()

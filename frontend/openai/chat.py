@@ -72,16 +72,24 @@ class ChatRun(Run):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
-    serving.admit()
-    run, params = prepare_chat(body, serving, new_request_id("chatcmpl"))
-    if metadata := metadata_of(body):
-        logger.debug("request %s metadata: %s", run.request_id, metadata)
-    stream = run.generate(params, caller_request_id(request, body))
+    run, stream = start_chat(body, request, serving)
     headers = id_headers(request, body)
     if body.stream:
         return StreamingResponse(_stream(run, stream), media_type="text/event-stream", headers=headers)
     state = await until_disconnected(request, final_state(stream))
     return json_response(full_body(run, state), headers)
+
+
+def start_chat(
+    body: ChatCompletionRequest, request: Request, serving: OpenAIServing, id_prefix: str = "chatcmpl"
+) -> tuple[ChatRun, AsyncGenerator[tuple[RequestState, Delta], None]]:
+    """The one rendering path of every chat-shaped door (chat completions, responses, messages, batch):
+    checks, the chat template, the tool plan and the sampling params; then the generation, started."""
+    serving.admit()
+    run, params = prepare_chat(body, serving, new_request_id(id_prefix))
+    if metadata := metadata_of(body):
+        logger.debug("request %s metadata: %s", run.request_id, metadata)
+    return run, run.generate(params, caller_request_id(request, body))
 
 
 def prepare_chat(
@@ -154,7 +162,7 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     body = run.body
     options = body.stream_options
-    include_usage = options is not None and options.include_usage
+    include_usage = run.serving.include_usage(options)
     continuous = options is not None and options.continuous_usage_stats
     first_extra: dict[str, Any] = {"prompt_token_ids": run.prompt_ids} if body.return_token_ids else {}
     for index in range(body.n):

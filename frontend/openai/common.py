@@ -30,7 +30,8 @@ class Run:
 
     def envelope(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         body = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
-        return {**body, "choices": choices, **extra}
+        fingerprint = self.serving.system_fingerprint
+        return {**body, "system_fingerprint": fingerprint, "choices": choices, **extra}
 
 
 async def get_serving(request: Request) -> OpenAIServing:

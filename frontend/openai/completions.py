@@ -158,7 +158,7 @@ def _full_body(run: CompletionRun, states: list[RequestState]) -> dict[str, Any]
 async def _stream(run: CompletionRun, request: Request) -> AsyncIterator[bytes]:
     body = run.body
     options = body.stream_options
-    include_usage = options is not None and options.include_usage
+    include_usage = run.serving.include_usage(options)
     continuous = options is not None and options.continuous_usage_stats
     total_prompt = sum(len(prompt.token_ids) for prompt in run.prompts)
     states: dict[int, RequestState] = {}

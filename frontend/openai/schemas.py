@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from frontend.server.errors import OpenAIError
 
@@ -197,6 +197,16 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
+
+
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """Another door's request in the chat form (its one rendering path), checked as a chat body is."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as error:
+        first = error.errors()[0]
+        location = ".".join(str(p) for p in first.get("loc", ()))
+        raise OpenAIError(f"{location}: {first.get('msg', 'invalid request')}", param=location) from error
 
 
 def unsupported(param: str, what: str) -> OpenAIError:

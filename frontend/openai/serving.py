@@ -11,6 +11,7 @@ from frontend.engine.client import AsyncEngineClient
 from frontend.openai.format import TokenText
 from frontend.openai.structured import SpecValidator
 from frontend.parsers.registry import Parsers
+from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits, admit
 from frontend.server.errors import OpenAIError
 from protocol.messages import ModelInfo
@@ -28,6 +29,11 @@ class OpenAIServing:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a name in parsers
     reasoning_parser: str | None = None  # a name in parsers
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(":memory:", 1000, 64 << 20))
+    system_fingerprint: str | None = None  # of every chat and completion body and chunk (fingerprint.py)
+    force_include_usage: bool = (
+        False  # usage in every stream, asked for or not (--enable-force-include-usage)
+    )
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.tokenizer)
@@ -44,6 +50,10 @@ class OpenAIServing:
     @property
     def tokenizer(self) -> Any | None:
         return self.llm.tokenizer
+
+    def include_usage(self, options: Any) -> bool:
+        """Whether a stream ends with a usage chunk: stream_options.include_usage, or the server's force."""
+        return self.force_include_usage or (options is not None and bool(options.include_usage))
 
     def admit(self) -> None:
         admit(self.limits, self.client, self.draining)

@@ -1,6 +1,9 @@
-"""POST /tokenize and /detokenize (vLLM's), and GET /v1/models."""
+"""POST /tokenize and /detokenize (vLLM's), GET /v1/models and /v1/models/{model}, and GET /v1 (a base
+URL's probe)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -9,26 +12,50 @@ from pydantic import ValidationError
 from frontend.openai.common import Serving, json_response
 from frontend.openai.render import chat_prompt
 from frontend.openai.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from frontend.openai.serving import OpenAIServing
 from frontend.server.errors import OpenAIError
 
 router = APIRouter()
+V1_ENDPOINTS = ["/v1/models", "/v1/chat/completions", "/v1/completions"]
+
+
+def model_card(serving: OpenAIServing, name: str) -> dict[str, Any]:
+    info = serving.model_info
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "engine",
+        "root": info.model,
+        "max_model_len": info.max_model_len,
+    }
 
 
 @router.get("/v1/models")
 async def models(serving: Serving) -> Response:
-    info = serving.model_info
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "engine",
-            "root": info.model,
-            "max_model_len": info.max_model_len,
-        }
-        for name in info.served_model_names
-    ]
+    data = [model_card(serving, name) for name in serving.model_info.served_model_names]
     return json_response({"object": "list", "data": data})
+
+
+# `:path`: a served name may hold slashes (a hub id such as Qwen/Qwen3-0.6B)
+@router.get("/v1/models/{model:path}")
+async def model(model: str, serving: Serving) -> Response:
+    """OpenAI's retrieve: the model's card, or 404 model_not_found."""
+    return json_response(model_card(serving, serving.model_name(model)))
+
+
+@router.get("/v1")
+async def v1_root(serving: Serving) -> Response:
+    """What clients that probe a base URL before use find: the server, its models, its doors."""
+    return json_response(
+        {
+            "object": "api",
+            "name": "engine",
+            "version": serving.model_info.engine_version,
+            "models": serving.model_info.served_model_names,
+            "endpoints": V1_ENDPOINTS,
+        }
+    )
 
 
 @router.post("/tokenize")

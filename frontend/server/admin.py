@@ -1,5 +1,6 @@
-"""Operator endpoints: GET /health (503 when the engine is dead, stalled or the server drains), /ping,
-/metrics (Prometheus, the whole server), /version, /load."""
+"""Operator endpoints: GET /health (503 when the engine is dead, stalled or the server drains), GET and
+POST /ping (SageMaker's health check, the same answer), /metrics (Prometheus, the whole server),
+/version, /load."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ async def health(deps: Deps) -> Response:
 
 
 @router.get("/ping")
+@router.post("/ping")
 async def ping(deps: Deps) -> Response:
     return await health(deps)
 

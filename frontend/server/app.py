@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from frontend.openai import chat, chat_batch, completions, tokenize
-from frontend.server import admin
+from frontend.anthropic import messages
+from frontend.openai import chat, chat_batch, completions, invocations, tokenize
+from frontend.responses import serving as responses
+from frontend.server import admin, dev
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
 from frontend.server.middleware import EdgeMiddleware
+from frontend.server.orca import OrcaMiddleware
+from frontend.server.user_middleware import add_user_middleware
 from protocol.version import __version__
 
 
@@ -25,41 +31,59 @@ def build_app(deps: AppDeps) -> FastAPI:
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
+        root_path=config.root_path,  # behind a proxy that serves us under a prefix (stripped or not)
     )
     app.state.deps = deps
+    routes: list[Any] = []  # every door's routes, for the metrics' route labels
+    client = deps.client
+    app.add_middleware(OrcaMiddleware, stats=lambda: client.last_stats)
     app.add_middleware(
         EdgeMiddleware,
         api_keys=config.api_keys,
         server_index=config.server_index,
         metrics=deps.metrics,
         max_body_bytes=config.max_request_body_bytes,
+        routes=routes,  # filled in below, with the routers
     )
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
         )
+    add_user_middleware(app, config.middleware)  # outermost, as vLLM adds them
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, error: OpenAIError) -> Response:
-        return error_response(error)
+    async def openai_error(request: Request, error: OpenAIError) -> Response:
+        return error_response(error, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> Response:
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        path = request.url.path
         first = error.errors()[0] if error.errors() else {}
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
-            return error_response(OpenAIError("The request body is not valid JSON.", param=None))
+            return error_response(OpenAIError("The request body is not valid JSON.", param=None), path)
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(OpenAIError(message, param=location[0] if location else None))
+        return error_response(OpenAIError(message, param=location[0] if location else None), path)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, error: Exception) -> Response:
-        return error_response(to_openai_error(error))  # logged there, with its traceback
+    async def internal_error(request: Request, error: Exception) -> Response:
+        return error_response(to_openai_error(error), request.url.path)  # logged there, with its traceback
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> Response:
-        return error_response(http_status_error(error.status_code, error.detail))
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return error_response(http_status_error(error.status_code, error.detail), request.url.path)
 
-    for router in (chat.router, chat_batch.router, completions.router, tokenize.router, admin.router):
+    routers = [
+        chat.router,
+        chat_batch.router,
+        completions.router,
+        responses.router,
+        messages.router,
+        invocations.router,
+        tokenize.router,
+        admin.router,
+    ]
+    for router in routers + ([dev.router] if config.dev_mode else []):
         app.include_router(router)
+        routes.extend(router.routes)
     return app

@@ -10,8 +10,10 @@ from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.client import AsyncEngineClient
 from frontend.metrics import EngineStatsCollector, Metrics
 from frontend.model_files import load_generation_defaults
+from frontend.openai.fingerprint import output_settings, system_fingerprint
 from frontend.openai.serving import OpenAIServing
 from frontend.parsers.registry import Parsers
+from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits
 from frontend.server.config import ServerConfig
 from protocol.messages import ModelInfo
@@ -48,6 +50,7 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
     if defaults:
         logger.info("sampling defaults from the generation config: %s", defaults)
     llm.log_requests = config.log_requests
+    llm.max_log_len = config.max_log_len
     limits = AdmissionLimits(
         max_queued_requests=config.max_queued_requests,
         max_queued_tokens=config.max_queued_tokens,
@@ -63,4 +66,11 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
         enable_auto_tool_choice=config.enable_auto_tool_choice,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
+        responses=ResponseStore(
+            config.responses_store_path, config.responses_store_max_count, config.responses_store_max_bytes
+        ),
+        system_fingerprint=system_fingerprint(
+            config.fingerprint_mode, model_info, output_settings(config), config.fingerprint_value
+        ),
+        force_include_usage=config.force_include_usage,
     )

@@ -1,5 +1,6 @@
-"""The one error shape of the HTTP edge: OpenAI's {"error": {message, type, param, code}}, and the map
-from every typed error (ours and the engine's) to it."""
+"""The error shapes of the HTTP edge: OpenAI's {"error": {message, type, param, code}} (Anthropic's
+{"type": "error", "error": {type, message}} on its doors), and the map from every typed error (ours and
+the engine's) to them."""
 
 from __future__ import annotations
 
@@ -35,9 +36,30 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def error_response(error: OpenAIError) -> Response:
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)  # the doors that answer in Anthropic's shape
+
+
+def anthropic_error_body(error: OpenAIError) -> dict[str, Any]:
+    """Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_response(error: OpenAIError, path: str = "") -> Response:
+    """The error in the shape of the door `path` belongs to: Anthropic's for its doors, else OpenAI's."""
+    anthropic = path.startswith(ANTHROPIC_PATHS)
     return Response(
-        msgspec.json.encode(error.body()),
+        msgspec.json.encode(anthropic_error_body(error) if anthropic else error.body()),
         status_code=error.status,
         media_type="application/json",
         headers=error.headers,

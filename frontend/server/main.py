@@ -26,6 +26,7 @@ from frontend.model_files import load_tokenizer
 from frontend.openai.serving import OpenAIServing
 from frontend.server.app import build_app
 from frontend.server.deps import AppDeps, ServerConfig, build_serving
+from frontend.server.tls import CertRefresher
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, exit_with_parent
 
@@ -74,9 +75,10 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     )
     # The tokenizer (transformers' import, seconds) loads while the engine loads the model; attached
     # without a model name, it waits for the engine's.
+    tokenizer_path = config.tokenizer or config.model
     tokenizer_load = (
-        asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model, config.cache_dir))
-        if config.model
+        asyncio.create_task(asyncio.to_thread(load_tokenizer, tokenizer_path, config.cache_dir))
+        if tokenizer_path
         else None
     )
     try:
@@ -97,8 +99,20 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     serving = build_serving(config, AsyncLLM(client, tokenizer, metrics), model_info)
     app = build_app(AppDeps(config, serving, metrics))
     uv_config = uvicorn.Config(
-        app, log_level=config.log_level, loop="uvloop", access_log=False, timeout_graceful_shutdown=10
+        app,
+        log_level=config.uvicorn_log_level or config.log_level,
+        # None: uvicorn's loggers (its access lines too) go through our handler, in --log-format
+        log_config=None,
+        loop="uvloop",
+        access_log=config.uvicorn_access_log,
+        timeout_graceful_shutdown=10,
+        **tls_options(config),
     )
+    uv_config.load()  # builds the SSL context now, so that the refresher holds the one uvicorn serves
+    refresher = None
+    if config.enable_ssl_refresh and uv_config.ssl is not None and config.ssl_keyfile and config.ssl_certfile:
+        refresher = CertRefresher(uv_config.ssl, config.ssl_keyfile, config.ssl_certfile, config.ssl_ca_certs)
+        refresher.start()
     server = DrainingServer(uv_config, serving, config.shutdown_timeout_s)
     # The launcher's word that the engine process is gone: fail open requests now, not after the
     # heartbeat timeout.
@@ -115,7 +129,23 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     try:
         await server.serve(sockets=[sock])
     finally:
+        if refresher is not None:
+            refresher.stop()
         client.close()
+
+
+def tls_options(config: ServerConfig) -> dict[str, Any]:
+    """uvicorn's ssl_* options: HTTPS when both a key and a certificate are given."""
+    if not (config.ssl_keyfile and config.ssl_certfile):
+        return {}
+    options: dict[str, Any] = {
+        "ssl_keyfile": config.ssl_keyfile,
+        "ssl_certfile": config.ssl_certfile,
+        "ssl_cert_reqs": config.ssl_cert_reqs,
+    }
+    if config.ssl_ca_certs:
+        options["ssl_ca_certs"] = config.ssl_ca_certs
+    return options
 
 
 def main() -> None:

@@ -12,10 +12,20 @@ import time
 from collections.abc import MutableMapping
 from typing import Any
 
+from starlette.routing import Match
+
 from frontend.metrics import UNMETERED_PATHS, Metrics
 from frontend.server.errors import OpenAIError, error_response
 
 OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
+
+
+def route_path(scope: MutableMapping[str, Any]) -> str:
+    """The path without the --root-path prefix, whether the proxy stripped it or not (Starlette's rule)."""
+    path, root = str(scope["path"]), str(scope.get("root_path") or "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("/", ""):
+        return path[len(root) :] or "/"
+    return path
 
 
 class EdgeMiddleware:
@@ -26,8 +36,10 @@ class EdgeMiddleware:
         server_index: int,
         metrics: Metrics | None = None,
         max_body_bytes: int = 16 << 20,
+        routes: list[Any] | None = None,
     ) -> None:
         self.app = app
+        self.routes = routes if routes is not None else []  # the app's, to label metrics by route
         self.metrics = metrics
         self.keys = [key.encode() for key in api_keys]
         self.server_header = str(server_index).encode()
@@ -63,7 +75,7 @@ class EdgeMiddleware:
             await send(message)
 
         try:
-            if self.keys and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            if self.keys and route_path(scope) not in OPEN_PATHS and scope["method"] != "OPTIONS":
                 if not self.authorized(headers):
                     error = OpenAIError(
                         "Incorrect or missing API key.",
@@ -71,7 +83,7 @@ class EdgeMiddleware:
                         type="authentication_error",
                         code="invalid_api_key",
                     )
-                    await error_response(error)(scope, receive, send_with_headers)
+                    await error_response(error, scope["path"])(scope, receive, send_with_headers)
                     return
             body_receive = await self._read_body(scope, headers, receive)
             if body_receive is None:
@@ -81,14 +93,24 @@ class EdgeMiddleware:
                     type="invalid_request_error",
                     code="request_too_large",
                 )
-                await error_response(error)(scope, receive, send_with_headers)
+                await error_response(error, scope["path"])(scope, receive, send_with_headers)
                 return
             await self.app(scope, body_receive, send_with_headers)
         finally:
-            path = scope["path"]
+            path = self.route_label(scope)
             if self.metrics is not None and path not in UNMETERED_PATHS:
                 self.metrics.http_requests.labels(scope["method"], path, str(status[0])).inc()
                 self.metrics.http_latency.labels(scope["method"], path).observe(time.monotonic() - started)
+
+    def route_label(self, scope: dict[str, Any]) -> str:
+        """The route's template (/v1/responses/{response_id}), not the path: one series per route, however
+        many ids and stray paths are asked for ("unmatched"). A request the edge itself refused (401, 413)
+        never reached routing: its route is looked up here."""
+        route = scope.get("route")
+        if route is None:
+            route = next((r for r in self.routes if r.matches(scope)[0] != Match.NONE), None)
+        path = getattr(route, "path", None)
+        return path if isinstance(path, str) else "unmatched"
 
     async def _read_body(self, scope: dict[str, Any], headers: dict[bytes, bytes], receive: Any) -> Any:
         """Read the whole body, at most max_body_bytes; a receive() that replays it, or None if too big."""

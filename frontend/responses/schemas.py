@@ -1,0 +1,218 @@
+"""OpenAI Responses request bodies (POST /v1/responses) and their one translation into the chat form
+every door renders through (`to_chat_request`).
+
+Input items become chat messages: messages (input_text / output_text parts), function_call items as
+the assistant's tool calls, function_call_output items as tool messages, reasoning items as the next
+assistant turn's reasoning. `instructions` is the system message (not carried over by
+previous_response_id, as OpenAI does). As on every door, no field is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from frontend.openai.schemas import ChatCompletionRequest, chat_request, unsupported
+from frontend.server.errors import OpenAIError
+
+logger = logging.getLogger("engine.api")
+
+UNSUPPORTED_FIELDS = {
+    "background": "background responses",
+    "conversation": "conversations (use previous_response_id)",
+    "prompt": "prompt templates",
+    "max_tool_calls": "a tool-call limit",
+    "context_management": "context management",
+    "prompt_cache_retention": "prompt-cache retention",
+    "prompt_cache_options": "prompt-cache options",
+    "moderation": "moderation",
+    "image": "image generation",
+    "access_programs": "access programs",
+    "background_options": "background responses",
+    "stream_options": "stream options",
+    "top_logprobs": "logprobs on this door",
+}
+METADATA_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key")
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True  # OpenAI's default
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+
+    def check_supported(self) -> None:
+        for name in sorted(self.model_extra or {}):
+            if name in UNSUPPORTED_FIELDS and (self.model_extra or {})[name] not in (None, False, 0):
+                raise unsupported(name, UNSUPPORTED_FIELDS[name])
+            logger.debug("ignoring the unknown request field %r", name)
+        if self.service_tier not in (None, "auto", "default"):
+            raise unsupported("service_tier", f"service tier {self.service_tier!r}")
+        if self.truncation not in (None, "disabled"):
+            raise unsupported("truncation", f"truncation {self.truncation!r} (the context limit is a 400)")
+        if self.include:
+            raise unsupported("include", f"include {self.include!r}")
+
+
+def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """history: the input and output items of the previous response, when one is continued."""
+    body.check_supported()
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    messages += input_messages([*history, *input_items(body.input)])
+    fields: dict[str, Any] = {
+        "model": body.model,
+        "messages": messages,
+        "max_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stream": body.stream,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        **{name: getattr(body, name) for name in METADATA_FIELDS},
+    }
+    if body.tools is not None:
+        fields["tools"] = [_tool(tool, f"tools[{index}]") for index, tool in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        fields["tool_choice"] = _tool_choice(body.tool_choice)
+    if body.text is not None:
+        fields["response_format"] = _text_format(body.text)
+    if body.reasoning is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": _thinking(body.reasoning)}
+    return chat_request(fields)
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else list(value)
+
+
+def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
+    for index, item in enumerate(items):
+        param = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise OpenAIError(f"{param} must be an object.", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise OpenAIError(
+                    f"{param}.role must be one of {', '.join(MESSAGE_ROLES)}; got {role!r}.", param="input"
+                )
+            message: dict[str, Any] = {"role": role, "content": _text(item.get("content"), param)}
+            if role == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = reasoning, ""
+            messages.append(message)
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise OpenAIError(
+                    f"{param}: a function_call needs a name and arguments (a JSON string).", param="input"
+                )
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant" or "tool_calls" not in last and last["content"]:
+                last = {"role": "assistant", "content": ""}
+                messages.append(last)
+            if reasoning:
+                last["reasoning_content"], reasoning = reasoning, ""
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise OpenAIError(f"{param}: a function_call_output needs its call_id.", param="input")
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), param)}
+            )
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            reasoning += "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
+        else:
+            raise unsupported(f"{param}.type", f"{kind!r} input items")
+    return messages
+
+
+def _text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(f"{param}.content must be a string or a list of parts.", param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in TEXT_PARTS:
+            raise unsupported(f"{param}.content", f"{kind!r} content parts (text only)")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def _tool(tool: Any, param: str) -> dict[str, Any]:
+    kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+    if kind != "function":
+        raise unsupported(param, f"{kind!r} tools (function tools only)")
+    function = {
+        key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None
+    }
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice  # none, auto, required: checked on the chat path
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise unsupported("tool_choice", f"tool_choice {choice!r} (a function by name only)")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _text_format(text: dict[str, Any]) -> dict[str, Any] | None:
+    if text.get("verbosity") is not None:
+        raise unsupported("text.verbosity", "verbosity")
+    form = text.get("format")
+    if form is None or form.get("type") == "text":
+        return None
+    if form.get("type") == "json_object":
+        return {"type": "json_object"}
+    if form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
+        raise OpenAIError(
+            'text.format is text, json_object or {"type": "json_schema", "schema": ...}.', param="text.format"
+        )
+    schema = {
+        key: form[key] for key in ("name", "schema", "strict", "description") if form.get(key) is not None
+    }
+    return {"type": "json_schema", "json_schema": {"name": "output", **schema}}
+
+
+def _thinking(reasoning: dict[str, Any]) -> bool:
+    """reasoning.effort "none" closes the thinking (the template's enable_thinking); other levels and
+    summaries are not ours."""
+    if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
+        raise unsupported("reasoning.summary", "reasoning summaries")
+    effort = reasoning.get("effort")
+    if effort not in (None, "none"):
+        raise unsupported("reasoning.effort", f"effort {effort!r} (only none, or leave it unset)")
+    return effort is None
