@@ -84,6 +84,8 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Count to three."}],
 ]
 CONVERSATION_LINES = {120: 0, 150: 1, 180: 2}  # line index -> conversation
+RESPONSES_LINE = 130  # one line for the Responses door
+RESPONSES_BODY = {"model": MODEL, "input": "Name a fruit.", "max_output_tokens": MAX_TOKENS, "temperature": 0}
 
 
 def conversation_body(c: int) -> dict[str, Any]:
@@ -100,6 +102,8 @@ def batch_file() -> tuple[list[str], list[str | None]]:
         elif i in CONVERSATION_LINES:
             custom_id = f"conversation-{CONVERSATION_LINES[i]}"
             text = request_line(custom_id, "/v1/chat/completions", conversation_body(CONVERSATION_LINES[i]))
+        elif i == RESPONSES_LINE:
+            custom_id, text = "responses", request_line("responses", "/v1/responses", RESPONSES_BODY)
         elif i % 4 == 1:  # a chat prompt is ~8 times longer (the template's system turn): fewer of them
             custom_id, text = f"chat-{i}", request_line(f"chat-{i}", "/v1/chat/completions", chat_body(i))
         else:
@@ -152,6 +156,10 @@ def test_run_batch_answers_every_line_once_in_order(records: list[dict[str, Any]
         assert response["status_code"] == 200 and response["request_id"]
         body = response["body"]
         url = json.loads(lines[i])["url"]
+        if url == "/v1/responses":
+            assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+            assert 0 < body["usage"]["output_tokens"] <= MAX_TOKENS
+            continue
         assert body["object"] == ("text_completion" if url == "/v1/completions" else "chat.completion")
         assert 0 < body["usage"]["completion_tokens"] <= MAX_TOKENS
 

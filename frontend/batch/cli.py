@@ -8,6 +8,7 @@ The parser imports only the config; the engine, the app and tqdm load when the c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -33,8 +34,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         batch = from_namespace(BatchArgs, args)
         server_args = from_namespace(ServerArgs, args)
     except ValueError as error:
-        print(f"engine run-batch: error: {error}", file=sys.stderr)
-        return 2
+        return _error(str(error))
     engine_args = from_namespace(EngineArgs, args)
     return run(engine_args, server_args, batch)
 
@@ -42,16 +42,24 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 def run(engine_args: EngineArgs, server_args: ServerArgs, batch: BatchArgs) -> int:
     from frontend.batch.runner import run_batch
     from frontend.launcher import check_parsers, server_config
+    from frontend.model_files import ModelNotFoundError, resolve_model
     from frontend.offline.llm import LLM
     from frontend.server.app import build_app
     from frontend.server.deps import AppDeps, build_serving
 
     assert batch.input_file is not None and batch.output_file is not None  # BatchArgs checked them
+    # What can be wrong with the files or the flags stops us before the engine loads.
     try:
-        open(batch.input_file, "rb").close()  # a missing file stops us before the engine loads
+        open(batch.input_file, "rb").close()
     except OSError as error:
-        print(f"engine run-batch: error: cannot read {batch.input_file}: {error.strerror}", file=sys.stderr)
-        return 2
+        return _error(f"cannot read {batch.input_file}: {error.strerror}")
+    folder = os.path.dirname(os.path.abspath(batch.output_file))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return _error(f"cannot write {batch.output_file}: {folder} is not a writable folder")
+    try:
+        resolve_model(engine_args.model)
+    except ModelNotFoundError as error:
+        return _error(str(error))
     check_parsers(server_args)
     started = time.monotonic()
     with LLM.from_engine_args(engine_args) as llm:
@@ -76,3 +84,8 @@ def run(engine_args: EngineArgs, server_args: ServerArgs, batch: BatchArgs) -> i
         print("engine run-batch: the engine process exited during the run", file=sys.stderr)
         return 1
     return 0
+
+
+def _error(message: str) -> int:
+    print(f"engine run-batch: error: {message}", file=sys.stderr)
+    return 2

@@ -17,13 +17,13 @@ from typing import Any
 import msgspec
 
 # url -> what it serves; a line's url must be one of them
-DOORS = {"/v1/chat/completions": "chat completions", "/v1/completions": "completions"}
-# OpenAI batch urls this server does not serve yet
-NOT_YET = {
-    "/v1/embeddings": "embeddings",
+DOORS = {
+    "/v1/chat/completions": "chat completions",
+    "/v1/completions": "completions",
     "/v1/responses": "the Responses API",
-    "/v1/moderations": "moderations",
 }
+# OpenAI batch urls this server does not serve yet
+NOT_YET = {"/v1/embeddings": "embeddings", "/v1/moderations": "moderations"}
 
 
 @dataclass

@@ -18,6 +18,10 @@ SERVER_FIELDS = (
     "tool_call_parser",
     "tool_parser_plugin",
     "reasoning_parser",
+    "max_log_len",
+    "enable_force_include_usage",
+    "fingerprint_mode",
+    "fingerprint_value",
 )
 
 
