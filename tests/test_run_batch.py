@@ -21,7 +21,7 @@ from tests.serve_helpers import free_port, stop, wait_healthy
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2"
-MAX_TOKENS = 5
+MAX_TOKENS = 4
 COMMON = ["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", MODEL]
 
 
@@ -71,7 +71,7 @@ INVALID = {
     57: (request_line("audio", "/v1/chat/completions", {**chat_body(57), "audio": {"voice": "x"}}), "audio", "unsupported_field", "audio"),
     67: (request_line("no-model", "/v1/completions", {**completion_body(67), "model": "gpt-9"}), "no-model", "model_not_found", "model"),
     77: (request_line("stream", "/v1/completions", {**completion_body(77), "stream": True}), "stream", "unsupported_field", "body.stream"),
-    87: (request_line("chat-5", "/v1/chat/completions", chat_body(5)), "chat-5", "duplicate_custom_id", "custom_id"),
+    87: (request_line("chat-11", "/v1/chat/completions", chat_body(11)), "chat-11", "duplicate_custom_id", "custom_id"),
     97: (request_line("no-body", "/v1/completions", None), "no-body", "invalid_body", "body"),  # type: ignore[arg-type]
     107: (request_line("too-long", "/v1/completions", {**completion_body(107), "max_tokens": 5000}), "too-long", "context_length_exceeded", "prompt"),
 }  # fmt: skip
@@ -104,7 +104,7 @@ def batch_file() -> tuple[list[str], list[str | None]]:
             text = request_line(custom_id, "/v1/chat/completions", conversation_body(CONVERSATION_LINES[i]))
         elif i == RESPONSES_LINE:
             custom_id, text = "responses", request_line("responses", "/v1/responses", RESPONSES_BODY)
-        elif i % 4 == 1:  # a chat prompt is ~8 times longer (the template's system turn): fewer of them
+        elif i % 10 == 1:  # a chat prompt is ~8 times longer (the template's system turn): fewer of them
             custom_id, text = f"chat-{i}", request_line(f"chat-{i}", "/v1/chat/completions", chat_body(i))
         else:
             custom_id, text = f"cmpl-{i}", request_line(f"cmpl-{i}", "/v1/completions", completion_body(i))
