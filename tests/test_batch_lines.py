@@ -17,6 +17,7 @@ from frontend.batch.lines import LineError, answered, parse_line
 from frontend.batch.runner import run_batch
 from frontend.config.batch_args import BatchArgs
 from frontend.config.flags import from_namespace
+from frontend.server.errors import OpenAIError
 
 
 def line(custom_id: Any = "a", **extra: Any) -> str:
@@ -176,3 +177,21 @@ def test_the_flags_are_the_engines_the_answer_shaping_server_ones_and_the_batch_
 def test_bad_batch_flags_are_clear_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         from_namespace(BatchArgs, parse(argv))
+
+
+def test_a_batch_conversation_is_the_chat_request_the_caller_would_have_sent() -> None:
+    from frontend.openai.chat_batch import BatchChatCompletionRequest
+
+    conversations = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    body = BatchChatCompletionRequest.model_validate(
+        {"messages": conversations, "max_tokens": 3, "audio": {}}
+    )
+    second = body.conversation(1)
+    assert second.messages == conversations[1] and second.max_tokens == 3
+    # unset stays unset (generation-config defaults apply per conversation), extras reach check_supported
+    assert second.model_fields_set == {"messages", "max_tokens", "audio"}
+    with pytest.raises(OpenAIError) as caught:
+        second.check_supported()
+    assert caught.value.param == "audio"
+    with pytest.raises(ValueError, match=r"messages\[1\]\[0\].role"):
+        BatchChatCompletionRequest.model_validate({"messages": [conversations[0], [{"role": "bot"}]]})
