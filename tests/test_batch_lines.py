@@ -1,7 +1,7 @@
 """`engine run-batch` without a model: the line checks, the output records, and the runner over a small
 ASGI app of our own (answers out of order, a 400, an app that raises), so order, concurrency and
-per-line errors are checked in milliseconds; and the batch door's per-conversation request. tests/test_run_batch.py
-runs the real thing."""
+per-line errors are checked in milliseconds; and the batch door's per-conversation request.
+tests/test_run_batch.py runs the real thing."""
 
 from __future__ import annotations
 
