@@ -204,6 +204,7 @@ def server_config(
         middleware=args.middleware,
         max_log_len=args.max_log_len,
         force_include_usage=args.enable_force_include_usage,
+        response_role=args.response_role,
         fingerprint_mode=args.fingerprint_mode,
         fingerprint_value=args.fingerprint_value,
     )

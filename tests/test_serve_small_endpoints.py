@@ -1,6 +1,6 @@
 """The small endpoints and vLLM's server options through a real `engine serve` of a tiny random Llama
 (SmolLM2's tokenizer): one server with several options on at once (--root-path, --fingerprint-mode
-hash, two --middleware, --enable-force-include-usage, dev mode), one over HTTPS whose certificate is
+hash, two --middleware, --enable-force-include-usage, --response-role, dev mode), one over HTTPS whose certificate is
 replaced while it runs, one serving hub ids from a hand-made Hugging Face cache offline. The pieces
 without a server: tests/test_server_options.py."""
 
@@ -81,6 +81,8 @@ def base(tiny: str):  # type: ignore[no-untyped-def]
         "--middleware",
         "tests.small_helpers.function_middleware",
         "--enable-force-include-usage",
+        "--response-role",
+        "narrator",
         "--max-log-len",
         "8",
         env={"ENGINE_SERVER_DEV_MODE": "1"},
@@ -121,6 +123,18 @@ def test_system_fingerprint_on_every_body_and_chunk(client: openai.OpenAI) -> No
     assert chunks and {chunk.system_fingerprint for chunk in chunks} == {fingerprint}
     completion = client.completions.create(model=NAME, prompt="Hello", max_tokens=3, temperature=0)
     assert completion.system_fingerprint == fingerprint
+
+
+def test_response_role(client: openai.OpenAI) -> None:
+    """--response-role names the answer's role; continuing the last message keeps that message's."""
+    assert client.chat.completions.create(**CHAT).choices[0].message.role == "narrator"
+    chunks = list(client.chat.completions.create(stream=True, **CHAT))
+    assert chunks[0].choices[0].delta.role == "narrator"
+    continued = {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "Well,"}]}
+    answer = client.chat.completions.create(
+        **continued, extra_body={"continue_final_message": True, "add_generation_prompt": False}
+    )
+    assert answer.choices[0].message.role == "assistant"
 
 
 def test_force_include_usage_ends_every_stream_with_usage(client: openai.OpenAI) -> None:

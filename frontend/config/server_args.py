@@ -144,6 +144,9 @@ class ServerArgs:
     max_log_len: int | None = option(
         None, "request logs show at most this many prompt characters and token ids (default: all)"
     )
+    response_role: str = option(
+        "assistant", "the role of chat answers (with add_generation_prompt false: the last message's role)"
+    )
     enable_force_include_usage: bool = option(
         False, "usage in every streamed response, as if stream_options.include_usage were set"
     )

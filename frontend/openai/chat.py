@@ -53,6 +53,15 @@ class ChatRun(Run):
         text = self.serving.token_text
         return {"content": chat_logprobs(logprobs, self.num_top, text, self.body.return_tokens_as_token_ids)}
 
+    @property
+    def role(self) -> str:
+        """vLLM's rule: --response-role, or the last message's role when no generation prompt opens a
+        new turn (continue_final_message)."""
+        body = self.body
+        if body.add_generation_prompt and not body.continue_final_message:
+            return self.serving.response_role
+        return str(body.messages[-1].get("role", self.serving.response_role))
+
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return sse(self.envelope("chat.completion.chunk", choices, **extra))
 
@@ -129,11 +138,11 @@ def full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:
     body = run.body
     choices = []
     for choice in state.choices:
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        message: dict[str, Any] = {"role": run.role, "content": choice.text}
         finish_reason = choice.finish_reason
         if run.plan.parses:
             parsed = run.plan.parse(choice.text, final=True)
-            message = full_message(parsed, run.plan, body.include_reasoning)
+            message = full_message(parsed, run.plan, body.include_reasoning, run.role)
             finish_reason = run.plan.finish_reason(parsed, finish_reason)
         entry: dict[str, Any] = {
             "index": choice.index,
@@ -166,7 +175,7 @@ async def _stream(
     continuous = options is not None and options.continuous_usage_stats
     first_extra: dict[str, Any] = {"prompt_token_ids": run.prompt_ids} if body.return_token_ids else {}
     for index in range(body.n):
-        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        role = {"index": index, "delta": {"role": run.role, "content": ""}, "logprobs": None}
         yield run.chunk([{**role, "finish_reason": None}], **(first_extra if index == 0 else {}))
     state: RequestState | None = None
     prompt_logprobs_sent = body.prompt_logprobs is None
@@ -221,13 +230,15 @@ async def _stream(
     yield SSE_DONE
 
 
-def full_message(parsed: Parsed, plan: ChatPlan, include_reasoning: bool) -> dict[str, Any]:
+def full_message(
+    parsed: Parsed, plan: ChatPlan, include_reasoning: bool, role: str = "assistant"
+) -> dict[str, Any]:
     """The assistant message of a parsed choice: content (None when only calls came), reasoning (also as
     reasoning_content, the older name), tool calls."""
     content: str | None = parsed.content
     if parsed.calls and not parsed.content.strip():
         content = None
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    message: dict[str, Any] = {"role": role, "content": content}
     if plan.reasoning_parser is not None and include_reasoning:
         reasoning = parsed.reasoning or None
         message["reasoning"] = message["reasoning_content"] = reasoning

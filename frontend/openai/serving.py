@@ -31,6 +31,7 @@ class OpenAIServing:
     reasoning_parser: str | None = None  # a name in parsers
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(":memory:", 1000, 64 << 20))
     system_fingerprint: str | None = None  # of every chat and completion body and chunk (fingerprint.py)
+    response_role: str = "assistant"  # of chat answers (--response-role)
     force_include_usage: bool = (
         False  # usage in every stream, asked for or not (--enable-force-include-usage)
     )

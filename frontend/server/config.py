@@ -48,6 +48,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     uvicorn_access_log: bool = True
     middleware: list[str] = []  # import paths of ASGI middleware classes or HTTP middleware functions
     max_log_len: int | None = None  # prompt characters and ids in request logs; None: all
+    response_role: str = "assistant"  # the role of chat answers (--response-role)
     force_include_usage: bool = False  # usage in every stream (--enable-force-include-usage)
     fingerprint_mode: str = "full"  # system_fingerprint: full, hash, custom or none
     fingerprint_value: str | None = None  # the custom one

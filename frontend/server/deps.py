@@ -73,4 +73,5 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
             config.fingerprint_mode, model_info, output_settings(config), config.fingerprint_value
         ),
         force_include_usage=config.force_include_usage,
+        response_role=config.response_role,
     )
