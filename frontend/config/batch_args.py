@@ -20,6 +20,7 @@ SERVER_FIELDS = (
     "reasoning_parser",
     "max_log_len",
     "enable_force_include_usage",
+    "response_role",
     "fingerprint_mode",
     "fingerprint_value",
 )
