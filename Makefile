@@ -11,7 +11,7 @@ install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA bui
 	$(PYTHON) -m worker.gguf_cache "$$($(PYTHON) -m frontend.model_files)"  # convert the default model once
 
 test:  ## the whole suite: unit, integration against HF transformers, end-to-end
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15  # the 15 slowest tests, to keep the suite fast
 
 test-fast:  ## no model loads, no processes
 	$(PYTHON) -m pytest -q -m "not slow"

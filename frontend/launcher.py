@@ -17,11 +17,13 @@ from typing import Any
 import msgspec
 
 from frontend.config.engine_args import EngineArgs
+from frontend.config.flags import ConfigError, naming
 from frontend.config.server_args import ServerArgs
 from frontend.engine.process import EngineProcess
 from frontend.server.config import ServerConfig
 from frontend.server.tls import check_tls_files
 from frontend.server.user_middleware import import_middleware
+from protocol.config import EngineConfig
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, parent_pid_arg
 
@@ -46,9 +48,10 @@ def check_exposure(address: str, allow_remote: bool) -> None:
         return
     host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
     if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
-        raise SystemExit(
-            f"--engine-address {address} would expose the engine (which has no authentication) beyond "
-            "this machine; add --allow-remote-engine if that is intended (and firewall it)."
+        raise ConfigError(
+            "--engine-address",
+            f"{address} would expose the engine (which has no authentication) beyond this machine; add "
+            "--allow-remote-engine if that is intended (and firewall it)",
         )
 
 
@@ -138,14 +141,18 @@ class Supervisor:
 
 
 def check_parsers(args: ServerArgs) -> None:
-    """A bad parser name, plugin, middleware or TLS file stops us before the engine loads."""
+    """A bad parser name or plugin (ConfigError naming its flag), middleware or TLS file (SystemExit)
+    stops us before the engine loads."""
     from frontend.parsers.registry import Parsers
 
-    parsers = Parsers.with_plugin(args.tool_parser_plugin)
+    with naming("--tool-parser-plugin"):
+        parsers = Parsers.with_plugin(args.tool_parser_plugin)
     if args.tool_call_parser:
-        parsers.tool_parser(args.tool_call_parser)
+        with naming("--tool-call-parser"):
+            parsers.tool_parser(args.tool_call_parser)
     if args.reasoning_parser:
-        parsers.reasoning_parser(args.reasoning_parser)
+        with naming("--reasoning-parser"):
+            parsers.reasoning_parser(args.reasoning_parser)
     for path in args.middleware:
         import_middleware(path)
     check_tls_files(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
@@ -159,18 +166,23 @@ def server_config(
     output_address: str,
     server_index: int = 0,
 ) -> ServerConfig:
-    """What an API server (or `engine run-batch`, which runs the same app in-process) is told."""
+    """What an API server (or `engine run-batch`, which runs the same app in-process) is told; reads the
+    --chat-template and --api-key-file files (ConfigError when it cannot)."""
     chat_template = None
     if args.chat_template:
-        chat_template = (
-            open(args.chat_template).read() if os.path.exists(args.chat_template) else args.chat_template
-        )
+        chat_template = args.chat_template
+        if os.path.exists(args.chat_template):
+            chat_template = _read("--chat-template", args.chat_template)
+    try:
+        api_keys = args.api_keys()
+    except OSError as error:
+        raise ConfigError("--api-key-file", f"cannot read {args.api_key_file}: {error.strerror}") from None
     return ServerConfig(
         model=model,
         input_address=input_address,
         output_address=output_address,
         server_index=server_index,
-        api_keys=args.api_keys(),
+        api_keys=api_keys,
         chat_template=chat_template,
         allowed_origins=args.allowed_origins,
         cache_dir=engine_args.cache_dir,
@@ -211,59 +223,75 @@ def server_config(
 
 
 def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
-    from frontend.model_files import resolve_model
-
+    """Check, then start. Every check runs before the first process starts: a bad flag raises ConfigError,
+    a missing model ModelNotFoundError, a port in use SystemExit, and nothing is left behind."""
     configure_logging(engine_args.log_level, engine_args.log_format)
     phases = StartupPhases("launcher")
     phases.mark("imports")
     if not args.headless:
         check_parsers(args)
     phases.mark("parsers")
-    supervisor = Supervisor(args.shutdown_timeout_s)
     # The HTTP port first: a port in use must stop us before an engine is started (and left behind).
     sock = None if args.headless else bind_http_socket(args.host, args.port)
+    engine_config, model, tokenizer, addresses = resolve_engine(engine_args, args)
+    # What the API servers are told, built before anything starts (an unreadable --api-key-file stops us
+    # here too); the engine's addresses follow once its process has them.
+    api_config = None
+    if sock is not None:
+        api_config = msgspec.structs.replace(
+            server_config(engine_args, args, model, *addresses), tokenizer=tokenizer
+        )
+    phases.mark("config")
+    supervisor = Supervisor(args.shutdown_timeout_s)
+    if engine_config is not None:
+        supervisor.engine = EngineProcess(engine_config)
+        phases.mark("engine process")
+        addresses = (engine_config.input_address, engine_config.output_address)
+    if sock is None or api_config is None:
+        print(f"engine: headless; the engine listens on {addresses[0]} and {addresses[1]}", flush=True)
+        return supervisor.run()
+    try:
+        api_config = msgspec.structs.replace(
+            api_config, input_address=addresses[0], output_address=addresses[1]
+        )
+        return _start_api_servers(supervisor, sock, args, api_config, phases)
+    except BaseException:
+        supervisor.shutdown()
+        raise
+
+
+def resolve_engine(
+    engine_args: EngineArgs, args: ServerArgs
+) -> tuple[EngineConfig | None, str, str | None, tuple[str, str]]:
+    """The engine's config (None with --attach: it runs elsewhere), the model and tokenizer folders, resolved
+    once here for the engine and the API servers alike, and the engine's addresses ("" until the engine
+    process picks them)."""
+    from frontend.model_files import resolve_model
+
     if args.attach:
-        input_address, output_address = engine_addresses(args.attach)
         # "": the tokenizer of the engine's model
         model = (
             resolve_model(engine_args.model, engine_args.revision, engine_args.download_dir)
             if engine_args.model
             else ""
         )
-        tokenizer = engine_args.resolved_tokenizer()
-    else:
-        config = engine_args.engine_config()  # resolved once here: engine and API servers load one folder
-        model, tokenizer = config.worker.model, config.worker.tokenizer
-        if args.engine_address:
-            check_exposure(args.engine_address, args.allow_remote_engine)
-            config.input_address, config.output_address = engine_addresses(args.engine_address)
-        elif args.headless:
-            raise SystemExit("--headless needs --engine-address tcp://HOST:PORT")
-        phases.mark("config")
-        supervisor.engine = EngineProcess(config)
-        phases.mark("engine process")
-        input_address, output_address = config.input_address, config.output_address
-    if sock is None:
-        print(f"engine: headless; the engine listens on {input_address} and {output_address}", flush=True)
-        return supervisor.run()
-    try:
-        addresses = (input_address, output_address)
-        return _start_api_servers(supervisor, sock, engine_args, args, (model, tokenizer), addresses, phases)
-    except BaseException:
-        supervisor.shutdown()
-        raise
+        return None, model, engine_args.resolved_tokenizer(), engine_addresses(args.attach)
+    if args.headless and not args.engine_address:
+        raise ConfigError("--headless", "needs --engine-address tcp://HOST:PORT")
+    config = engine_args.engine_config()
+    if args.engine_address:
+        check_exposure(args.engine_address, args.allow_remote_engine)
+        config.input_address, config.output_address = engine_addresses(args.engine_address)
+    return config, config.worker.model, config.worker.tokenizer, (config.input_address, config.output_address)
 
 
 def _start_api_servers(
     supervisor: Supervisor,
     sock: socket.socket,
-    engine_args: EngineArgs,
     args: ServerArgs,
-    model_and_tokenizer: tuple[str, str | None],
-    addresses: tuple[str, str],
+    api_config: ServerConfig,
     phases: StartupPhases,
 ) -> int:
-    (model, tokenizer), (input_address, output_address) = model_and_tokenizer, addresses
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Every API server writes its metrics here; /metrics on any of them sums the files.
         supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
@@ -272,9 +300,8 @@ def _start_api_servers(
     store = os.path.join(supervisor.state_dir, "responses.sqlite")
     dev_mode = ServerArgs.dev_mode()  # read once, here: every API server gets the launcher's answer
     for index in range(args.api_server_count):
-        config = server_config(engine_args, args, model, input_address, output_address, index)
         config = msgspec.structs.replace(
-            config, tokenizer=tokenizer, responses_store_path=store, dev_mode=dev_mode
+            api_config, server_index=index, responses_store_path=store, dev_mode=dev_mode
         )
         supervisor.start_api_server(sock, config)
     sock.close()  # the API servers hold it now
@@ -282,8 +309,17 @@ def _start_api_servers(
     phases.log(logger)
     url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"
     print(
-        f"engine: serving {model} on {url} with {args.api_server_count} API server(s); "
-        f"engine at {input_address}",
+        f"engine: serving {api_config.model} on {url} with {args.api_server_count} API server(s); "
+        f"engine at {api_config.input_address}",
         flush=True,
     )
     return supervisor.run()
+
+
+def _read(flag: str, path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise ConfigError(flag, f"cannot read {path}: {reason}") from None

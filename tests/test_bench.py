@@ -95,6 +95,22 @@ def test_zmq_harness_and_bench_serve_agree_with_metrics(smollm2_gguf: str, tmp_p
         assert run.returncode == 1, run.stdout + run.stderr
         summary = json.loads(out.read_text())["summary"]
         assert summary["failed"] == 2 and summary["errors"][0].startswith("HTTP 404"), summary
+
+        # The Responses door, store: true against store: false in one run, counts the server's tokens.
+        before = counters(port)
+        out = tmp_path / "responses.json"
+        run = bench(
+            "serve", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "responses",
+            "--responses-store", "both", "--num-prompts", "3", "--max-concurrency", "3", "--input-len", "8",
+            "--output-len", "4", "--warmup", "0", "--quiet", "--output-json", str(out),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        report = json.loads(out.read_text())
+        passes = [report["summary"], report["no_store_summary"]]
+        assert [(s["store"], s["completed"]) for s in passes] == [(True, 3), (False, 3)]
+        generated = sum(s["total_output_tokens"] for s in passes)
+        wait_until(lambda: delta("engine:generation_tokens_total") == generated, 10, "the server's counters")
+        assert "Output throughput, true / false:" in run.stdout
     finally:
         stop(server)
 

@@ -101,9 +101,9 @@ def test_api_keys_come_from_vllm_s_variable_too() -> None:
 
 
 def test_bad_values_are_refused_once_at_construction() -> None:
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="--block-size"):
         EngineArgs(block_size=7)
-    with pytest.raises(ValueError, match="max_num_seqs"):
+    with pytest.raises(ValueError, match="--max-num-seqs"):
         EngineArgs(max_num_seqs=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         EngineArgs().dtype = "float32"  # type: ignore[misc]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from frontend.config.flags import ConfigError
 from frontend.config.server_args import ServerArgs
 from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.client import AsyncEngineClient
@@ -193,6 +194,34 @@ def test_api_keys_from_flags_file_and_env(tmp_path) -> None:  # type: ignore[no-
 def test_engine_tcp_beyond_loopback_needs_a_flag() -> None:
     check_exposure("tcp://127.0.0.1:5570", allow_remote=False)
     check_exposure("ipc:///tmp/x", allow_remote=False)
-    with pytest.raises(SystemExit, match="--allow-remote-engine"):
+    with pytest.raises(ConfigError, match="--allow-remote-engine"):
         check_exposure("tcp://0.0.0.0:5570", allow_remote=False)
     check_exposure("tcp://0.0.0.0:5570", allow_remote=True)
+
+
+def test_the_body_request_id_is_echoed_on_errors(app_and_client, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An error answers with the body's request_id as an answer would: a body that fails validation, a
+    route's own check, and the engine's refusal of the request; a header's id still wins."""
+    from protocol.errors import InvalidParameterError
+
+    http, _ = app_and_client
+    invalid = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": "many", "request_id": "b-1"})
+    assert invalid.status_code == 400 and invalid.headers["x-request-id"] == "b-1"
+    checked = http.post("/v1/completions", json={"prompt": [1, 500], "request_id": "b-2"})
+    assert checked.status_code == 400 and checked.json()["error"]["param"] == "prompt"
+    assert checked.headers["x-request-id"] == "b-2"
+    chat = http.post("/v1/chat/completions", json={"messages": [], "request_id": "b-3"})
+    assert chat.status_code == 400 and chat.headers["x-request-id"] == "b-3"
+    header = http.post(
+        "/v1/completions", json={"prompt": [1, 500], "request_id": "b-4"}, headers={"X-Request-Id": "h"}
+    )
+    assert header.headers["x-request-id"] == "h"
+
+    async def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise InvalidParameterError("prompt", "refused by the engine")
+        yield  # an async generator, as AsyncLLM.generate is
+
+    monkeypatch.setattr(http.app.state.deps.serving.llm, "generate", refused)
+    engine = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "request_id": "b-5"})
+    assert engine.status_code == 400 and engine.json()["error"]["message"] == "refused by the engine"
+    assert engine.headers["x-request-id"] == "b-5"

@@ -16,31 +16,25 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_helpers import free_port, stop, wait_healthy
+from tests.serve_helpers import SHARED_API_KEY, SHARED_MODEL_NAME, Served
 
 pytestmark = pytest.mark.slow
 
-MODEL = "smollm2"
+MODEL = SHARED_MODEL_NAME
+AUTH = {"Authorization": f"Bearer {SHARED_API_KEY}"}
 MAX_TOKENS = 4
 COMMON = ["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", MODEL]
 
 
 @pytest.fixture(scope="module")
-def base(smollm2_gguf: str):  # type: ignore[no-untyped-def]
-    port = free_port()
-    command = [sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--port", str(port), *COMMON]
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(process, url)
-        yield url
-    finally:
-        stop(process)
+def base(smollm2_server: Served) -> str:
+    """The run's shared SmolLM2 server (conftest.py), whose answers the batch's must equal."""
+    return smollm2_server.base
 
 
 @pytest.fixture(scope="module")
 def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=SHARED_API_KEY, max_retries=0, timeout=120)
 
 
 def chat_body(i: int) -> dict[str, Any]:
@@ -189,7 +183,7 @@ def test_chat_batch_answers_equal_one_chat_request_each(base: str, records: list
         "temperature": 0,
         "return_token_ids": True,
     }
-    response = httpx.post(f"{base}/v1/chat/completions/batch", json=body, timeout=120)
+    response = httpx.post(f"{base}/v1/chat/completions/batch", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
     batch = response.json()
     assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
@@ -217,7 +211,7 @@ def test_chat_batch_rejects_with_a_400_naming_the_field(
     base: str, change: dict[str, Any], param: str, message: str
 ) -> None:
     body = {"model": MODEL, "messages": CONVERSATIONS, "max_tokens": 4, **change}
-    response = httpx.post(f"{base}/v1/chat/completions/batch", json=body, timeout=60)
+    response = httpx.post(f"{base}/v1/chat/completions/batch", json=body, headers=AUTH, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"], error

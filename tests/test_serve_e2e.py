@@ -14,53 +14,34 @@ import openai
 import psutil
 import pytest
 
-from tests.serve_helpers import free_port, stop, wait_until
+from tests.serve_helpers import (
+    SHARED_API_KEY,
+    SHARED_MODEL_NAME,
+    Served,
+    start_serve,
+    stop,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "test-key-123"
-MODEL = "smollm2"
+API_KEY = SHARED_API_KEY
+MODEL = SHARED_MODEL_NAME
 
 
 def start_server(model: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "frontend.cli",
-        "serve",
-        model,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--served-model-name",
-        MODEL,
-        "--api-key",
-        API_KEY,
-        *extra,
-    ]
-    process = subprocess.Popen(command)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            lambda: httpx.get(f"{base}/health", timeout=2).status_code == 200, 180, "the server to be healthy"
-        )
-    except BaseException:
-        stop(process)
-        raise
-    return process, base
+    """A server of its own, with the shared one's engine flags (for a test that kills its engine)."""
+    served = start_serve(
+        model, "--dtype", "float32", "--max-model-len", "1024", "--served-model-name", MODEL,
+        "--api-key", API_KEY, *extra,
+    )  # fmt: skip
+    return served.process, served.base
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf: str):  # type: ignore[no-untyped-def]
-    process, base = start_server(smollm2_gguf, "--api-server-count", "2")
-    try:
-        yield {"base": base, "process": process}
-    finally:
-        stop(process)
+def server(smollm2_server: Served):  # type: ignore[no-untyped-def]
+    """The run's shared SmolLM2 server (conftest.py): two API servers, an API key."""
+    return {"base": smollm2_server.base, "process": smollm2_server.process}
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +359,9 @@ def test_chat_content_parts_continue_final_message_and_n_streams(client: openai.
             ],
         }
     ]
-    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
+    # the parts are joined with newlines (vLLM's rendering)
+    joined = [{"role": "user", "content": "What is the capital \nof France?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=joined, temperature=0, max_tokens=12)
     from_parts = client.chat.completions.create(model=MODEL, messages=parts, temperature=0, max_tokens=12)
     assert from_parts.choices[0].message.content == plain.choices[0].message.content
     prefix = "The capital of France is"

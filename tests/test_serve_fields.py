@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
-from tests.serve_helpers import free_engine_port, free_port, stop, wait_healthy
+from tests.serve_helpers import serving
 
 pytestmark = pytest.mark.slow
 
@@ -28,22 +25,14 @@ NUM_KV_BLOCKS = 24
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf: str):  # type: ignore[no-untyped-def]
-    port, engine_port = free_port(), free_engine_port()
-    command = [
-        sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--port", str(port), "--dtype", "float32",
-        "--max-model-len", "1024", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--served-model-name", MODEL,
-        "--allowed-origins", '["https://a.example", "https://b.example"]', "--metrics-prefix", "vllm",
-        "--engine-address", f"tcp://127.0.0.1:{engine_port}",
+    flags = [
+        "--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+        "--served-model-name", MODEL, "--allowed-origins", '["https://a.example", "https://b.example"]',
+        "--metrics-prefix", "vllm",
     ]  # fmt: skip
-    environ = {**os.environ, "VLLM_API_KEY": KEY}
-    environ.pop("ENGINE_API_KEY", None)
-    process = subprocess.Popen(command, env=environ)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(process, base)
-        yield {"base": base, "engine": f"tcp://127.0.0.1:{engine_port}"}
-    finally:
-        stop(process)
+    env = {"VLLM_API_KEY": KEY, "ENGINE_API_KEY": None}
+    with serving(smollm2_gguf, *flags, env=env, engine_address=True) as served:
+        yield {"base": served.base, "engine": served.engine_address}
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.serve_helpers import free_port, stop, wait_until
+from tests.serve_helpers import serving
 from tests.test_correctness_tiny import build_tiny
 
 pytestmark = pytest.mark.slow
@@ -25,33 +23,9 @@ def base(tmp_path_factory):  # type: ignore[no-untyped-def]
     build_tiny("llama", folder)
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"temperature": 0.0, "max_new_tokens": 3}, f)
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "frontend.cli",
-            "serve",
-            folder,
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "256",
-            "--num-kv-blocks",
-            "64",
-            "--served-model-name",
-            "tiny",
-            "other-name",
-        ]
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 180, "the tiny server")
-        yield url
-    finally:
-        stop(process)
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64"]
+    with serving(folder, *flags, "--served-model-name", "tiny", "other-name") as served:
+        yield served.base
 
 
 def test_generation_config_defaults_apply_when_the_request_is_silent(base: str) -> None:

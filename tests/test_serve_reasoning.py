@@ -23,6 +23,7 @@ from tests.test_correctness_tiny import build_tiny
 pytestmark = pytest.mark.slow
 
 TEMPLATE = pathlib.Path(__file__).parent / "templates" / "hermes_tools.jinja"
+QWEN3_TOOLS = (pathlib.Path(__file__).parent / "templates" / "qwen3_tools.jinja").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +163,45 @@ def test_thinking_through_messages_and_responses(clients: dict[str, openai.OpenA
             if event.type == "response.reasoning_text.delta":
                 streamed += event.delta
     assert streamed == reasoning
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_loop_on_a_qwen3_style_template(clients: dict[str, openai.OpenAI], stream: bool) -> None:
+    """The second turn of a tool loop as the SDK sends it (content null, arguments a JSON string; a result
+    in text parts) on the tiny Qwen3 with a Qwen3-style tool template: the prompt holds the call with its
+    arguments encoded once and the result in its <tool_response>."""
+    import httpx
+
+    client = clients["deepseek_r1"]
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {
+        "id": "call_7",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages: Any = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_7", "content": [{"type": "text", "text": "rainy"}, {"type": "text", "text": "12 C"}]},
+    ]  # fmt: skip
+    extra = {"chat_template": QWEN3_TOOLS, "return_token_ids": True}
+    common: Any = {
+        "model": "tiny",
+        "messages": messages,
+        "tools": tools,
+        "tool_choice": "none",
+        "max_tokens": 4,
+    }
+    common["temperature"] = 0
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, extra_body=extra, **common))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        token_ids = (chunks[0].model_extra or {})["prompt_token_ids"]
+    else:
+        response = client.chat.completions.create(extra_body=extra, **common)
+        assert response.choices[0].finish_reason == "length"
+        token_ids = (response.model_extra or {})["prompt_token_ids"]
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    prompt = httpx.post(f"{base}/detokenize", json={"tokens": token_ids}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nrainy\n12 C\n</tool_response>" in prompt

@@ -10,16 +10,15 @@ import json
 import pathlib
 import random
 import re
-import subprocess
-import sys
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
 
-from tests.serve_helpers import free_engine_port, free_port, stop, wait_healthy
+from tests.serve_helpers import serving
 
 pytestmark = pytest.mark.slow
 
@@ -53,20 +52,12 @@ TIME = {
 
 @pytest.fixture(scope="module")
 def base(smollm2_gguf: str):  # type: ignore[no-untyped-def]
-    port, engine_port = free_port(), free_engine_port()
-    command = [
-        sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--port", str(port), "--dtype", "float32",
-        "--max-model-len", "2048", "--num-kv-blocks", "160", "--served-model-name", MODEL,
-        "--engine-address", f"tcp://127.0.0.1:{engine_port}",
+    flags = [
+        "--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks", "160", "--served-model-name", MODEL,
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(process, url)
-        yield url
-    finally:
-        stop(process)
+    with serving(smollm2_gguf, *flags) as served:
+        yield served.base
 
 
 @pytest.fixture(scope="module")
@@ -376,3 +367,47 @@ def test_invalid_tools_and_schemas_are_400s(client: openai.OpenAI, extra: dict[s
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **extra)
     assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+def test_the_sdk_tool_loop_renders_its_second_turn_on_the_default_template(
+    client: openai.OpenAI, base: str
+) -> None:
+    """The SDK sends the call turn back as `content: null` with `tool_calls`, then the tool's result: on
+    SmolLM2's own template (which concatenates content) the follow-up renders, streamed and not, and its
+    prompt holds the result; a tool result given as text parts is joined with newlines."""
+
+    def prompt_of(token_ids: list[int]) -> str:
+        return str(httpx.post(f"{base}/detokenize", json={"tokens": token_ids}).json()["prompt"])
+
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    request: dict[str, Any] = {"model": MODEL, "tools": [WEATHER], "temperature": 0, "max_tokens": 120}
+    first = client.chat.completions.create(messages=question, tool_choice="required", **request)  # type: ignore[arg-type]
+    call_turn = first.choices[0].message
+    assert call_turn.content is None and call_turn.tool_calls, call_turn
+    assert first.choices[0].finish_reason == "tool_calls"
+    call_id = call_turn.tool_calls[0].id
+    follow: list[Any] = [
+        *question,
+        call_turn,
+        {"role": "tool", "tool_call_id": call_id, "content": "rainy, 12 C"},
+    ]
+    extra = {"extra_body": {"return_token_ids": True}, "max_tokens": 8}
+    answer = client.chat.completions.create(messages=follow, **{**request, **extra})
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert "rainy, 12 C" in prompt_of(answer.model_extra["prompt_token_ids"])  # type: ignore[index]
+    # streamed: the call turn as a client rebuilds it from the chunks (arguments as a JSON string)
+    streamed, finish = stream_calls(client, messages=question, tool_choice="required", **request)
+    assert finish == "tool_calls" and streamed
+    rebuilt = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
+            for i, (name, arguments) in sorted(streamed.items())
+        ],
+    }
+    parts = [{"type": "text", "text": "rainy,"}, {"type": "text", "text": "12 C"}]
+    follow = [*question, rebuilt, {"role": "tool", "tool_call_id": "call_0", "content": parts}]
+    chunks = list(client.chat.completions.create(messages=follow, stream=True, **{**request, **extra}))
+    assert chunks and chunks[-1].choices[0].finish_reason is not None
+    assert "rainy,\n12 C" in prompt_of(chunks[0].model_extra["prompt_token_ids"])  # type: ignore[index]

@@ -97,7 +97,7 @@ def test_an_uncached_hub_id_offline_is_one_line_at_the_cli(tmp_path: pathlib.Pat
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("engine serve: org/absent is not in the")
+    assert result.stderr.strip().splitlines()[-1].startswith("engine serve: error: org/absent is not in the")
 
 
 def test_certificates_reload_in_place_and_a_broken_pair_keeps_the_old(tmp_path: pathlib.Path) -> None:
@@ -134,7 +134,7 @@ def test_middleware_import_paths() -> None:
 
 def test_server_option_checks() -> None:
     for kwargs, message in (
-        ({"fingerprint_mode": "partial"}, "--fingerprint-mode takes"),
+        ({"fingerprint_mode": "partial"}, "--fingerprint-mode: takes"),
         ({"fingerprint_mode": "custom"}, "needs --fingerprint-value"),
         ({"ssl_certfile": "cert.pem"}, "both --ssl-keyfile and --ssl-certfile"),
         ({"ssl_keyfile": "k", "ssl_certfile": "c", "ssl_cert_reqs": 3}, "--ssl-cert-reqs"),

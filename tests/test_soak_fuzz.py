@@ -16,14 +16,13 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from typing import Any
 
 import httpx
 import psutil
 import pytest
 
-from tests.serve_helpers import free_port, stop, wait_until
+from tests.serve_helpers import serving, wait_until
 
 pytestmark = pytest.mark.slow
 KEY = "sk-soak"
@@ -36,20 +35,12 @@ def server(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
     # context limit: the fuzzer's valid requests then take ~0.1 s each instead of ~0.8.
     defaults = tmp_path_factory.mktemp("generation-config")
     (defaults / "generation_config.json").write_text(json.dumps({"max_new_tokens": 16}))
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--port", str(port),
-            "--api-server-count", "2", "--max-model-len", "160", "--num-kv-blocks", "512",
-            "--api-key", KEY, "--stats-log-interval", "0", "--generation-config", str(defaults),
-        ]
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, 180, "the server")
-        yield {"base": base, "process": process}
-    finally:
-        stop(process)
+    flags = [
+        "--api-server-count", "2", "--max-model-len", "160", "--num-kv-blocks", "512",
+        "--api-key", KEY, "--stats-log-interval", "0", "--generation-config", str(defaults),
+    ]  # fmt: skip
+    with serving(smollm2_gguf, *flags) as served:
+        yield {"base": served.base, "process": served.process}
 
 
 def rss(process: subprocess.Popen[bytes]) -> dict[str, int]:

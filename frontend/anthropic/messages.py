@@ -21,7 +21,6 @@ from frontend.engine.async_llm import final_state
 from frontend.engine.output_processor import Delta, RequestState
 from frontend.openai.chat import ChatRun, start_chat
 from frontend.openai.common import Serving, json_response, until_disconnected
-from frontend.openai.pieces import parsed_choice, pieces
 from frontend.openai.render import chat_prompt
 from frontend.parsers.base import Parsed
 from frontend.server.errors import OpenAIError, anthropic_error_body, to_openai_error
@@ -41,12 +40,12 @@ async def messages(body: MessagesRequest, request: Request, serving: Serving) ->
     if body.stream:
         return StreamingResponse(_events(run, stream), media_type="text/event-stream")
     state = await until_disconnected(request, final_state(stream))
-    parsed, finish_reason = parsed_choice(run, state.choices[0])
-    stop_reason, stop_sequence = _stop_reason(finish_reason, state.choices[0].stop_reason)
+    choice = state.choices[0]
+    stop_reason, stop_sequence = _stop_reason(choice.reported_finish_reason, choice.stop_reason)
     return json_response(
         {
             **_message(run, _usage(state, state.num_output_tokens)),
-            "content": _blocks(parsed),
+            "content": _blocks(choice.parsed),
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
         }
@@ -120,13 +119,11 @@ def _event(kind: str, payload: dict[str, Any]) -> bytes:
 
 class _Blocks:
     """The open content block of a streamed message: a new kind (or a new call) closes it and opens the
-    next. Content that is only whitespace waits, so that the blocks equal the non-streamed ones."""
+    next. (Whitespace between blocks waits in the output path, so the blocks equal the non-streamed.)"""
 
     def __init__(self) -> None:
         self.index = -1
         self.kind: str | None = None
-        self.pending_text = ""
-        self.num_calls = 0
 
     def open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         events = self.close()
@@ -150,24 +147,13 @@ class _Blocks:
         )
         return [*events, self.delta({"type": "thinking_delta", "thinking": text})]
 
-    def text(self, text: str, final: bool = False) -> list[bytes]:
-        if not text and self.kind == "text":
-            return []
-        if self.kind != "text":
-            self.pending_text += text
-            if not self.pending_text.strip() and not (final and self.num_calls == 0 and self.pending_text):
-                return []
-            text, self.pending_text = self.pending_text, ""
-            return [
-                *self.open("text", {"type": "text", "text": ""}),
-                self.delta({"type": "text_delta", "text": text}),
-            ]
-        return [self.delta({"type": "text_delta", "text": text})]
+    def text(self, text: str) -> list[bytes]:
+        events = [] if self.kind == "text" else self.open("text", {"type": "text", "text": ""})
+        return [*events, self.delta({"type": "text_delta", "text": text})]
 
     def call(self, call_id: str | None, name: str | None, arguments: str) -> list[bytes]:
         events: list[bytes] = []
         if call_id is not None:
-            self.pending_text, self.num_calls = "", self.num_calls + 1
             block: dict[str, Any] = {
                 "type": "tool_use",
                 "id": _tool_use_id(call_id),
@@ -185,11 +171,11 @@ async def _events(
 ) -> AsyncIterator[bytes]:
     blocks, started = _Blocks(), False
     try:
-        async for piece in pieces(run, stream):
+        async for state, delta in stream:
             if not started:
                 started = True
                 message = {
-                    **_message(run, _usage(piece.state, 0)),
+                    **_message(run, _usage(state, 0)),
                     "content": [],
                     "stop_reason": None,
                     "stop_sequence": None,
@@ -197,17 +183,17 @@ async def _events(
                 yield _event("message_start", {"message": message})
                 yield _event("ping", {})
             events: list[bytes] = []
-            parsed = piece.parsed
-            if parsed.reasoning:
-                events += blocks.reasoning(parsed.reasoning)
-            if parsed.content:
-                events += blocks.text(parsed.content)
-            for call in parsed.calls:
+            pieces = delta.pieces
+            if pieces.reasoning:
+                events += blocks.reasoning(pieces.reasoning)
+            if pieces.content:
+                events += blocks.text(pieces.content)
+            for call in pieces.calls:
                 events += blocks.call(call.id, call.name, call.arguments)
-            if piece.finish_reason is not None:
-                events += blocks.text("", final=True) + blocks.close()
-                stop_reason, stop_sequence = _stop_reason(piece.finish_reason, piece.delta.stop_reason)
-                usage = _usage(piece.state, piece.state.num_output_tokens)
+            if delta.finish_reason is not None:
+                events += blocks.close()
+                stop_reason, stop_sequence = _stop_reason(delta.finish_reason, delta.stop_reason)
+                usage = _usage(state, state.num_output_tokens)
                 events.append(
                     _event(
                         "message_delta",

@@ -14,7 +14,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from frontend.openai.schemas import ChatCompletionRequest, chat_request, unsupported
+from frontend.openai.schemas import (
+    ChatCompletionRequest,
+    chat_request,
+    check_fields,
+    check_one_of,
+    unsupported,
+)
 from frontend.server.errors import OpenAIError
 
 logger = logging.getLogger("engine.api")
@@ -45,11 +51,7 @@ class CountTokensRequest(BaseModel):
     output_config: dict[str, Any] | None = None  # format (json_schema); effort is not ours
 
     def check_supported(self) -> None:
-        for name in sorted(self.model_extra or {}):
-            if name in UNSUPPORTED_FIELDS and (self.model_extra or {})[name] is not None:
-                raise unsupported(name, UNSUPPORTED_FIELDS[name])
-            if name not in PASSING_FIELDS:
-                logger.debug("ignoring the unknown request field %r", name)
+        check_fields(self, UNSUPPORTED_FIELDS, passing=PASSING_FIELDS)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -65,10 +67,8 @@ class MessagesRequest(CountTokensRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.service_tier not in (None, "auto", "standard_only"):
-            raise unsupported("service_tier", f"service tier {self.service_tier!r}")
-        if self.speed not in (None, "standard"):
-            raise unsupported("speed", f"speed {self.speed!r}")
+        check_one_of("service_tier", self.service_tier, (None, "auto", "standard_only"))
+        check_one_of("speed", self.speed, (None, "standard"))
 
 
 def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:

@@ -8,6 +8,7 @@ The parser imports only the config; the engine, the app and tqdm load when the c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -15,7 +16,7 @@ from typing import Any
 
 from frontend.config.batch_args import SERVER_FIELDS, BatchArgs
 from frontend.config.engine_args import EngineArgs
-from frontend.config.flags import add_flags, from_namespace
+from frontend.config.flags import ConfigError, add_flags, from_namespace
 from frontend.config.server_args import ServerArgs
 
 
@@ -33,16 +34,16 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     try:
         batch = from_namespace(BatchArgs, args)
         server_args = from_namespace(ServerArgs, args)
+        engine_args = from_namespace(EngineArgs, args)
     except ValueError as error:
         return _error(str(error))
-    engine_args = from_namespace(EngineArgs, args)
     return run(engine_args, server_args, batch)
 
 
 def run(engine_args: EngineArgs, server_args: ServerArgs, batch: BatchArgs) -> int:
     from frontend.batch.runner import run_batch
     from frontend.launcher import check_parsers, server_config
-    from frontend.model_files import ModelNotFoundError, resolve_model
+    from frontend.model_files import ModelNotFoundError
     from frontend.offline.llm import LLM
     from frontend.server.app import build_app
     from frontend.server.deps import AppDeps, build_serving
@@ -57,17 +58,25 @@ def run(engine_args: EngineArgs, server_args: ServerArgs, batch: BatchArgs) -> i
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         return _error(f"cannot write {batch.output_file}: {folder} is not a writable folder")
     try:
-        resolve_model(engine_args.model)
-    except ModelNotFoundError as error:
+        engine_config = engine_args.engine_config()  # the model and tokenizer resolved once, here
+        check_parsers(server_args)
+        # The app's config, its files read now; the engine's addresses follow once it has them.
+        config = server_config(engine_args, server_args, engine_config.worker.model, "", "")
+    except (ConfigError, ModelNotFoundError) as error:
         return _error(str(error))
-    check_parsers(server_args)
+    config.api_keys = []  # no socket to guard; ENGINE_API_KEY in the environment must not lock us out
+    # The LLM is handed the folders found above, so it looks nothing up again (a hub id, the default).
+    worker = engine_config.worker
+    engine_args = dataclasses.replace(
+        engine_args,
+        model=worker.model,
+        tokenizer=worker.tokenizer,
+        served_model_name=worker.served_model_names,
+    )
     started = time.monotonic()
     with LLM.from_engine_args(engine_args) as llm:
-        engine = llm.engine.config
-        config = server_config(
-            engine_args, server_args, llm.model, engine.input_address, engine.output_address
-        )
-        config.api_keys = []  # no socket to guard; ENGINE_API_KEY in the environment must not lock us out
+        config.input_address = llm.engine.config.input_address
+        config.output_address = llm.engine.config.output_address
         serving = build_serving(config, llm.engine_llm, llm.model_info)
         app = build_app(AppDeps(config, serving))
         concurrency = batch.concurrency(engine_args.max_num_seqs)

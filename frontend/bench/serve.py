@@ -1,7 +1,9 @@
 """`engine bench serve`: load any OpenAI-compatible server (ours, vLLM, llama.cpp) and report latency
 and throughput: requests/s, output and total tokens/s, TTFT, TPOT, ITL and E2E (mean, p50, p90, p99),
-goodput against SLOs, failures. Streaming requests; random, ShareGPT or shared-prefix prompts; a
-Poisson request rate (with burstiness) or a fixed concurrency."""
+goodput against SLOs, failures. Streaming requests to /v1/completions, /v1/chat/completions or
+/v1/responses; random, ShareGPT or shared-prefix prompts; a Poisson request rate (with burstiness) or a
+fixed concurrency. `--endpoint responses --responses-store both` measures what storing a response costs
+(frontend/bench/responses_store.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def random_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchR
     prefix_text = " ".join(rng.choice(WORDS) for _ in range(shared))
     for _ in range(args.num_prompts):
         n = length(args.input_len)
-        if args.endpoint == "chat":  # text; a word is about one token
+        if args.endpoint in ("chat", "responses"):  # text; a word is about one token
             text = " ".join([prefix_text, *(rng.choice(WORDS) for _ in range(n))]).strip()
             requests.append(BenchRequest(text, shared + n, length(args.output_len)))
         else:  # token ids: exact lengths, no tokenizer needed
@@ -77,23 +79,50 @@ def sharegpt_requests(args: argparse.Namespace, rng: random.Random) -> list[Benc
     ]
 
 
-async def send(client: Any, args: argparse.Namespace, request: BenchRequest) -> Result:
-    body: dict[str, Any] = {
-        "model": args.model,
-        "max_tokens": request.output_len,
-        "stream": True,
-        "temperature": 0.0,
-        "stream_options": {"include_usage": True},
-    }
+def request_body(args: argparse.Namespace, request: BenchRequest) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one streamed request to the endpoint under test."""
+    body: dict[str, Any] = {"model": args.model, "stream": True, "temperature": 0.0}
+    if args.endpoint == "responses":
+        # NOTE: no stream_options (the Responses door refuses it): its last event carries the usage.
+        body.update(input=request.prompt, max_output_tokens=request.output_len, store=args.responses_store)
+    else:
+        body.update(max_tokens=request.output_len, stream_options={"include_usage": True})
     if args.ignore_eos:
         body["ignore_eos"] = True
     body.update(getattr(args, "extra_body", None) or {})  # e.g. a response_format (bench serve only)
+    if args.endpoint == "responses":
+        return "v1/responses", body
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": request.prompt}]
-        path = "v1/chat/completions"
-    else:
-        body["prompt"] = request.prompt
-        path = "v1/completions"
+        return "v1/chat/completions", body
+    body["prompt"] = request.prompt
+    return "v1/completions", body
+
+
+def event_text(event: dict[str, Any], result: Result) -> str | None:
+    """The text one streamed event adds; a usage event sets result.output_tokens, an error result.error."""
+    kind = event.get("type")
+    if kind is not None and kind.startswith(("response.", "error")):  # a Responses event
+        if kind == "response.output_text.delta":
+            return str(event["delta"])
+        if kind in ("response.completed", "response.incomplete"):
+            result.output_tokens = (event["response"].get("usage") or {}).get("output_tokens", 0)
+        elif kind in ("response.failed", "error"):
+            error = event.get("response", {}).get("error") if kind == "response.failed" else event
+            result.error = str((error or {}).get("message") or kind)
+        return None
+    if "error" in event:
+        result.error = str(event["error"].get("message"))
+        return None
+    if event.get("usage") and not event.get("choices"):
+        result.output_tokens = event["usage"].get("completion_tokens", 0)
+        return None
+    choice = (event.get("choices") or [{}])[0]
+    return choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+
+
+async def send(client: Any, args: argparse.Namespace, request: BenchRequest) -> Result:
+    path, body = request_body(args, request)
     result = Result(ok=False, prompt_len=request.prompt_len)
     start = time.perf_counter()
     last = start
@@ -107,15 +136,9 @@ async def send(client: Any, args: argparse.Namespace, request: BenchRequest) -> 
                 line = raw.rstrip(b"\r\n")
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    result.error = str(event["error"].get("message"))
+                text = event_text(json.loads(line[6:]), result)
+                if result.error:
                     return result
-                if event.get("usage") and not event.get("choices"):
-                    result.output_tokens = event["usage"].get("completion_tokens", chunks)
-                    continue
-                choice = (event.get("choices") or [{}])[0]
-                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
                 if not text:
                     continue
                 now = time.perf_counter()
@@ -232,6 +255,7 @@ def summarize(
     return {
         "target": target,
         "endpoint": getattr(args, "endpoint", "engine"),
+        "store": args.responses_store if getattr(args, "endpoint", "") == "responses" else None,
         "dataset": args.dataset,
         "num_prompts": len(results),
         "max_concurrency": args.max_concurrency,
@@ -281,12 +305,30 @@ def first_model(base_url: str, api_key: str | None) -> str:
     return str(httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers).json()["data"][0]["id"])
 
 
+def bench_requests(args: argparse.Namespace, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return sharegpt_requests(args, rng) if args.dataset == "sharegpt" else random_requests(args, rng)
+
+
+def one_pass(args: argparse.Namespace, seed: int) -> tuple[dict[str, Any], list[Result]]:
+    """The load once, its prompts drawn from seed: the summary and every request's result."""
+    results, duration = uvloop.run(run(args, bench_requests(args, seed)))
+    return summarize(args, results, duration, args.base_url), results
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    rng = random.Random(args.seed)
-    requests = sharegpt_requests(args, rng) if args.dataset == "sharegpt" else random_requests(args, rng)
+    both = args.responses_store == "both"
+    if args.responses_store != "true" and args.endpoint != "responses":
+        raise SystemExit("--responses-store is for --endpoint responses")
+    if args.rounds < 1 or (args.rounds > 1 and not both):
+        raise SystemExit("--rounds takes a count >= 1, and more than one round needs --responses-store both")
     args.model = args.model or first_model(args.base_url, args.api_key)
-    results, duration = uvloop.run(run(args, requests))
-    summary = summarize(args, results, duration, args.base_url)
+    if both:
+        from frontend.bench.responses_store import compare_store
+
+        return compare_store(args, one_pass, table)
+    args.responses_store = args.responses_store == "true"
+    summary, results = one_pass(args, args.seed)
     print(table(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -321,7 +363,19 @@ def add_workload_args(parser: argparse.ArgumentParser, datasets: tuple[str, ...]
 def add_serve_bench_parser(kinds: Any) -> None:
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server and report latency/throughput")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
-    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    serve.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions")
+    serve.add_argument(
+        "--responses-store",
+        choices=["true", "false", "both"],
+        default="true",
+        help="--endpoint responses: the requests' store field; both: the two, same load, and their ratio",
+    )
+    serve.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --responses-store both: this many pairs of passes, taking turns; the medians are reported",
+    )
     serve.add_argument("--model", default=None, help="default: the server's first model")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--dataset-path", default=None, help="a ShareGPT-format JSON file")

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from frontend.config.engine_args import EngineArgs
-from frontend.config.flags import add_flags, from_namespace
+from frontend.config.flags import ConfigError, add_flags, from_namespace
 from frontend.config.server_args import (
     SERVE_DECODE_PREFILL_TOKEN_BUDGET,
     SERVE_MAX_NUM_BATCHED_TOKENS,
@@ -63,16 +63,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from frontend.launcher import serve
     from frontend.model_files import ModelNotFoundError
 
-    try:  # a bad flag value is the operator's: one line, no traceback
+    # A bad flag, parser, file or model is the operator's: one line, no traceback. Any other error, and any
+    # error once a process has started, stays a traceback.
+    try:  # the config classes: every ValueError there is a bad flag value
         engine_args, server_args = engine_args_of(args), from_namespace(ServerArgs, args)
     except ValueError as error:
-        print(f"engine serve: {error}", file=sys.stderr)
-        return 2
-    try:
+        return usage_error("serve", error)
+    try:  # serve() runs its checks, which raise these, before it starts any process
         return serve(engine_args, server_args)
-    except ModelNotFoundError as error:  # a path or hub id that is not there (offline, not cached...)
-        print(f"engine serve: {error}", file=sys.stderr)
-        return 2
+    except (ConfigError, ModelNotFoundError) as error:
+        return usage_error("serve", error)
+
+
+def usage_error(command: str, error: Exception) -> int:
+    """argparse's form for a bad flag: `engine COMMAND: error: ...`, one line on stderr, exit status 2."""
+    print(f"engine {command}: error: {error}", file=sys.stderr)
+    return 2
 
 
 def cmd_collect_env(args: argparse.Namespace) -> int:
@@ -134,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ConfigError as error:  # a bad flag of a command that does not say it itself (generate, bench)
+        return usage_error(args.command, error)
 
 
 if __name__ == "__main__":

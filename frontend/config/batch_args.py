@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from frontend.config.flags import option
+from frontend.config.flags import ConfigError, option
 
 # ServerArgs fields that mean something to the in-process app of `engine run-batch`
 SERVER_FIELDS = (
@@ -44,16 +44,16 @@ class BatchArgs:
     progress_bar: bool = option(True, "a progress bar on stderr, when stderr is a terminal")
 
     def __post_init__(self) -> None:
-        for name, path in (("--input-file (-i)", self.input_file), ("--output-file (-o)", self.output_file)):
+        for flag, path in (("--input-file (-i)", self.input_file), ("--output-file (-o)", self.output_file)):
             if not path:
-                raise ValueError(f"{name} is required")
+                raise ConfigError(flag, "required")
             if path.startswith(("http://", "https://")):
-                raise ValueError(f"{name}: only local paths are supported, got {path!r}")
+                raise ConfigError(flag, f"only local paths are supported, got {path!r}")
         assert self.input_file is not None and self.output_file is not None
         if os.path.realpath(self.input_file) == os.path.realpath(self.output_file):
-            raise ValueError("--output-file must not be the input file")
+            raise ConfigError("--output-file (-o)", "must not be the input file")
         if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be at least 1, got {self.max_concurrency}")
+            raise ConfigError("--max-concurrency", f"must be at least 1, got {self.max_concurrency}")
 
     def concurrency(self, max_num_seqs: int) -> int:
         return self.max_concurrency or 2 * max_num_seqs

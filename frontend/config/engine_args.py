@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.config.flags import human_bytes, option
+from frontend.config.flags import ConfigError, human_bytes, naming, option
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
 from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, WorkerConfig
 from structured_outputs import resolve_backend_name
@@ -104,24 +104,28 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+            raise ConfigError("--block-size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            raise ConfigError(
+                "--scheduling-policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        unknown = set(self.structured_outputs_config) - set(STRUCTURED_OUTPUTS_KEYS)
+        for flag, value in (
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
+        ):
+            if value < 1:
+                raise ConfigError(flag, f"must be positive, got {value}")
+        flag, config = "--structured-outputs-config", self.structured_outputs_config
+        unknown = set(config) - set(STRUCTURED_OUTPUTS_KEYS)
         if unknown:
-            raise ValueError(
-                f"structured_outputs_config has no key {sorted(unknown)[0]!r}; "
-                f"it takes {', '.join(STRUCTURED_OUTPUTS_KEYS)}"
-            )
-        resolve_backend_name(self.structured_outputs_config.get("backend", "auto"))
-        timeout = self.structured_outputs_config.get("grammar_compile_timeout_s", 30.0)
+            keys = ", ".join(STRUCTURED_OUTPUTS_KEYS)
+            raise ConfigError(flag, f"has no key {sorted(unknown)[0]!r}; it takes {keys}")
+        with naming(flag):
+            resolve_backend_name(config.get("backend", "auto"))
+        timeout = config.get("grammar_compile_timeout_s", 30.0)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
+            raise ConfigError(flag, f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
 
     def resolved_tokenizer(self) -> str | None:
         """The local path of --tokenizer (None: the model's own)."""

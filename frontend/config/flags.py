@@ -10,13 +10,35 @@ several values at once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad setting, named by its flag: the CLI prints `engine CMD: error: FLAG: message` and exits 2.
+    The config classes raise it, and so do the checks that run before any process starts."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+        self.message = message
+
+
+@contextlib.contextmanager
+def naming(flag: str) -> Iterator[None]:
+    """Inside: a ValueError from code that does not know its flag (a registry, a loader) -> ConfigError."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(flag, str(error)) from error
 
 
 def option(

@@ -7,7 +7,7 @@ import os
 import ssl
 from dataclasses import dataclass
 
-from frontend.config.flags import option
+from frontend.config.flags import ConfigError, option
 
 # The step's token budget when serving: short prefill chunks let a burst's first requests start decoding
 # while the rest are prefilled, instead of the whole burst waiting for one long step (served c=16 TTFT
@@ -161,21 +161,21 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+            raise ConfigError("--enable-auto-tool-choice", "needs --tool-call-parser")
         if self.fingerprint_mode not in FINGERPRINT_MODES:  # the --fingerprint spelling is not checked
-            raise ValueError(
-                f"--fingerprint-mode takes {', '.join(FINGERPRINT_MODES)}, got {self.fingerprint_mode!r}"
-            )
+            modes = ", ".join(FINGERPRINT_MODES)
+            raise ConfigError("--fingerprint-mode", f"takes {modes}, got {self.fingerprint_mode!r}")
         if self.fingerprint_mode == "custom" and not self.fingerprint_value:
-            raise ValueError("--fingerprint-mode custom needs --fingerprint-value")
+            raise ConfigError("--fingerprint-mode", "custom needs --fingerprint-value")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
-            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+            given = "--ssl-keyfile" if self.ssl_keyfile else "--ssl-certfile"
+            raise ConfigError(given, "HTTPS needs both --ssl-keyfile and --ssl-certfile")
         if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
-            raise ValueError(f"--ssl-cert-reqs takes 0, 1 or 2, got {self.ssl_cert_reqs}")
+            raise ConfigError("--ssl-cert-reqs", f"takes 0, 1 or 2, got {self.ssl_cert_reqs}")
         if self.root_path is not None and self.root_path and not self.root_path.startswith("/"):
-            raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
+            raise ConfigError("--root-path", f"must start with '/', got {self.root_path!r}")
         if self.max_log_len is not None and self.max_log_len < 0:
-            raise ValueError(f"--max-log-len must be 0 or more, got {self.max_log_len}")
+            raise ConfigError("--max-log-len", f"must be 0 or more, got {self.max_log_len}")
 
     @staticmethod
     def dev_mode(environ: dict[str, str] | None = None) -> bool:

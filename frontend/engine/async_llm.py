@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from frontend.engine.client import AsyncEngineClient
 from frontend.engine.output_processor import Delta, OutputProcessor, RequestState
+from frontend.engine.pieces import TextParser
 from frontend.metrics import Metrics
 from protocol.errors import EngineDeadError
 from protocol.messages import RequestOutput
@@ -50,10 +51,19 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         log_id: str | None = None,
+        parser: TextParser | None = None,
+        incremental: bool = True,
     ) -> AsyncGenerator[tuple[RequestState, Delta], None]:
-        """Run the n choices of one prompt; yield each delta as it comes, with the request's state."""
+        """Run the n choices of one prompt; yield each delta as it comes, with the request's state.
+        parser, incremental: how the door reads the text (OutputProcessor.add_request)."""
         state, requests = self.processor.add_request(
-            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            parser=parser,
+            incremental=incremental,
         )
         self._log(state, log_id)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()

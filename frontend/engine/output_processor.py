@@ -3,7 +3,8 @@
 Socket-free: `add_request` turns one prompt with n choices into the n engine requests to send, and
 `process` folds one RequestOutput into its choice and says what it added. Incremental detokenization
 with stop strings (and their hold-back), logprobs, prompt logprobs, finish reasons, typed engine
-errors and per-request metrics are decided here, once; each door only formats the deltas.
+errors, per-request metrics, and the reading of the text as pieces (content, reasoning, tool calls:
+frontend/engine/pieces.py) are decided here, once; each door only formats the deltas.
 
 Invariants: a choice's `text` is the concatenation of the `text` of its deltas; after a choice's final
 delta (finish_reason set) no later output changes it; prompt logprobs are reported on choice 0 only.
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.engine.detokenizer import IncrementalDetokenizer
+from frontend.engine.pieces import ChoicePieces, Pieces, TextParser
 from frontend.metrics import Metrics, RequestTiming
+from frontend.parsers.base import Parsed
 from protocol.errors import EngineDeadError, InvalidParameterError
 from protocol.messages import AddRequest, Logprobs, RequestOutput
 from protocol.sampling import SamplingParams
@@ -30,9 +33,10 @@ class Choice:
 
     index: int
     detokenizer: IncrementalDetokenizer
+    pieces: ChoicePieces  # the text read as content, reasoning and calls
     text: str = ""  # shown so far: never a held-back prefix of a stop string
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length" or "abort" (the engine's or a stop string's)
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
     logprobs: Logprobs | None = None  # every position so far, when asked
     timing: RequestTiming | None = None
@@ -40,6 +44,16 @@ class Choice:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def parsed(self) -> Parsed:
+        """The answer as its pieces built it (content, reasoning, calls)."""
+        return self.pieces.result
+
+    @property
+    def reported_finish_reason(self) -> str | None:
+        """The finish reason a door reports: "tool_calls" where the reading found calls that ended it."""
+        return self.pieces.finish_reason if self.finished else None
 
 
 @dataclass
@@ -51,10 +65,11 @@ class Delta:
     token_ids: list[int]  # new token ids
     logprobs: Logprobs | None  # for token_ids, when asked
     prompt_logprobs: Logprobs | None  # prompt positions computed this step (choice 0 only)
-    finish_reason: str | None
+    finish_reason: str | None  # as the doors report it: "tool_calls" where the reading found calls
     stop_reason: int | str | None
     num_cached_tokens: int
     abort: bool = False  # a stop string ended the choice before the engine did: abort its request
+    pieces: Pieces = field(default_factory=Pieces)  # new content, reasoning and call fragments
 
 
 @dataclass
@@ -104,8 +119,12 @@ class OutputProcessor:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        parser: TextParser | None = None,
+        incremental: bool = True,
     ) -> tuple[RequestState, list[AddRequest]]:
-        """The state of a new prompt and the engine requests that run its n choices."""
+        """The state of a new prompt and the engine requests that run its n choices. parser: how the
+        door reads each choice's text (None: all of it is content); incremental False: the door reads
+        only the finished answer (not streamed), so the text is parsed once, at the end."""
         now = time.monotonic()
         state = RequestState(
             request_id,
@@ -115,6 +134,7 @@ class OutputProcessor:
                 Choice(
                     index,
                     IncrementalDetokenizer(self.tokenizer, params),
+                    ChoicePieces(parser, incremental),
                     logprobs=Logprobs([], [], []) if params.logprobs is not None else None,
                     timing=RequestTiming(now),
                 )
@@ -165,16 +185,18 @@ class OutputProcessor:
         elif finished:
             choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
         self._observe(state, choice, output)
+        pieces = choice.pieces.update(choice.text, text, choice.finish_reason)
         return Delta(
             choice.index,
             text,
             list(output.new_token_ids),
             output.new_logprobs,
             prompt_logprobs,
-            choice.finish_reason,
+            choice.reported_finish_reason,
             choice.stop_reason,
             output.num_cached_tokens,
             abort,
+            pieces,
         )
 
     def _observe(self, state: RequestState, choice: Choice, output: RequestOutput) -> None:

@@ -17,6 +17,7 @@ from frontend.openai.common import (
     Run,
     Serving,
     caller_request_id,
+    echoes_request_id,
     id_headers,
     json_response,
     metadata_of,
@@ -30,7 +31,7 @@ from frontend.openai.serving import OpenAIServing
 from frontend.openai.structured import spec_of_request
 from frontend.openai.tools import ChatPlan, plan_chat, select_tools
 from frontend.parsers.base import Delta as ParsedDelta
-from frontend.parsers.base import Parsed, StreamingParse
+from frontend.parsers.base import Parsed
 from frontend.server.errors import to_openai_error
 from protocol.sampling import SamplingParams
 
@@ -76,10 +77,13 @@ class ChatRun(Run):
             priority=body.priority,
             cache_salt=body.cache_salt,
             log_id=log_id,
+            parser=self.plan if self.plan.parses else None,
+            incremental=body.stream,  # a body answered whole is read once, at its end
         )
 
 
 @router.post("/v1/chat/completions")
+@echoes_request_id
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
     run, stream = start_chat(body, request, serving)
     headers = id_headers(request, body)
@@ -139,16 +143,13 @@ def full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:
     choices = []
     for choice in state.choices:
         message: dict[str, Any] = {"role": run.role, "content": choice.text}
-        finish_reason = choice.finish_reason
         if run.plan.parses:
-            parsed = run.plan.parse(choice.text, final=True)
-            message = full_message(parsed, run.plan, body.include_reasoning, run.role)
-            finish_reason = run.plan.finish_reason(parsed, finish_reason)
+            message = full_message(choice.parsed, run.plan, body.include_reasoning, run.role)
         entry: dict[str, Any] = {
             "index": choice.index,
             "message": message,
             "logprobs": run.logprobs(choice.logprobs) if body.logprobs else None,
-            "finish_reason": finish_reason,
+            "finish_reason": choice.reported_finish_reason,
             "stop_reason": choice.stop_reason,
         }
         if body.return_token_ids:
@@ -179,7 +180,6 @@ async def _stream(
         yield run.chunk([{**role, "finish_reason": None}], **(first_extra if index == 0 else {}))
     state: RequestState | None = None
     prompt_logprobs_sent = body.prompt_logprobs is None
-    parses = [StreamingParse(run.plan.parse) for _ in range(body.n)] if run.plan.parses else None
     try:
         async for state, delta in stream:
             extra: dict[str, Any] = {}
@@ -189,16 +189,7 @@ async def _stream(
                 extra["prompt_logprobs"] = prompt_logprobs_body(state.prompt_logprobs, run.serving.token_text)
                 prompt_logprobs_sent = True
             logprobs = run.logprobs(delta.logprobs)
-            content: dict[str, Any] = {"content": delta.text} if delta.text else {}
-            finish_reason = delta.finish_reason
-            if parses is not None:
-                text = state.choices[delta.index].text
-                parse = parses[delta.index]
-                content = delta_message(
-                    parse.update(text, delta.finish_reason is not None), body.include_reasoning
-                )
-                if delta.finish_reason is not None:
-                    finish_reason = run.plan.finish_reason(parse.result, delta.finish_reason)
+            content = delta_message(delta.pieces, body.include_reasoning)
             if content or logprobs is not None or (body.return_token_ids and delta.token_ids):
                 piece: dict[str, Any] = {
                     "index": delta.index,
@@ -215,7 +206,7 @@ async def _stream(
                     "index": delta.index,
                     "delta": {},
                     "logprobs": None,
-                    "finish_reason": finish_reason,
+                    "finish_reason": delta.finish_reason,
                     "stop_reason": delta.stop_reason,
                 }
                 yield run.chunk([final], **extra)

@@ -20,7 +20,14 @@ from pydantic import field_validator
 
 from frontend.engine.async_llm import final_state, gather_all, new_request_id
 from frontend.openai.chat import full_body, prepare_chat
-from frontend.openai.common import Serving, caller_request_id, id_headers, json_response, until_disconnected
+from frontend.openai.common import (
+    Serving,
+    caller_request_id,
+    echoes_request_id,
+    id_headers,
+    json_response,
+    until_disconnected,
+)
 from frontend.openai.format import usage
 from frontend.openai.schemas import ROLES, ChatCompletionRequest
 from frontend.server.errors import OpenAIError
@@ -59,6 +66,7 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
 
 
 @router.post("/v1/chat/completions/batch")
+@echoes_request_id
 async def chat_completions_batch(
     body: BatchChatCompletionRequest, request: Request, serving: Serving
 ) -> Response:

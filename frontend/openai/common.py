@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -57,6 +60,29 @@ def id_headers(request: Request, body: SamplingFields) -> dict[str, str] | None:
     if body.request_id and not request.headers.get("x-request-id"):
         return {"X-Request-Id": body.request_id}
     return None
+
+
+def echoes_request_id(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """A route whose errors carry the body's request_id as X-Request-Id, as its answers do (the edge
+    middleware only knows the header's): the 400s of its own checks and the engine's refusals. The route
+    takes `body` (with a request_id field) and `request`."""
+
+    signature = inspect.signature(route)
+
+    @functools.wraps(route)  # FastAPI reads the route's own signature through __wrapped__
+    async def route_echoing_its_id(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await route(*args, **kwargs)
+        except Exception as error:
+            given = signature.bind(*args, **kwargs).arguments
+            headers = id_headers(given["request"], given["body"])
+            if headers is None:
+                raise
+            echoed = to_openai_error(error)
+            echoed.headers = {**headers, **echoed.headers}
+            raise echoed from error
+
+    return route_echoing_its_id
 
 
 def metadata_of(body: SamplingFields) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from frontend.openai.common import (
     Run,
     Serving,
     caller_request_id,
+    echoes_request_id,
     id_headers,
     json_response,
     metadata_of,
@@ -81,6 +82,7 @@ class CompletionRun(Run):
 
 
 @router.post("/v1/completions")
+@echoes_request_id
 async def completions(body: CompletionRequest, request: Request, serving: Serving) -> Response:
     serving.admit()
     body.check_supported()

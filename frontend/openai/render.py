@@ -36,24 +36,7 @@ def chat_prompt(
         raise OpenAIError(
             "This model has no tokenizer: use /v1/completions with token ids.", param="messages"
         )
-    messages = []
-    for message in body.messages:
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text ones only
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise OpenAIError(
-                        f"Only text content parts are supported, got {kind!r}.", param="messages"
-                    )
-                texts.append(str(part.get("text", "")))
-            message = {**message, "content": "".join(texts)}
-        elif content is not None and not isinstance(content, str):
-            raise OpenAIError("message content must be a string or a list of parts.", param="messages")
-        if message.get("role") == "assistant" and message.get("tool_calls"):
-            message = {**message, "tool_calls": [_call_for_template(call) for call in message["tool_calls"]]}
-        messages.append(message)
+    messages = [_message_for_template(message) for message in body.messages]
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -69,6 +52,30 @@ def chat_prompt(
         raise OpenAIError(f"Could not apply the chat template: {error}", param="messages") from error
     ids = list(tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
     return Prompt(truncate_prompt(ids, body, serving.model_info.max_model_len), text)
+
+
+def _message_for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it (vLLM's rendering): content always a string, so that a
+    template that concatenates it works on the SDK's `{"role": "assistant", "content": null, "tool_calls":
+    [...]}` turn (null or missing content is ""; text parts are joined with newlines); tool calls' arguments
+    as objects."""
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):  # content parts: text ones only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise OpenAIError(f"Only text content parts are supported, got {kind!r}.", param="messages")
+            texts.append(str(part.get("text", "")))
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise OpenAIError("message content must be a string or a list of parts.", param="messages")
+    message = {**message, "content": content}
+    if message.get("role") == "assistant" and message.get("tool_calls"):
+        message["tool_calls"] = [_call_for_template(call) for call in message["tool_calls"]]
+    return message
 
 
 def _call_for_template(call: Any) -> Any:

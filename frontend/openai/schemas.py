@@ -105,20 +105,14 @@ class SamplingFields(BaseModel):
 
     def check_supported(self) -> None:
         """400 for any field we do not implement, or a value of one that we implement only in part."""
-        for name in sorted(self.model_extra or {}):
-            if name in UNSUPPORTED_FIELDS:
-                if (self.model_extra or {})[name] is None:
-                    continue  # an explicit null asks for nothing
-                raise unsupported(name, UNSUPPORTED_FIELDS[name])
-            logger.debug("ignoring the unknown request field %r", name)
+        check_fields(self, UNSUPPORTED_FIELDS)
         if self.use_beam_search:
             raise unsupported("use_beam_search", "beam search")
         if self.best_of is not None and self.best_of != self.n:
             raise unsupported("best_of", "best_of other than n")
         if self.store:
             raise unsupported("store", "storing completions")
-        if self.service_tier not in (None, "auto", "default"):
-            raise unsupported("service_tier", f"service tier {self.service_tier!r}")
+        check_one_of("service_tier", self.service_tier, (None, "auto", "default"))
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true.", param="stream_options")
         if self.truncate_prompt_tokens is not None and not (
@@ -213,3 +207,29 @@ def unsupported(param: str, what: str) -> OpenAIError:
     return OpenAIError(
         f"{param} is not supported by this server: {what}.", param=param, code="unsupported_field"
     )
+
+
+def check_fields(
+    body: BaseModel,
+    not_implemented: dict[str, str],
+    *,
+    asks_nothing: tuple[Any, ...] = (None,),
+    passing: tuple[str, ...] = (),
+) -> None:
+    """Every door's scan of the fields its body does not declare: one its API (or vLLM) defines that we
+    do not implement (`not_implemented`: name -> what it asks for) is a 400 naming it, unless its value
+    asks for nothing (an explicit null; a door may add more, such as false); the `passing` fields change
+    no output and pass; any other unknown field is ignored with a debug line, as vLLM does."""
+    extra = body.model_extra or {}
+    for name in sorted(extra):
+        if name in not_implemented:
+            if extra[name] not in asks_nothing:
+                raise unsupported(name, not_implemented[name])
+        elif name not in passing:
+            logger.debug("ignoring the unknown request field %r", name)
+
+
+def check_one_of(param: str, value: Any, implemented: tuple[Any, ...]) -> None:
+    """A declared field we implement for some values only (a service tier, a truncation mode)."""
+    if value not in implemented:
+        raise unsupported(param, f"{param.replace('_', ' ')} {value!r}")

@@ -7,6 +7,7 @@ subclass}; it is loaded once per server, into that server's Parsers, never into 
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,11 +60,19 @@ class Parsers:
 
 
 def load_plugin(path: str) -> dict[str, type[ToolParser]]:
+    """The TOOL_PARSERS of the plugin file at `path`; ValueError for a file that is missing, fails to
+    import or lacks them."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {path}")
     spec = importlib.util.spec_from_file_location("engine_tool_parser_plugin", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"cannot load the tool parser plugin {path!r}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # the plugin's own code: whatever it raises, it did not load
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"cannot import {path}: {type(error).__name__}: {first_line}") from error
     found: Any = getattr(module, "TOOL_PARSERS", None)
     if not isinstance(found, dict) or not all(
         isinstance(k, str) and isinstance(v, type) and issubclass(v, ToolParser) for k, v in found.items()

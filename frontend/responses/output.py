@@ -1,9 +1,8 @@
 """The Responses API's shapes: output items (reasoning, message, function_call) from a parsed choice,
 the response object, and the streamed events that build the same items piece by piece.
 
-The streamed items equal the non-streamed ones by construction: both come from the chat plan's parse
-(`frontend/openai/pieces.py`), and content that is only whitespace between other items waits until it
-is known to be text (as the Anthropic door does)."""
+The streamed items equal the non-streamed ones by construction: both come from the pieces the output
+path reads (`frontend/engine/pieces.py`, where whitespace between items waits until it is text)."""
 
 from __future__ import annotations
 
@@ -89,8 +88,6 @@ class EventStream:
         self.items: list[dict[str, Any]] = []  # finished items, in output order
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.text = ""  # the open item's text (or arguments) so far
-        self.pending_text = ""  # whitespace content waiting to be known as a message
-        self.num_calls = 0
 
     def event(self, kind: str, **payload: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence_number, **payload}
@@ -156,26 +153,19 @@ class EventStream:
             self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text),
         ]
 
-    def content(self, text: str, final: bool = False) -> list[bytes]:
-        if self.open is not None and self.open["type"] == "message":
-            if not text:
-                return []
-            self.text += text
-            return [
-                self.event(
-                    "response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[]
-                )
-            ]
-        self.pending_text += text
-        if not self.pending_text.strip() and not (final and self.num_calls == 0 and self.pending_text):
-            return []
-        text, self.pending_text = self.pending_text, ""
-        return [*self._start(message_item("", "in_progress"), _text_part("")), *self.content(text)]
+    def content(self, text: str) -> list[bytes]:
+        events = []
+        if self.open is None or self.open["type"] != "message":
+            events = self._start(message_item("", "in_progress"), _text_part(""))
+        self.text += text
+        delta = self.event(
+            "response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[]
+        )
+        return [*events, delta]
 
     def call(self, parser_id: str | None, name: str | None, arguments: str) -> list[bytes]:
         events: list[bytes] = []
         if parser_id is not None:
-            self.pending_text, self.num_calls = "", self.num_calls + 1
             events = self._start(call_item(parser_id, name, "", "in_progress"), None)
         if arguments:
             self.text += arguments
@@ -183,6 +173,3 @@ class EventStream:
                 self.event("response.function_call_arguments.delta", **self._where(), delta=arguments)
             )
         return events
-
-    def finish(self) -> list[bytes]:
-        return [*self.content("", final=True), *self.close()]

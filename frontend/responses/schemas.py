@@ -14,7 +14,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from frontend.openai.schemas import ChatCompletionRequest, chat_request, unsupported
+from frontend.openai.schemas import (
+    ChatCompletionRequest,
+    chat_request,
+    check_fields,
+    check_one_of,
+    unsupported,
+)
 from frontend.server.errors import OpenAIError
 
 logger = logging.getLogger("engine.api")
@@ -65,14 +71,10 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
 
     def check_supported(self) -> None:
-        for name in sorted(self.model_extra or {}):
-            if name in UNSUPPORTED_FIELDS and (self.model_extra or {})[name] not in (None, False, 0):
-                raise unsupported(name, UNSUPPORTED_FIELDS[name])
-            logger.debug("ignoring the unknown request field %r", name)
-        if self.service_tier not in (None, "auto", "default"):
-            raise unsupported("service_tier", f"service tier {self.service_tier!r}")
-        if self.truncation not in (None, "disabled"):
-            raise unsupported("truncation", f"truncation {self.truncation!r} (the context limit is a 400)")
+        # false and 0 ask for nothing here too (background: false, top_logprobs: 0)
+        check_fields(self, UNSUPPORTED_FIELDS, asks_nothing=(None, False, 0))
+        check_one_of("service_tier", self.service_tier, (None, "auto", "default"))
+        check_one_of("truncation", self.truncation, (None, "disabled"))  # the context limit is a 400
         if self.include:
             raise unsupported("include", f"include {self.include!r}")
 

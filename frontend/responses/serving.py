@@ -20,7 +20,6 @@ from frontend.engine.async_llm import final_state
 from frontend.engine.output_processor import Delta, RequestState
 from frontend.openai.chat import ChatRun, start_chat
 from frontend.openai.common import Serving, json_response, until_disconnected
-from frontend.openai.pieces import parsed_choice, pieces
 from frontend.openai.serving import OpenAIServing
 from frontend.server.errors import OpenAIError, to_openai_error
 
@@ -73,17 +72,17 @@ class Context:
             **extra,
         }
 
-    def keep(self, response: dict[str, Any], running: bool) -> None:
+    async def keep(self, response: dict[str, Any], running: bool) -> None:
         if self.store is not None and self.run is not None:
             history = self.history + ([] if running else response["output"])
-            self.store.put(response, history, f"{self.run.request_id}-0" if running else None)
+            await self.store.put(response, history, f"{self.run.request_id}-0" if running else None)
 
-    def finished(self, state: RequestState, output: list[dict[str, Any]]) -> dict[str, Any]:
+    async def finished(self, state: RequestState, output: list[dict[str, Any]]) -> dict[str, Any]:
         choice = state.choices[0]
         status, incomplete = status_of(choice.finish_reason, choice.stop_reason)
         numbers = usage(len(state.prompt_token_ids), state.num_cached_tokens, state.num_output_tokens)
         response = self.response(status, output, incomplete_details=incomplete, usage=numbers)
-        self.keep(response, running=False)
+        await self.keep(response, running=False)
         return response
 
 
@@ -91,7 +90,7 @@ class Context:
 async def create(body: ResponsesRequest, request: Request, serving: Serving) -> Response:
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        history = _stored(serving, body.previous_response_id, "previous_response_id").history
+        history = (await _stored(serving, body.previous_response_id, "previous_response_id")).history
     if body.store and not serving.responses.enabled:
         raise OpenAIError(
             "store is off on this server (--responses-store-max-count 0); send store: false.", param="store"
@@ -99,16 +98,15 @@ async def create(body: ResponsesRequest, request: Request, serving: Serving) -> 
     context = Context(serving, body, history)
     run, stream = start_chat(to_chat_request(body, history), request, serving, id_prefix="resp")
     context.run = run
-    context.keep(context.response("in_progress", []), running=True)
+    await context.keep(context.response("in_progress", []), running=True)
     if body.stream:
         return StreamingResponse(_events(context, stream), media_type="text/event-stream")
     try:
         state = await until_disconnected(request, final_state(stream))
     except BaseException as error:
-        _failed(context, error)
+        await _failed(context, error)
         raise
-    parsed, _ = parsed_choice(run, state.choices[0])
-    return json_response(context.finished(state, output_items(parsed)))
+    return json_response(await context.finished(state, output_items(state.choices[0].parsed)))
 
 
 @router.get("/v1/responses/{response_id}")
@@ -117,19 +115,19 @@ async def retrieve(response_id: str, request: Request, serving: Serving) -> Resp
         raise OpenAIError(
             "stream is not supported when retrieving a response.", param="stream", code="unsupported_field"
         )
-    return json_response(_stored(serving, response_id, "response_id").body)
+    return json_response((await _stored(serving, response_id, "response_id")).body)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(response_id: str, serving: Serving) -> Response:
-    _stored(serving, response_id, "response_id")
-    serving.responses.delete(response_id)
+    await _stored(serving, response_id, "response_id")
+    await serving.responses.delete(response_id)
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel(response_id: str, serving: Serving) -> Response:
-    stored = _stored(serving, response_id, "response_id")
+    stored = await _stored(serving, response_id, "response_id")
     if stored.body["status"] != "in_progress" or stored.engine_request_id is None:
         if stored.body["status"] == "cancelled":
             return json_response(stored.body)
@@ -140,15 +138,15 @@ async def cancel(response_id: str, serving: Serving) -> Response:
     await serving.client.cancel([stored.engine_request_id], CANCELLED)
     deadline = time.monotonic() + CANCEL_WAIT_S
     while time.monotonic() < deadline:  # the owner (this process or another) records the end
-        stored = _stored(serving, response_id, "response_id")
+        stored = await _stored(serving, response_id, "response_id")
         if stored.body["status"] != "in_progress":
             return json_response(stored.body)
         await asyncio.sleep(0.05)
     return json_response({**stored.body, "status": "cancelled"})
 
 
-def _stored(serving: OpenAIServing, response_id: str, param: str) -> Any:
-    stored = serving.responses.get(response_id)
+async def _stored(serving: OpenAIServing, response_id: str, param: str) -> Any:
+    stored = await serving.responses.get(response_id)
     if stored is None:
         store: ResponseStore = serving.responses
         raise OpenAIError(
@@ -164,7 +162,7 @@ def _stored(serving: OpenAIServing, response_id: str, param: str) -> Any:
     return stored
 
 
-def _failed(context: Context, error: BaseException) -> dict[str, Any] | None:
+async def _failed(context: Context, error: BaseException) -> dict[str, Any] | None:
     if context.run is None:
         return None
     openai_error = (
@@ -172,7 +170,7 @@ def _failed(context: Context, error: BaseException) -> dict[str, Any] | None:
     )
     failure = {"code": openai_error.code or openai_error.type, "message": openai_error.message}
     response = context.response("failed", [], error=failure)
-    context.keep(response, running=False)
+    await context.keep(response, running=False)
     return response
 
 
@@ -186,17 +184,18 @@ async def _events(
     yield events.event("response.in_progress", response=start)
     done = False
     try:
-        async for piece in pieces(context.run, stream):
+        async for state, delta in stream:
             out: list[bytes] = []
-            if piece.parsed.reasoning:
-                out += events.reasoning(piece.parsed.reasoning)
-            if piece.parsed.content:
-                out += events.content(piece.parsed.content)
-            for call in piece.parsed.calls:
+            pieces = delta.pieces
+            if pieces.reasoning:
+                out += events.reasoning(pieces.reasoning)
+            if pieces.content:
+                out += events.content(pieces.content)
+            for call in pieces.calls:
                 out += events.call(call.id, call.name, call.arguments)
-            if piece.finish_reason is not None:
-                out += events.finish()
-                response = context.finished(piece.state, events.items)
+            if delta.finish_reason is not None:
+                out += events.close()
+                response = await context.finished(state, events.items)
                 kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
                 out.append(
                     events.event(kind.get(response["status"], "response.incomplete"), response=response)
@@ -206,7 +205,7 @@ async def _events(
                 yield event
     except Exception as error:
         done = True
-        yield events.event("response.failed", response=_failed(context, error))
+        yield events.event("response.failed", response=await _failed(context, error))
     finally:
         if not done:  # the client left: the stored response must not stay in progress
-            _failed(context, asyncio.CancelledError())
+            await _failed(context, asyncio.CancelledError())

@@ -63,7 +63,12 @@ def build_app(deps: AppDeps) -> FastAPI:
         if first.get("type") == "json_invalid":
             return error_response(OpenAIError("The request body is not valid JSON.", param=None), path)
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(OpenAIError(message, param=location[0] if location else None), path)
+        invalid = OpenAIError(message, param=location[0] if location else None)
+        # the body's request_id, as an answer would echo it (the middleware put the header's, if any)
+        given = error.body.get("request_id") if isinstance(error.body, dict) else None
+        if isinstance(given, str) and given and "x-request-id" not in request.headers:
+            invalid.headers = {"X-Request-Id": given}
+        return error_response(invalid, path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> Response:

@@ -131,6 +131,7 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     finally:
         if refresher is not None:
             refresher.stop()
+        serving.responses.close()  # its writes called so far land first
         client.close()
 
 

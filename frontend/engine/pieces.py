@@ -1,0 +1,84 @@
+"""A choice's text read as pieces (content, reasoning, tool-call fragments) and the finish reason the
+reading gives: made once in the output path, so that every door (chat, responses, messages, batch)
+formats the same pieces in its own shape.
+
+A request's `TextParser` (its door's plan: the tool-call and reasoning parsers it chose) reads the
+choice's whole text so far; `StreamingParse` turns each reading into what is new. One rule is added
+here, for every door: content that is only whitespace where no text is open yet (at the start, after
+reasoning, after a call) waits until it is known to be text. It goes out with the next text; a call
+that starts drops it; at the end it goes out only if no call came. So a stream's pieces build what the
+non-streamed answer holds: no text item made of the newlines around a call.
+
+Invariants: without a parser, the pieces' content is the choice's text, delta by delta; with one, the
+pieces' calls and reasoning concatenate to the final reading's, and their content to its content less
+the whitespace that waited in vain.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from frontend.parsers.base import Delta as Pieces  # re-exported: a Delta's pieces
+from frontend.parsers.base import Parsed, StreamingParse
+
+__all__ = ["ChoicePieces", "Pieces", "TextParser"]
+
+
+class TextParser(Protocol):
+    """How a door's plan reads a choice's text (frontend/openai/tools.py's ChatPlan)."""
+
+    def parse(self, text: str, final: bool) -> Parsed: ...
+
+    def finish_reason(self, parsed: Parsed, reason: str | None) -> str | None: ...
+
+
+class ChoicePieces:
+    """One choice's reading. incremental False (a request that is not streamed): the text is read once,
+    when the choice ends, rather than on every delta (a reading is linear in the text so far)."""
+
+    def __init__(self, parser: TextParser | None, incremental: bool = True) -> None:
+        self.parser = parser
+        self.incremental = incremental
+        self.parse = StreamingParse(parser.parse) if parser is not None else None
+        self.text = ""
+        self.finish_reason: str | None = None  # the reported one: "tool_calls" where calls ended it
+        self.pending = ""  # whitespace content that waits to be known as text
+        self.in_text = False  # text is open: whitespace goes out at once
+        self.num_calls = 0
+
+    def update(self, text: str, new_text: str, finish_reason: str | None) -> Pieces:
+        """text: the choice's text so far; new_text: what this delta added; finish_reason: the engine's
+        (or the stop string's), when this delta ends the choice."""
+        self.text = text
+        final = finish_reason is not None
+        if self.parse is None:
+            self.finish_reason = finish_reason
+            return Pieces(content=new_text)
+        assert self.parser is not None
+        if not (self.incremental or final):
+            return Pieces()
+        pieces = self.parse.update(text, final)
+        if final:
+            self.finish_reason = self.parser.finish_reason(self.parse.result, finish_reason)
+        return self._whitespace_waits(pieces, final)
+
+    @property
+    def result(self) -> Parsed:
+        """The reading of the text so far (the whole answer, once the choice ended)."""
+        return Parsed(content=self.text) if self.parse is None else self.parse.result
+
+    def _whitespace_waits(self, pieces: Pieces, final: bool) -> Pieces:
+        # in the order every door formats a delta: reasoning, then content, then calls
+        if pieces.reasoning:
+            self.in_text = False
+        if pieces.content and not self.in_text:
+            self.pending += pieces.content
+            pieces.content = ""
+            if self.pending.strip():
+                pieces.content, self.pending, self.in_text = self.pending, "", True
+        started = sum(1 for call in pieces.calls if call.id is not None)
+        if started:
+            self.pending, self.in_text, self.num_calls = "", False, self.num_calls + started
+        if final and self.pending and self.num_calls == 0:
+            pieces.content, self.pending = pieces.content + self.pending, ""
+        return pieces

@@ -1,0 +1,135 @@
+"""A bad flag of `engine serve` or `engine run-batch` is one line at the CLI, `engine CMD: error: FLAG: ...`
+(argparse's form), exit status 2, no traceback, and nothing started: the checks run before the first
+child process, so each case returns in about a second, before any model loads.
+
+Whether a process was left behind is read from the environment: every process the command starts
+inherits a marker variable that is unique to the case."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import uuid
+
+import psutil
+import pytest
+
+from tests.serve_helpers import free_port, wait_until
+
+MARKER = "CLI_ERRORS_TEST_MARKER"
+TIMEOUT_S = 60  # a case takes about a second; a minute only if the machine is very busy
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    """The live processes whose environment holds `marker`."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == marker and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`python -m frontend.cli ARGV`; asserts that no process it started outlived it."""
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER: marker, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+    )
+    left = marked(marker)
+    for process in left:
+        process.kill()
+    assert not left, f"processes outlived `engine {argv[0]}`: {[p.cmdline() for p in left]}"
+    return result
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], command: str, flag: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith(f"engine {command}: error: "), last
+    assert flag in last, last
+    assert "engine.core" not in result.stderr and "engine.worker" not in result.stderr  # no engine ran
+
+
+@pytest.fixture(scope="module")
+def plugins(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    folder = tmp_path_factory.mktemp("plugins")
+    (folder / "raises.py").write_text('raise RuntimeError("the plugin is broken")\n')
+    (folder / "lacks.py").write_text("PARSERS = {}\n")
+    (folder / "syntax.py").write_text("def broken(:\n")
+    return folder
+
+
+SERVE_CASES = [
+    (["--tool-call-parser", "nope"], "--tool-call-parser", "unknown tool call parser 'nope'"),
+    (["--reasoning-parser", "nope"], "--reasoning-parser", "unknown reasoning parser 'nope'"),
+    (["--tool-parser-plugin", "/nonexistent.py"], "--tool-parser-plugin", "no such file"),
+    (["--tool-parser-plugin", "{plugins}/raises.py"], "--tool-parser-plugin", "RuntimeError: the plugin is"),
+    (["--tool-parser-plugin", "{plugins}/lacks.py"], "--tool-parser-plugin", "must define TOOL_PARSERS"),
+    (["--tool-parser-plugin", "{plugins}/syntax.py"], "--tool-parser-plugin", "SyntaxError"),
+    (["--block-size", "7"], "--block-size", "invalid choice"),  # argparse's own
+    (["--dtype", "nonsense"], "--dtype", "invalid choice"),
+    (["--max-num-seqs", "0"], "--max-num-seqs", "must be positive"),
+    (["--structured-outputs-config", '{"backend": "nope"}'], "--structured-outputs-config", "unknown"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice", "needs --tool-call-parser"),
+    (["--headless"], "--headless", "needs --engine-address"),
+    (["--engine-address", "tcp://0.0.0.0:5999"], "--engine-address", "--allow-remote-engine"),
+    (["--api-key-file", "/nonexistent/keys"], "--api-key-file", "cannot read"),
+    (["--chat-template", "{plugins}"], "--chat-template", "cannot read"),  # a folder
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "words"), SERVE_CASES, ids=[" ".join(c[0]) for c in SERVE_CASES])
+def test_a_bad_serve_flag_is_one_line_and_starts_nothing(
+    smollm2_gguf: str, plugins: pathlib.Path, argv: list[str], flag: str, words: str
+) -> None:
+    argv = [a.replace("{plugins}", str(plugins)) for a in argv]
+    result = run_cli("serve", smollm2_gguf, "--port", str(free_port()), *argv)
+    assert_one_line_error(result, "serve", flag)
+    assert words in result.stderr.splitlines()[-1]
+
+
+BATCH_CASES = [
+    (["--tool-call-parser", "nope"], "--tool-call-parser"),
+    (["--reasoning-parser", "nope"], "--reasoning-parser"),
+    (["--tool-parser-plugin", "{plugins}/raises.py"], "--tool-parser-plugin"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag"), BATCH_CASES, ids=[" ".join(c[0]) for c in BATCH_CASES])
+def test_a_bad_run_batch_flag_is_one_line_and_starts_nothing(
+    smollm2_gguf: str, plugins: pathlib.Path, tmp_path: pathlib.Path, argv: list[str], flag: str
+) -> None:
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("{}\n")
+    argv = [a.replace("{plugins}", str(plugins)) for a in argv]
+    result = run_cli("run-batch", smollm2_gguf, "-i", str(requests), "-o", str(tmp_path / "out.jsonl"), *argv)
+    assert_one_line_error(result, "run-batch", flag)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_marker_finds_a_process_left_behind() -> None:
+    """The check above can fail: a process started with the marker is found until it is gone."""
+    marker = uuid.uuid4().hex
+    child = psutil.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, MARKER: marker}
+    )
+    try:  # its environment is readable once the exec is done
+        found = wait_until(lambda: [p.pid for p in marked(marker)], 10, "the marked process")
+        assert found == [child.pid]
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not marked(marker)
