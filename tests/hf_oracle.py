@@ -1,10 +1,50 @@
-"""Hugging Face transformers as the correctness oracle: greedy generate, with the logits of each step."""
+"""Hugging Face transformers as the correctness oracle: greedy generate, with the logits of each step;
+and its model of a GGUF file, dequantized by transformers once and kept."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pathlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+ORACLE_CACHE = pathlib.Path(os.path.expanduser("~")) / ".cache" / "engine" / "hf-oracle"
+
+
+def hf_model_of_gguf(gguf_path: str) -> Any:
+    """transformers' own model of a GGUF file in float32: its dequantization, not ours, is the oracle's.
+    Dequantizing takes ~18 s, so the model is kept as a transformers folder (save_pretrained) under
+    ~/.cache/engine/hf-oracle, keyed by the file and the transformers and torch versions; later runs
+    load that folder in about a second."""
+    from transformers import AutoModelForCausalLM
+    from transformers import __version__ as transformers_version
+
+    stat = os.stat(gguf_path)
+    identity = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers_version}|{torch.__version__}"
+    folder = ORACLE_CACHE / hashlib.sha256(identity.encode()).hexdigest()[:16]
+    if (folder / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    directory, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    # NOTE: save_pretrained refuses a model loaded from GGUF; its float32 weights and its config (less
+    # the GGUF marker) make an ordinary folder
+    from safetensors.torch import save_model
+
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (partial / "config.json").write_text(json.dumps(config))
+    save_model(model, str(partial / "model.safetensors"))
+    try:
+        os.replace(partial, folder)  # whole or not at all, whoever wins a race
+    except OSError:
+        pass  # another run kept it first
+    return model
 
 
 @dataclass

@@ -81,13 +81,16 @@ def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.2):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def wait_healthy(process: subprocess.Popen[bytes], base: str, timeout_s: float = 180) -> None:
-    """Wait for `base`/health to answer 200; fail at once if the launcher exited instead."""
+def wait_healthy(
+    process: subprocess.Popen[bytes], base: str, timeout_s: float = 180, verify: Any = True
+) -> None:
+    """Wait for `base`/health to answer 200; fail at once if the launcher exited instead. verify: httpx's
+    (a CA file for an HTTPS server)."""
 
     def healthy() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with code {process.returncode} before it was healthy")
-        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        return httpx.get(f"{base}/health", timeout=2, verify=verify).status_code == 200
 
     wait_until(healthy, timeout_s, "the server to be healthy")
 
@@ -126,26 +129,36 @@ class Served:
 
 
 def start_serve(
-    model: str,
+    model: str | None,
     *flags: str,
     env: dict[str, str | None] | None = None,
     engine_address: bool = False,
+    verify: Any = None,
     timeout_s: float = 180,
 ) -> Served:
     """`engine serve MODEL FLAGS` on a free loopback port, once /health answers 200 (stopped again if it
-    never does). env: variables to set on top of ours (None values remove one); engine_address: bind
-    the engine on a free tcp port too. The caller stops it (`stop(served.process)`, or use `serving`)."""
+    never does). model None: none given (a frontend given `--attach ADDRESS`); env: variables set on top
+    of ours (None removes one); engine_address: bind the engine on a free tcp port too; verify: the CA
+    file of a server given TLS flags (its base is https). The caller stops it (`stop(served.process)`,
+    or use `serving`)."""
     port = free_port()
     address = f"tcp://127.0.0.1:{free_engine_port()}" if engine_address else None
-    command = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *flags]
-    if address is not None:
-        command += ["--engine-address", address]
+    command = [
+        sys.executable,
+        "-m",
+        "frontend.cli",
+        "serve",
+        *([model] if model else []),
+        "--port",
+        str(port),
+    ]
+    command += [*flags, *(["--engine-address", address] if address is not None else [])]
     environ = {**os.environ, **(env or {})}
     environ = {name: value for name, value in environ.items() if value is not None}
     process = subprocess.Popen(command, env=environ)
-    served = Served(process, f"http://127.0.0.1:{port}", address)
+    served = Served(process, f"{'https' if verify else 'http'}://127.0.0.1:{port}", address)
     try:
-        wait_healthy(process, served.base, timeout_s)
+        wait_healthy(process, served.base, timeout_s, verify=verify or True)
     except BaseException:
         stop(process)
         raise
@@ -153,7 +166,7 @@ def start_serve(
 
 
 @contextlib.contextmanager
-def serving(model: str, *flags: str, **options: Any) -> Iterator[Served]:
+def serving(model: str | None, *flags: str, **options: Any) -> Iterator[Served]:
     """start_serve as a fixture's body: `with serving(model, ...) as served: yield served`."""
     served = start_serve(model, *flags, **options)
     try:

@@ -4,14 +4,12 @@ caching on and off, 16-token chunks and forced preemption; logprobs match; seeds
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from frontend import LLM, SamplingParams
 from protocol.config import DEFAULT_BLOCK_SIZE
-from tests.hf_oracle import compare_greedy, hf_greedy
+from tests.hf_oracle import compare_greedy, hf_greedy, hf_model_of_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +30,11 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def oracle(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
     from frontend.model_files import load_tokenizer
 
     cache = str(tmp_path_factory.mktemp("tokenizers"))
     tokenizer = load_tokenizer(smollm2_gguf, cache)
-    folder, name = os.path.split(smollm2_gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = hf_model_of_gguf(smollm2_gguf)  # transformers' own dequantization, kept across runs
     prompts = []
     for question in QUESTIONS:
         text = tokenizer.apply_chat_template(

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 from typing import Any
 
 import openai
 import pytest
 
 from structured_outputs.tokenizer import load_tokenizer
-from tests.serve_helpers import free_engine_port, free_port, stop, wait_healthy
+from tests.serve_helpers import serving
 from tests.test_correctness_tiny import build_tiny
 
 pytestmark = pytest.mark.slow
@@ -32,61 +30,18 @@ def clients(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def
     tokenizer = load_tokenizer(smollm2_gguf, os.path.join(os.path.expanduser("~"), ".cache", "engine"))
     build_tiny("qwen3", folder, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(folder)
-    port, attached_port, engine_port = free_port(), free_port(), free_engine_port()
-    address = f"tcp://127.0.0.1:{engine_port}"
     common = ["--chat-template", str(TEMPLATE), "--served-model-name", "tiny"]
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "frontend.cli",
-            "serve",
-            folder,
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "256",
-            "--num-kv-blocks",
-            "16",
-            "--engine-address",
-            address,
-            "--reasoning-parser",
-            "deepseek_r1",
-            *common,
-        ]  # fmt: skip
-    )
-    attached = None
-    try:
-        wait_healthy(server, f"http://127.0.0.1:{port}")
-        attached = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "frontend.cli",
-                "serve",
-                folder,
-                "--attach",
-                address,
-                "--port",
-                str(attached_port),
-                "--reasoning-parser",
-                "qwen3",
-                *common,
-            ]  # fmt: skip
-        )
-        wait_healthy(attached, f"http://127.0.0.1:{attached_port}")
-        yield {
-            name: openai.OpenAI(
-                base_url=f"http://127.0.0.1:{p}/v1", api_key="none", max_retries=0, timeout=120
-            )
-            for name, p in (("deepseek_r1", port), ("qwen3", attached_port))
-        }
-    finally:
-        if attached is not None:
-            stop(attached)
-        stop(server)
+    engine = ["--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "16"]
+    with serving(
+        folder, *engine, "--reasoning-parser", "deepseek_r1", *common, engine_address=True
+    ) as server:
+        assert server.engine_address is not None
+        attach = ["--attach", server.engine_address, "--reasoning-parser", "qwen3", *common]
+        with serving(folder, *attach) as attached:
+            yield {
+                name: openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+                for name, base in (("deepseek_r1", server.base), ("qwen3", attached.base))
+            }
 
 
 def request(thinking: bool, **extra: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from structured_outputs.tokenizer import load_tokenizer
-from tests.serve_helpers import free_port, stop, wait_until
+from tests.serve_helpers import start_serve, stop, wait_until
 from tests.small_helpers import MIDDLEWARE_HEADER, common_name_of, hub_cache, make_certificate
 from tests.test_correctness_tiny import build_tiny
 
@@ -46,24 +46,11 @@ def tiny(smollm2_gguf: str, tmp_path_factory) -> str:  # type: ignore[no-untyped
     return folder
 
 
-def start(model: str, *flags: str, env: dict[str, str] | None = None, verify: Any = None):  # type: ignore[no-untyped-def]
-    """`engine serve MODEL FLAGS`, waited on until /health answers (over HTTPS when verify is given)."""
-    port = free_port()
-    command = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *SMALL, *flags]
-    process = subprocess.Popen(command, env={**os.environ, **(env or {})})
-    base = f"{'https' if verify else 'http'}://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode}")
-        return httpx.get(f"{base}/health", timeout=2, verify=verify or True).status_code == 200
-
-    try:
-        wait_until(healthy, 180, "the server to be healthy")
-    except BaseException:
-        stop(process)
-        raise
-    return process, base
+def start(model: str, *flags: str, env: dict[str, str | None] | None = None, verify: Any = None):  # type: ignore[no-untyped-def]
+    """`engine serve MODEL FLAGS` with the small engine flags, waited on until /health answers (over
+    HTTPS when verify is given)."""
+    served = start_serve(model, *SMALL, *flags, env=env, verify=verify)
+    return served.process, served.base
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,13 @@ import sys
 import httpx
 import pytest
 
-from tests.serve_helpers import free_engine_port, free_port, stop, wait_until
+from tests.serve_helpers import Served, free_engine_port, free_port, serving, start_serve, stop, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def start(*args: str) -> subprocess.Popen[bytes]:
+    """A headless engine or its frontends, which start_serve cannot wait on (no HTTP, or no engine yet)."""
     return subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", *args])
 
 
@@ -32,28 +33,25 @@ def complete(port: int, prompt: str = "The sky is") -> str:
     return str(response.json()["choices"][0]["text"])
 
 
+def port_of(served: Served) -> int:
+    return int(served.base.rsplit(":", 1)[1])
+
+
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "128"]
 
 
 def test_attach_a_frontend_to_a_running_server(smollm2_gguf: str) -> None:
-    engine_port, first_port, second_port = free_engine_port(), free_port(), free_port()
-    address = f"tcp://127.0.0.1:{engine_port}"
-    first = start(smollm2_gguf, "--port", str(first_port), "--engine-address", address, *ENGINE_ARGS)
-    second = None
-    try:
-        wait_until(lambda: healthy(first_port), 180, "the first server")
+    with serving(smollm2_gguf, *ENGINE_ARGS, engine_address=True) as first:
+        first_port = port_of(first)
         expected = complete(first_port)
-        second = start("--attach", address, "--port", str(second_port))
-        wait_until(lambda: healthy(second_port), 120, "the attached frontend")
-        assert complete(second_port) == expected  # same engine, same greedy output
+        assert first.engine_address is not None
+        second = start_serve(None, "--attach", first.engine_address, timeout_s=120)
+        try:
+            assert complete(port_of(second)) == expected  # same engine, same greedy output
+            assert complete(first_port) == expected
+        finally:
+            stop(second.process)  # a frontend leaving does not disturb the engine or the other frontend
         assert complete(first_port) == expected
-        stop(second)  # a frontend leaving does not disturb the engine or the other frontend
-        second = None
-        assert complete(first_port) == expected
-    finally:
-        if second is not None:
-            stop(second)
-        stop(first)
 
 
 def test_headless_engine_with_two_attached_frontends(smollm2_gguf: str) -> None:
