@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from frontend.engine.async_llm import final_state
 from frontend.engine.output_processor import Delta, RequestState
+from frontend.engine.pieces import formatted
 from frontend.openai.chat import ChatRun, start_chat
 from frontend.openai.common import Serving, json_response, until_disconnected
 from frontend.openai.render import chat_prompt
@@ -147,7 +148,7 @@ class _Blocks:
         )
         return [*events, self.delta({"type": "thinking_delta", "thinking": text})]
 
-    def text(self, text: str) -> list[bytes]:
+    def content(self, text: str) -> list[bytes]:
         events = [] if self.kind == "text" else self.open("text", {"type": "text", "text": ""})
         return [*events, self.delta({"type": "text_delta", "text": text})]
 
@@ -182,14 +183,7 @@ async def _events(
                 }
                 yield _event("message_start", {"message": message})
                 yield _event("ping", {})
-            events: list[bytes] = []
-            pieces = delta.pieces
-            if pieces.reasoning:
-                events += blocks.reasoning(pieces.reasoning)
-            if pieces.content:
-                events += blocks.text(pieces.content)
-            for call in pieces.calls:
-                events += blocks.call(call.id, call.name, call.arguments)
+            events = formatted(delta.pieces, blocks)
             if delta.finish_reason is not None:
                 events += blocks.close()
                 stop_reason, stop_sequence = _stop_reason(delta.finish_reason, delta.stop_reason)

@@ -21,7 +21,7 @@ from typing import Protocol
 from frontend.parsers.base import Delta as Pieces  # re-exported: a Delta's pieces
 from frontend.parsers.base import Parsed, StreamingParse
 
-__all__ = ["ChoicePieces", "Pieces", "TextParser"]
+__all__ = ["ChoicePieces", "PieceFormatter", "Pieces", "TextParser", "formatted"]
 
 
 class TextParser(Protocol):
@@ -30,6 +30,27 @@ class TextParser(Protocol):
     def parse(self, text: str, final: bool) -> Parsed: ...
 
     def finish_reason(self, parsed: Parsed, reason: str | None) -> str | None: ...
+
+
+class PieceFormatter(Protocol):
+    """A door's streamed shape (Anthropic's content blocks, Responses' items): the frames each piece adds."""
+
+    def reasoning(self, text: str) -> list[bytes]: ...
+
+    def content(self, text: str) -> list[bytes]: ...
+
+    def call(self, call_id: str | None, name: str | None, arguments: str) -> list[bytes]: ...
+
+
+def formatted(pieces: Pieces, formatter: PieceFormatter) -> list[bytes]:
+    """One delta's pieces through a door's formatter, in the order the whitespace rule reads them:
+    reasoning, then content, then each call's fragment (its id and name on its first)."""
+    frames = formatter.reasoning(pieces.reasoning) if pieces.reasoning else []
+    if pieces.content:
+        frames += formatter.content(pieces.content)
+    for call in pieces.calls:
+        frames += formatter.call(call.id, call.name, call.arguments)
+    return frames
 
 
 class ChoicePieces:
@@ -68,7 +89,7 @@ class ChoicePieces:
         return Parsed(content=self.text) if self.parse is None else self.parse.result
 
     def _whitespace_waits(self, pieces: Pieces, final: bool) -> Pieces:
-        # in the order every door formats a delta: reasoning, then content, then calls
+        # in the order every door formats a delta (`formatted`): reasoning, then content, then calls
         if pieces.reasoning:
             self.in_text = False
         if pieces.content and not self.in_text:

@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from frontend.engine.async_llm import final_state
 from frontend.engine.output_processor import Delta, RequestState
+from frontend.engine.pieces import formatted
 from frontend.openai.chat import ChatRun, start_chat
 from frontend.openai.common import Serving, json_response, until_disconnected
 from frontend.openai.serving import OpenAIServing
@@ -185,14 +186,7 @@ async def _events(
     done = False
     try:
         async for state, delta in stream:
-            out: list[bytes] = []
-            pieces = delta.pieces
-            if pieces.reasoning:
-                out += events.reasoning(pieces.reasoning)
-            if pieces.content:
-                out += events.content(pieces.content)
-            for call in pieces.calls:
-                out += events.call(call.id, call.name, call.arguments)
+            out = formatted(delta.pieces, events)
             if delta.finish_reason is not None:
                 out += events.close()
                 response = await context.finished(state, events.items)
