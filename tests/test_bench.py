@@ -102,10 +102,13 @@ def test_zmq_harness_and_bench_serve_agree_with_metrics(smollm2_gguf: str, tmp_p
         run = bench(
             "serve", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "responses",
             "--responses-store", "both", "--num-prompts", "3", "--max-concurrency", "3", "--input-len", "8",
-            "--output-len", "4", "--warmup", "0", "--quiet", "--output-json", str(out),
+            "--output-len", "4", "--range-ratio", "0", "--ignore-eos", "--warmup", "0", "--quiet",
+            "--output-json", str(out),
         )  # fmt: skip
         assert run.returncode == 0, run.stdout + run.stderr
         report = json.loads(out.read_text())
+        # ignore_eos is honoured on this door too: every answer runs to its 4 tokens
+        assert all(r["output_tokens"] == 4 for r in report["requests"]), report["requests"]
         passes = [report["summary"], report["no_store_summary"]]
         assert [(s["store"], s["completed"]) for s in passes] == [(True, 3), (False, 3)]
         generated = sum(s["total_output_tokens"] for s in passes)

@@ -363,3 +363,14 @@ def test_errors_are_counted_per_route(server: str, an: anthropic.Anthropic, oa: 
     assert after.get(key % 401, 0) - before.get(key % 401, 0) == 1, [k for k in after if "401" in k]
     by_id = "engine:http_requests_total{method=GET,path=/v1/responses/{response_id},status=404}"
     assert after.get(by_id, 0) - before.get(by_id, 0) == 2
+
+
+def test_responses_honour_ignore_eos(oa: openai.OpenAI) -> None:
+    """vLLM's ignore_eos, as the chat door takes it (a benchmark's fixed output length): the answer runs
+    to max_output_tokens; without it the same greedy answer ends at the model's end of turn first."""
+    common: Any = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 48, "temperature": 0}
+    plain = oa.responses.create(**common)
+    assert plain.usage is not None and plain.usage.output_tokens < 48 and plain.status == "completed"
+    forced = oa.responses.create(**common, extra_body={"ignore_eos": True})
+    assert forced.usage is not None and forced.usage.output_tokens == 48
+    assert forced.status == "incomplete"  # stopped by max_output_tokens, as OpenAI reports it

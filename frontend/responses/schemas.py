@@ -69,6 +69,7 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     truncation: str | None = None
     include: list[str] | None = None
+    ignore_eos: bool = False  # vLLM's sampling extension, as on the chat door (benchmarks send it)
 
     def check_supported(self) -> None:
         # false and 0 ask for nothing here too (background: false, top_logprobs: 0)
@@ -92,6 +93,7 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Ch
         "top_p": body.top_p,
         "stream": body.stream,
         "parallel_tool_calls": body.parallel_tool_calls,
+        "ignore_eos": body.ignore_eos,
         **{name: getattr(body, name) for name in METADATA_FIELDS},
     }
     if body.tools is not None:
