@@ -4,7 +4,7 @@
 
 - products: a SmolLM2 decode step's 121 bf16 products (30 layers' own weights, and the logits) at each
   row count, oneDNN's packed weights against the pair layout (`csrc/gemm_cpu.cpp`, where the build has
-  AVX-512 BF16);
+  AVX-512 BF16) and the AMX tiles on that layout (`csrc/gemm_amx_cpu.cpp`, where the CPU has AMX);
 - prefill attention: 30 layers of paged prefill rows in four shapes, the rows one by one against each
   kind of tiles this CPU runs (`use_prefill_tiles`: AVX-512 BF16, AMX).
 
@@ -59,6 +59,10 @@ def products(ops: Any, rows: list[int], rounds: int) -> None:
         no_bias = torch.empty(0)
         kinds["pairs"] = lambda x, w: ops.linear_pairs(x, w, no_bias)
         packed["pairs"] = [[ops.pack_pairs(w) for w in ws] for ws in plain]
+    if ops.amx_products_available():
+        no_bias = torch.empty(0)
+        kinds["amx"] = lambda x, w: ops.linear_amx(x, w, no_bias)
+        packed["amx"] = packed["pairs"]
 
     def step(kind: str, inputs: dict[int, torch.Tensor]) -> None:
         for layer_weights, layer_shapes in zip(packed[kind], shapes, strict=True):

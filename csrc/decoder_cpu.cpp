@@ -11,7 +11,8 @@
 // layers:    per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm, qkv_pairs,
 //            o_pairs, gate_up_pairs, down_pairs]; an empty tensor is an absent bias, norm or packing.
 //            A 3-d packing is linear_rows' (batch-invariant: every row count takes it; out features a
-//            multiple of 16). Products of at most config.pairs_rows rows use the pairs packing where given;
+//            multiple of 16), a 5-d one linear_amx's (batch-invariant too: pack_pairs' viewed
+//            [N / 64, K / 32, 16, 64, 2]). Products of at most config.pairs_rows rows use the pairs packing where given;
 //            the others oneDNN's packed weights when config.packed, else at::linear on plain [out, in] ones.
 // block_tables, seq_lens: one paged-attention row per token, as paged_decode_attention takes them
 // config:    num_heads, num_kv_heads, head_dim, packed (0/1), pairs_rows; floats: eps, scale
@@ -48,6 +49,7 @@ struct Product {
 at::Tensor Product::operator()(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& pairs) const {
   if (pairs.dim() == 3) return linear_rows(x, pairs, bias, pairs.size(0) * pairs.size(2));  // batch-invariant
+  if (pairs.dim() == 5) return linear_amx(x, pairs, bias);                                  // batch-invariant
   if (pairs.numel() && x.size(0) <= pairs_rows) return linear_pairs(x, pairs, bias);
   if (!packed) return at::linear(x, weight, present(bias));
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");

@@ -31,11 +31,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define ENGINE_TILES 1  // prefill rows as tiles: AVX-512 BF16 products, or AMX's where the CPU has it
 #endif
-#if defined(ENGINE_TILES) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define ENGINE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"  // ENGINE_AMX: the AMX tiles as well
 
 // Element loads to float. bfloat16 is the high half of a float32: a shift the compiler vectorizes.
 template <typename scalar_t>
@@ -323,26 +319,6 @@ using RowKernel = void (*)(const scalar_t*, const scalar_t*, const int64_t*, int
 
 #if defined(ENGINE_TILES)
 
-#if defined(ENGINE_AMX)
-// Linux hands out the AMX tile state on request, once per process (oneDNN asks too; asking twice is fine).
-inline bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-// Every tile register as 16 rows of 64 bytes: 16 x 16 float32, or 16 x 32 bf16.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
-  }
-};
-#endif
 
 // 2^x of 16 floats to ~4e-5 relative (degree-4 polynomial of the fraction, scalef for the integer
 // part): enough for probabilities that are then rounded to bf16 (2^-9).
@@ -758,7 +734,7 @@ inline std::vector<Tile> find_tiles(const int64_t* tables, const int64_t* seq_le
 // The best tiles this build and CPU run (AMX needs the kernel's permission too).
 static Tiles best_tiles() {
 #if defined(ENGINE_AMX)
-  if (avx512::amx_permitted()) return Tiles::amx;
+  if (amx_permitted()) return Tiles::amx;
 #endif
 #if defined(ENGINE_TILES)
   return Tiles::avx512_bf16;

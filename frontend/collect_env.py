@@ -42,6 +42,10 @@ PACKAGES = (
 # the CPU flags that decide which kernels run (the csrc build and torch's CPU capability)
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "bmi2", "neon", "asimd", "sve")
 
+NOT_BUILT = (
+    "not built for this CPU and these sources: a worker builds them at its start; where that fails it "
+    "serves on the torch paths (slower, batch-variant; /health says so). `python -m worker.csrc_ops` builds them"
+)
 # Run in a subprocess (`python -c`): torch's build, and the csrc library this checkout built, if any.
 TORCH_PROBE = """
 import json, torch
@@ -151,7 +155,7 @@ def render(info: dict[str, Any]) -> str:
             f"torch: {torch['version']} ({build} build), CPU capability {torch['cpu_capability']}, "
             f"{torch['num_threads']} threads",
             f"cuda available: {torch['cuda_available']}{': ' + ', '.join(torch['devices']) if torch['devices'] else ''}",
-            f"csrc kernels: {torch['csrc'] or 'not built (the torch paths serve)'}",
+            f"csrc kernels: {torch['csrc'] or NOT_BUILT}",
         ]
     lines.append("packages:")
     lines += [f"  {name}: {version or '-'}" for name, version in info["packages"].items()]

@@ -38,7 +38,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     structured_outputs_backend: str = "auto"  # grammar engine: "auto" or "guidance" (llguidance)
     grammar_compile_timeout_s: float = 30.0  # a request whose grammar is not ready by then fails
     cache_dir: str | None = None  # where conversions of GGUF files are kept (tokenizer, weights)
-    batch_invariant: bool = True  # each row's results independent of the batch (docs/batch-invariance.md)
+    # each row's results independent of the batch (docs/batch-invariance.md); None: where the csrc kernels
+    # are built (True without them is a startup error)
+    batch_invariant: bool | None = None
     tokenizer: str | None = None  # a tokenizer folder other than the model's (--tokenizer), for grammars
 
 

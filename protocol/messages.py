@@ -39,6 +39,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     enable_prefix_caching: bool = True  # set by the EngineCore from its config (the worker cannot know)
     scheduling_policy: str = "fcfs"  # likewise: "priority" is the only policy that reads `priority`
     structured_outputs_backend: str = "guidance"  # the worker's grammar backend: frontends validate with it
+    batch_invariant: bool = False  # whether greedy output is independent of the batch (the worker's kernels)
+    # what an operator should know of how the worker serves (e.g. without the csrc kernels): /health's detail
+    notices: list[str] = msgspec.field(default_factory=list)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

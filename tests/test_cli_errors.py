@@ -86,6 +86,7 @@ SERVE_CASES = [
     (["--engine-address", "tcp://0.0.0.0:5999"], "--engine-address", "--allow-remote-engine"),
     (["--api-key-file", "/nonexistent/keys"], "--api-key-file", "cannot read"),
     (["--chat-template", "{plugins}"], "--chat-template", "cannot read"),  # a folder
+    (["--batch-invariant", "--attention-backend", "torch"], "--batch-invariant", "needs the csrc kernels"),
 ]
 
 

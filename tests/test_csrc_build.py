@@ -1,12 +1,17 @@
-"""The csrc build: built once into a directory keyed by what it depends on, loaded without compiling,
-and a worker without a build serves on the torch paths (a warning says how to build) instead of
-compiling at serve time; a torch lock left by a killed build does not stop the next build."""
+"""The csrc build: built once into a directory keyed by what it depends on; a worker that finds no build
+for this CPU builds one before serving, with a line before and after, and serves on the torch paths
+only where the build fails (a warning says how to build); a torch lock left by a killed build does not
+stop the next build; the wheel carries the sources."""
 
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
+import shutil
+import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -39,28 +44,88 @@ def test_the_build_key_follows_sources_headers_and_flags(tmp_path, monkeypatch: 
     assert str(tmp_path) not in str(csrc_ops.build_dir().relative_to(tmp_path / "build"))
 
 
-def test_without_a_build_the_worker_warns_and_never_compiles(
+def test_without_a_build_a_worker_builds_first_and_serves_on_torch_only_if_that_fails(
     tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]
     import torch.utils.cpp_extension
 
     copy_sources(tmp_path, monkeypatch)
     monkeypatch.delitem(sys.modules, csrc_ops.MODULE_NAME, raising=False)
+    builds: list[str] = []
 
-    def compile_at_serve_time(*args: object, **kwargs: object) -> None:
-        raise AssertionError("load_cpu_ops compiled")
+    def failing_compiler(name: str, build_directory: str, **kwargs: object) -> None:
+        builds.append(build_directory)
+        raise RuntimeError("Error building extension 'engine_cpu_ops': no compiler here")
 
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_at_serve_time)
-    with caplog.at_level(logging.WARNING, logger="engine.worker"):
-        assert csrc_ops.load_cpu_ops() is None
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_compiler)
+    with caplog.at_level(logging.INFO, logger="engine.worker"):
+        assert csrc_ops.load_cpu_ops() is None  # a plain load (tools, tests) never compiles
+        assert builds == []
+        from worker.attention import get_attention_backend
+        from worker.attention.torch_ref import TorchAttentionBackend
+
+        assert isinstance(get_attention_backend("auto"), TorchAttentionBackend)  # a worker's start
+    assert builds == [str(csrc_ops.build_dir())]
+    assert "building the csrc CPU kernels for this CPU before serving" in caplog.text
+    assert "did not build (Error building extension" in caplog.text
     assert "python -m worker.csrc_ops" in caplog.text and "torch paths" in caplog.text
-
-    from worker.attention import get_attention_backend
-    from worker.attention.torch_ref import TorchAttentionBackend
-
-    assert isinstance(get_attention_backend("auto"), TorchAttentionBackend)
     with pytest.raises(RuntimeError, match="csrc kernels"):
         get_attention_backend("cpu")
+
+
+def test_a_first_start_builds_the_kernels_and_serves_on_them() -> None:
+    """A real build for a key with no build yet (a checkout after `pip install -e .` alone, or moved to
+    another CPU): the worker's start builds it, says so and how long it took, and gets the kernels. The
+    objects of this machine's build seed it, so that the test links rather than compiles."""
+    if not (shutil.which("c++") or shutil.which("g++")) or csrc_ops.built_library() is None:
+        pytest.skip("no C++ compiler: the torch paths serve")
+    key = f"first-start-{os.getpid()}"
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+        "from worker import csrc_ops\n"
+        f"csrc_ops.build_key = lambda: {key!r}\n"
+        "assert csrc_ops.built_library() is None\n"
+        "from worker.attention import get_attention_backend\n"
+        "print(type(get_attention_backend('auto')).__name__)\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=400, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        assert "building the csrc CPU kernels for this CPU before serving" in done.stdout
+        assert "built the csrc CPU kernels in" in done.stdout
+        assert done.stdout.strip().splitlines()[-1] == "CpuAttentionBackend"
+    finally:
+        shutil.rmtree(csrc_ops.BUILD_ROOT / key, ignore_errors=True)
+
+
+def test_the_wheel_carries_the_kernel_sources(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`pip install .` (not only a checkout) has the sources a first start builds from."""
+    root = csrc_ops.CSRC.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("engine-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in [*csrc_ops.SOURCES, *csrc_ops.CSRC.glob("*.h")]:
+        assert f"csrc/{path.name}" in names
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

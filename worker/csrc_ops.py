@@ -1,12 +1,14 @@
 """Builds the csrc CPU kernels (a torch C++ extension) once, and loads the build; None when there is none.
 
 `python -m worker.csrc_ops` builds them (`make install` runs it) into build/csrc/<key>/ beside the
-package's sources, where key digests what the build depends on: the sources and headers, the flags, the
-torch and Python versions and this CPU's instruction sets (`-march=native` makes a build for the CPU it
-ran on). A worker only loads a build: where none matches, it warns and serves on the torch paths, and
-never compiles (a compile at serve time took minutes, and a start killed during it left a lock that
-hung every later start). Builds for other CPUs or sources stay beside it, so a checkout that moves
-between machines keeps one for each.
+package's sources in a checkout (the engine's cache folder in an installed wheel), where key digests
+what the build depends on: the sources and headers, the flags, the torch and Python versions and this
+CPU's instruction sets (`-march=native` makes a build for the CPU it ran on). Every install has the
+sources (the wheel ships csrc/). A worker that finds no build for this CPU builds one before it
+serves, saying so on a progress line (`load_cpu_ops(build=True)`): `pip install -e .` alone, or a
+checkout moved to another kind of CPU, serves on the kernels from its first start. A build runs under
+an flock, so a start killed during it leaves nothing that hangs the next one. Builds for other CPUs or
+sources stay beside it, so a checkout that moves between machines keeps one for each.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import fcntl
 import hashlib
 import importlib.util
 import logging
+import os
 import pathlib
 import platform
 import shutil
 import sys
+import time
 from typing import TYPE_CHECKING, Protocol, cast
 
 if TYPE_CHECKING:
@@ -36,6 +40,7 @@ SOURCES = [
         "decoder_cpu.cpp",
         "gemm_cpu.cpp",
         "gemm_rows_cpu.cpp",
+        "gemm_amx_cpu.cpp",
     )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
@@ -60,6 +65,8 @@ class CpuOps(Protocol):
     def pairs_available(self) -> bool: ...
     def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor: ...
     def linear_pairs(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
+    def amx_products_available(self) -> bool: ...
+    def linear_amx(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
     def pack_rows(self, weight: torch.Tensor) -> torch.Tensor: ...
     def linear_rows(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features: int
@@ -100,7 +107,16 @@ class CpuOps(Protocol):
     ) -> None: ...
 
 
-BUILD_ROOT = CSRC.parent / "build" / "csrc"
+def build_root() -> pathlib.Path:
+    """build/csrc beside the sources in a checkout; the engine's cache folder in an installed wheel,
+    whose site-packages may not be writable."""
+    if (CSRC.parent / "pyproject.toml").exists():
+        return CSRC.parent / "build" / "csrc"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(cache) / "engine" / "csrc"
+
+
+BUILD_ROOT = build_root()
 MODULE_NAME = "engine_cpu_ops"
 # The instruction-set flags of /proc/cpuinfo a -march=native build depends on.
 ISA_FLAG_PREFIXES = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "vnni", "gfni", "vaes", "vpclmul")
@@ -200,14 +216,18 @@ def _seed_from_sibling(directory: pathlib.Path) -> None:
             shutil.copy2(path, directory / path.name)
 
 
-def load_cpu_ops() -> CpuOps | None:
-    """The built kernels, or None (and a warning naming the fix) where this checkout and CPU have none."""
+def load_cpu_ops(build: bool = False) -> CpuOps | None:
+    """The built kernels, or None (and a warning naming the fix) where this checkout and CPU have none.
+    build: compile them first where there is no build for this CPU (a worker's start), with a line
+    before and after; a failed build (no compiler) leaves None and the reason in the warning."""
     if MODULE_NAME in sys.modules:
         return cast(CpuOps, sys.modules[MODULE_NAME])
     if not all(source.exists() for source in SOURCES):
         logger.warning("csrc kernels not found in %s; serving on the torch paths", CSRC)
         return None
     library = built_library()
+    if library is None and build:
+        library = build_before_serving()
     if library is None:
         logger.warning(
             "the csrc kernels are not built for these sources and this CPU (%s); serving on the torch "
@@ -223,6 +243,23 @@ def load_cpu_ops() -> CpuOps | None:
     spec.loader.exec_module(module)
     sys.modules[MODULE_NAME] = module
     return cast(CpuOps, module)  # the functions bindings.cpp defines; typed as a plain module
+
+
+def build_before_serving() -> pathlib.Path | None:
+    """A worker's first start on this CPU: build the kernels now, with a progress line; None if it fails."""
+    logger.info(
+        "building the csrc CPU kernels for this CPU before serving (once per CPU and source; a few minutes "
+        "on 2 cores; `python -m worker.csrc_ops` builds them ahead) into %s",
+        build_dir(),
+    )
+    started = time.monotonic()
+    try:
+        library = build_cpu_ops()
+    except Exception as error:  # noqa: BLE001 (no compiler, missing headers: the torch paths serve)
+        logger.warning("the csrc kernels did not build (%s)", str(error).splitlines()[0])
+        return None
+    logger.info("built the csrc CPU kernels in %.0f s", time.monotonic() - started)
+    return library
 
 
 def main() -> int:

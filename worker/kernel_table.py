@@ -29,6 +29,8 @@ def isa_summary() -> str:
 def product_kernel(linear: Linear) -> str:
     if linear.rows is not None:
         return "csrc linear_rows (every row count)"
+    if linear.amx:
+        return "csrc linear_amx (AMX tiles, every row count)"
     if linear.pairs is not None:
         rows = "every row count" if linear.pairs_rows >= 1 << 62 else f"<= {linear.pairs_rows} rows"
         tail = "" if linear.pairs_rows >= 1 << 62 else ", oneDNN packed above"

@@ -32,6 +32,11 @@ from worker.sampler import SamplingBatch, gather_logprobs, sample
 
 logger = logging.getLogger("engine.worker")
 
+# /health's detail and the start's log when the worker runs on the torch paths
+NO_KERNELS = (
+    "serving without the csrc CPU kernels (--attention-backend torch, or they did not build for this CPU): "
+    "the torch paths are slower and batch-variant; `python -m worker.csrc_ops` builds the kernels"
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -84,12 +89,27 @@ class ModelRunner:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.block_size = config.block_size
         phases.mark("config")
-        self.backend = get_attention_backend(config.attention_backend, self.dtype, config.batch_invariant)
+        self.backend = get_attention_backend(
+            config.attention_backend, self.dtype, config.batch_invariant is not False
+        )
+        ops = getattr(self.backend, "ops", None)
+        self.notices = [] if ops is not None else [NO_KERNELS]
+        if config.batch_invariant and ops is None:
+            raise ValueError(
+                "--batch-invariant needs the csrc CPU kernels, and this worker serves without them ("
+                + (
+                    "--attention-backend torch"
+                    if config.attention_backend == "torch"
+                    else "they did not build"
+                )
+                + "): leave the flag out to serve batch-variant on the torch paths"
+            )
+        self.batch_invariant = ops is not None and config.batch_invariant is not False
         phases.mark("kernels")
         self.model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None))
         self.model.load_weights(weights)
         phases.mark("weights")
-        self.model.finalize(config.batch_invariant)
+        self.model.finalize(self.batch_invariant)
         self.model.init_rotary(self.max_model_len, torch.device("cpu"))
         self.model.eval()
         log_kernel_table(self.model, self.backend, self.dtype)
@@ -136,6 +156,8 @@ class ModelRunner:
             num_kv_blocks=self.num_kv_blocks,
             engine_version=__version__,
             structured_outputs_backend=resolve_backend_name(self.config.structured_outputs_backend),
+            batch_invariant=self.batch_invariant,
+            notices=self.notices,
         )
 
     # ---- one step ----

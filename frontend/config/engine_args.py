@@ -72,10 +72,11 @@ class EngineArgs:
     )
     seed: int = option(0, "seed of unseeded sampling")
     num_threads: int | None = option(None, "the worker's torch intra-op threads (default: one per core)")
-    batch_invariant: bool = option(
-        True,
+    batch_invariant: bool | None = option(
+        None,
         "the same greedy tokens for a prompt whatever else is in the batch: one product and one attention "
-        "kernel for every row count (docs/batch-invariance.md)",
+        "kernel for every row count (docs/batch-invariance.md); default: on, where the csrc kernels are "
+        "built (asked for on a worker without them, a startup error)",
     )
     attention_backend: str = option(
         "auto",
@@ -116,6 +117,11 @@ class EngineArgs:
         ):
             if value < 1:
                 raise ConfigError(flag, f"must be positive, got {value}")
+        if self.batch_invariant and self.attention_backend == "torch":
+            raise ConfigError(
+                "--batch-invariant",
+                "needs the csrc kernels, which --attention-backend torch leaves out; drop one of the two",
+            )
         flag, config = "--structured-outputs-config", self.structured_outputs_config
         unknown = set(config) - set(STRUCTURED_OUTPUTS_KEYS)
         if unknown:

@@ -1,4 +1,5 @@
-"""Operator endpoints: GET /health (503 when the engine is dead, stalled or the server drains), GET and
+"""Operator endpoints: GET /health (503 when the engine is dead, stalled or the server drains; 200 with a
+detail when it serves in a lesser way, e.g. without the csrc kernels), GET and
 POST /ping (SageMaker's health check, the same answer), /metrics (Prometheus, the whole server),
 /version, /load."""
 
@@ -39,6 +40,9 @@ async def health(deps: Deps) -> Response:
         return error_response(
             OpenAIError(problem[0], status=503, type="service_unavailable_error", code=problem[1])
         )
+    notices = deps.serving.model_info.notices
+    if notices:  # healthy, but not as fast or as exact as it could be: says why (e.g. no csrc kernels)
+        return json_response({"status": "ok", "detail": " ".join(notices)})
     return Response(status_code=200)
 
 

@@ -29,7 +29,7 @@ def get_attention_backend(
         return TorchAttentionBackend()
     from worker.csrc_ops import load_cpu_ops
 
-    ops = load_cpu_ops()
+    ops = load_cpu_ops(build=True)
     if ops is None:
         if name == "cpu":
             raise RuntimeError("the 'cpu' attention backend needs the csrc kernels, which did not build")

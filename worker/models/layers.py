@@ -89,6 +89,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     pairs: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # csrc linear_rows' layout (batch-invariant products)
+    amx = False  # pairs serve every row count on AMX tiles (csrc linear_amx; batch-invariant products)
     pairs_rows = PAIRS_ROWS  # products of up to this many rows take the pairs layout, when there is one
     ops: CpuOps | None = None
 
@@ -103,11 +104,14 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def invariant_kernel(self, ops: CpuOps) -> str | None:
-        """The one kernel every row count takes in batch-invariant mode (docs/batch-invariance.md): "pairs"
-        where the CPU has AVX-512 BF16 (bf16), else "rows" (csrc linear_rows); None where neither takes
-        this shape (the plain product stays, and is not batch-invariant)."""
+        """The one kernel every row count takes in batch-invariant mode (docs/batch-invariance.md), in bf16:
+        "amx" where the CPU has AMX (csrc linear_amx), else "pairs" where it has AVX-512 BF16; else "rows"
+        (csrc linear_rows); None where none takes this shape (the plain product stays, and is not
+        batch-invariant)."""
         out_features, in_features = self.weight.shape
         if self.weight.dtype == torch.bfloat16 and ops.pairs_available():
+            if out_features % 64 == 0 and in_features % 32 == 0 and ops.amx_products_available():
+                return "amx"
             if out_features % 64 == 0 and in_features % 2 == 0:
                 return "pairs"
         if self.weight.dtype in (torch.float32, torch.bfloat16) and out_features % 16 == 0:
@@ -125,8 +129,8 @@ class Linear(nn.Linear):
         buffer on huge pages), else a new tensor. The plain weight is dropped."""
         weight = self.weight.detach()
         kind = self.invariant_kernel(ops)
-        if kind == "pairs":
-            self.pairs, self.pairs_rows = ops.pack_pairs(weight), 1 << 62
+        if kind in ("amx", "pairs"):
+            self.pairs, self.pairs_rows, self.amx = ops.pack_pairs(weight), 1 << 62, kind == "amx"
         else:
             assert kind == "rows", "a shape no batch-invariant kernel takes"
             groups, in_features, _ = self.rows_shape
@@ -142,6 +146,9 @@ class Linear(nn.Linear):
             assert self.ops is not None  # pack_invariant sets the two together
             bias = self.bias if self.bias is not None else NO_BIAS
             return self.ops.linear_rows(x, self.rows, bias, self.out_features)
+        if self.amx:
+            assert self.ops is not None and self.pairs is not None  # pack_invariant sets them together
+            return self.ops.linear_amx(x, self.pairs, self.bias if self.bias is not None else NO_BIAS)
         if self.pairs is not None and x.shape[0] <= self.pairs_rows:
             assert self.ops is not None  # pack() sets the two together
             return self.ops.linear_pairs(x, self.pairs, self.bias if self.bias is not None else NO_BIAS)

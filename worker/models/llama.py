@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
             for linear, slot in zip(rows, slots, strict=True):
                 linear.pack_invariant(self.ops, slot)
             for linear, kind in zip(linears, kinds, strict=True):
-                if kind == "pairs":
+                if kind in ("amx", "pairs"):
                     linear.pack_invariant(self.ops)
             pairs_onto_huge_pages(linears)
         elif can_pack(self.embed_tokens.weight.dtype):
@@ -295,11 +295,19 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
         tensor = getattr(module, name, None) if module is not None else None
         return tensor.detach() if tensor is not None else none
 
+    def packing(linear: Linear) -> torch.Tensor:
+        """csrc's packing of a product: linear_rows' 3-d, linear_amx's 5-d view of the pairs, the pairs 4-d."""
+        if linear.amx:
+            assert linear.pairs is not None
+            groups, kpairs, width, two = linear.pairs.shape
+            return linear.pairs.view(groups, kpairs // 16, 16, width, two)
+        return optional(linear, "rows" if linear.rows is not None else "pairs")
+
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
     return [
         layer.input_layernorm.weight.detach(), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
         weight(attention.o_proj), layer.post_attention_layernorm.weight.detach(), weight(mlp.gate_up_proj),
         weight(mlp.down_proj), optional(attention.q_norm, "weight"), optional(attention.k_norm, "weight"),
-        *(optional(linear, "rows" if linear.rows is not None else "pairs") for linear in linears),
+        *(packing(linear) for linear in linears),
     ]  # fmt: skip
