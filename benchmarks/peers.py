@@ -2,6 +2,12 @@
 
     python -m benchmarks.peers [--servers ours vllm llamacpp] [--concurrency 1 16 64] [--quick]
 
+Servers: `ours` (the default flags), `ours-variant` (`--no-batch-invariant`), `ours[--flag=value,...]`
+(ours with those flags: a token budget, say), `vllm`, `llamacpp`. The table gives each workload's
+figures and ours/each other server; below them, at c=1, the weights each server reads per second (the
+checkpoint's bytes over TPOT p50) beside the machine's copy bandwidth measured in the same run, and the
+invariance check: 8 greedy prompts alone, then among 48 others, the same text and logprobs or not.
+
 Every server serves SmolLM2-135M-Instruct in bfloat16 from the same weights: the bundled GGUF converted
 once to a Hugging Face folder (ours, vLLM) and from that to a bf16 GGUF (llama.cpp). Each gets the same
 workloads through `engine bench serve`'s client (completions, streaming, token-id prompts, ignore_eos,
@@ -152,12 +158,16 @@ def vllm_python(cache: Path) -> str:
 
 def server_command(name: str, cache: Path, hf: Path, port: int) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
-    if name in ("ours", "ours-variant"):  # the default (batch-invariant), and the batch-variant kernels
+    if name.startswith("ours"):  # the default, the batch-variant kernels, or ours[--flag=value,...]
         cmd = [sys.executable, "-m", "frontend.cli", "serve", str(hf), "--dtype", "bfloat16",
                "--served-model-name", SERVED_NAME, "--max-model-len", "2048", "--kv-cache-memory-gb", "2",
                "--port", str(port), "--stats-log-interval", "0"]  # fmt: skip
         if name == "ours-variant":
             cmd.append("--no-batch-invariant")
+        elif name.startswith("ours[") and name.endswith("]"):  # e.g. ours[--decode-prefill-token-budget=256]
+            cmd += [flag for flag in name[len("ours[") : -1].split(",") if flag]
+        elif name != "ours":
+            raise SystemExit(f"unknown server {name!r}")
     elif name == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}")
         cmd = [vllm_python(cache), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),
@@ -451,7 +461,7 @@ def table(report: dict[str, Any]) -> str:
         "workload",
         "figure",
         *(PRETTY.get(s, s) for s in servers),
-        *(f"ours/{PRETTY[p]}" for p in peers),
+        *(f"ours/{PRETTY.get(p, p)}" for p in peers),
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     workload_names = [w for w in report["workloads"]]
@@ -538,7 +548,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             else 0.0
             for s in servers
         ]
-        axes[3].bar(names, values, color=["C0", "C1", "C2"][: len(names)])
+        axes[3].bar(names, values, color=[f"C{i}" for i in range(len(names))])
         axes[3].set_title(f"{shared[0]}: output tokens/s")
     fig.suptitle(f"SmolLM2-135M-Instruct bf16, {report['machine']['cpus']} CPUs, {report['date']}")
     fig.tight_layout()

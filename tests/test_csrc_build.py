@@ -103,7 +103,9 @@ def test_a_first_start_builds_the_kernels_and_serves_on_them() -> None:
 
 def test_the_wheel_carries_the_kernel_sources(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`pip install .` (not only a checkout) has the sources a first start builds from."""
-    root = csrc_ops.CSRC.parent
+    root = tmp_path / "source"  # a copy: setuptools builds in the tree's build/, beside our kernels' builds
+    ignore = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*_cache", "results")
+    shutil.copytree(csrc_ops.CSRC.parent, root, ignore=ignore)
     done = subprocess.run(
         [
             sys.executable,
