@@ -121,6 +121,17 @@ def test_each_kind_of_prefill_tiles_matches_reference(
     assert torch.equal(tiled, rows) == (head_dim == 32)
 
 
+def bf16_product(
+    generator: torch.Generator, rows: int, out_features: int, in_features: int, bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random bf16 product: (weight, x, bias or an empty tensor, at::linear's result in float32)."""
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else torch.empty(0)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), b.float() if bias else None)
+    return weight, x, b, expected
+
+
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 64, 200, 512])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_pairs_matches_linear(ops, rows, bias) -> None:  # type: ignore[no-untyped-def]
@@ -132,11 +143,8 @@ def test_linear_pairs_matches_linear(ops, rows, bias) -> None:  # type: ignore[n
         pytest.skip("the csrc kernels were built without AVX-512 BF16")
     generator = torch.Generator().manual_seed(rows + 1000 * bias)
     for out_features, in_features in ((128, 96), (192, 64), (640, 96), (576, 96)):
-        weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
-        x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
-        b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
-        expected = torch.nn.functional.linear(x.float(), weight.float(), b.float() if bias else None)
-        actual = ops.linear_pairs(x, ops.pack_pairs(weight), b if bias else torch.empty(0))
+        weight, x, b, expected = bf16_product(generator, rows, out_features, in_features, bias)
+        actual = ops.linear_pairs(x, ops.pack_pairs(weight), b)
         assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
         torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=1e-2)
     with pytest.raises(RuntimeError, match="multiple of 64"):

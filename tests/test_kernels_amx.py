@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_kernels import bf16_product
 from worker.models.layers import Linear
 
 NO_AMX = "linear_amx runs on a CPU with AMX only (an Intel Xeon from Sapphire Rapids on); this one has none"
@@ -14,24 +15,21 @@ NO_AMX = "linear_amx runs on a CPU with AMX only (an Intel Xeon from Sapphire Ra
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 33, 64, 200, 512])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_amx_matches_linear(ops, rows, bias) -> None:  # type: ignore[no-untyped-def]
-    """AMX products against at::linear in float32: one tile of rows (a whole 64-column group a unit), two
-    (32 x 32 units), a last tile of fewer than 16 rows, odd column-block counts; the 5-d view
+    """AMX products against at::linear in float32: one tile of rows, two (32 x 32 units), a last tile of
+    fewer than 16 rows, odd column-block counts, K of one and of many 32-dim steps; the 5-d view
     decoder_layers passes gives the same bits."""
     if not ops.amx_products_available():
         pytest.skip(NO_AMX)
     generator = torch.Generator().manual_seed(rows + 1000 * bias)
     for out_features, in_features in ((128, 96), (192, 64), (576, 576), (64, 1536)):
-        weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
-        x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
-        b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
-        expected = torch.nn.functional.linear(x.float(), weight.float(), b.float() if bias else None)
+        weight, x, b, expected = bf16_product(generator, rows, out_features, in_features, bias)
         packed = ops.pack_pairs(weight)
-        actual = ops.linear_amx(x, packed, b if bias else torch.empty(0))
+        actual = ops.linear_amx(x, packed, b)
         assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
         torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=1e-2)
         groups, kpairs, width, two = packed.shape
         viewed = packed.view(groups, kpairs // 16, 16, width, two)
-        assert torch.equal(ops.linear_amx(x, viewed, b if bias else torch.empty(0)), actual)
+        assert torch.equal(ops.linear_amx(x, viewed, b), actual)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.linear_amx(
             torch.zeros(2, 80, dtype=torch.bfloat16),
