@@ -20,6 +20,9 @@ class SchedulerConfig:
     # >0: while any request decodes, a step's prefill tokens (all chunks together) stay at most this many,
     # so that a decode row waits through a bounded prefill, not a whole budget's worth
     decode_prefill_token_budget: int = 0
+    # >0: that share grows to this many prefill tokens per decoding request where that is more, so that a
+    # step's prefill rows stay in proportion to its decode rows (what an inter-token gap holds)
+    decode_prefill_tokens_per_decode: int = 0
 
     def __post_init__(self) -> None:
         for name in (

@@ -53,6 +53,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             decode_prefill_token_budget=config.decode_prefill_token_budget,
+            decode_prefill_tokens_per_decode=config.decode_prefill_tokens_per_decode,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0

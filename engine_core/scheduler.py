@@ -228,11 +228,15 @@ class Scheduler:
         )
 
     def _prefill_budget(self) -> int:
-        """The step's prefill tokens: decode_prefill_token_budget while any running request decodes."""
-        cap = self.config.decode_prefill_token_budget
-        if cap > 0 and any(r.num_computed_after_flight >= r.num_prompt_tokens for r in self.running):
-            return cap
-        return self.config.max_num_batched_tokens
+        """The step's prefill tokens: while any running request decodes, decode_prefill_token_budget, or
+        decode_prefill_tokens_per_decode for each decoding request where that is more."""
+        cap, budget = self.config.decode_prefill_token_budget, self.config.max_num_batched_tokens
+        if cap <= 0:
+            return budget
+        decoding = sum(1 for r in self.running if r.num_computed_after_flight >= r.num_prompt_tokens)
+        if not decoding:
+            return budget
+        return min(budget, max(cap, self.config.decode_prefill_tokens_per_decode * decoding))
 
     def _prefill_cap(self) -> int:
         cap = self.config.long_prefill_token_threshold

@@ -371,3 +371,26 @@ def test_while_requests_decode_a_step_prefills_at_most_the_decode_prefill_budget
     assert mixed and all(sum(c for c in s.num_scheduled_tokens.values() if c > 1) <= 8 for s in mixed), (
         "a step with a decode row carries at most 8 prefill tokens"
     )
+
+
+def test_the_prefill_share_grows_with_the_decoding_requests() -> None:
+    """--decode-prefill-tokens-per-decode: beside d decoding requests a step prefills at most
+    max(budget, per_decode x d) tokens, and more than the fixed budget once enough decode."""
+    core, executor = make_core(
+        max_num_batched_tokens=64, decode_prefill_token_budget=8, decode_prefill_tokens_per_decode=4
+    )
+    for i in range(6):
+        add(core, f"short{i}", list(range(10 * i, 10 * i + 5)), max_tokens=40)
+    add(core, "long", list(range(300, 500)), max_tokens=4)
+    outputs = run_to_completion(core)
+    assert {"long", *(f"short{i}" for i in range(6))} <= set(outputs)
+    shares = []
+    for step in executor.steps[1:]:
+        counts = step.num_scheduled_tokens
+        decoding = sum(1 for c in counts.values() if c == 1)
+        prefill = sum(c for c in counts.values() if c > 1)
+        if decoding and prefill:
+            assert prefill <= max(8, 4 * decoding), (decoding, prefill)
+            shares.append(prefill)
+    assert shares and max(shares) == 24  # six decoding requests: 4 x 6 prefill tokens, not 8
+    core.scheduler.check_invariants()

@@ -65,6 +65,11 @@ class EngineArgs:
         "while requests decode, at most this many prefill tokens a step, so that an inter-token gap never "
         "holds a whole budget of prefill (0: the step's budget)",
     )
+    decode_prefill_tokens_per_decode: int = option(
+        0,
+        "with --decode-prefill-token-budget: the share grows to this many prefill tokens per decoding "
+        "request where that is more (0: fixed)",
+    )
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prefixes")
     scheduling_policy: str = option("fcfs", "which waiting request goes first", choices=["fcfs", "priority"])
     async_scheduling: bool = option(
@@ -117,6 +122,11 @@ class EngineArgs:
         ):
             if value < 1:
                 raise ConfigError(flag, f"must be positive, got {value}")
+        if self.decode_prefill_tokens_per_decode < 0:
+            raise ConfigError(
+                "--decode-prefill-tokens-per-decode",
+                f"must be 0 or more, got {self.decode_prefill_tokens_per_decode}",
+            )
         if self.batch_invariant and self.attention_backend == "torch":
             raise ConfigError(
                 "--batch-invariant",
@@ -172,6 +182,7 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             decode_prefill_token_budget=self.decode_prefill_token_budget,
+            decode_prefill_tokens_per_decode=self.decode_prefill_tokens_per_decode,
             async_scheduling=self.async_scheduling,
             log_level=self.log_level,
             log_format=self.log_format,
