@@ -59,7 +59,7 @@ def products(ops: Any, rows: list[int], rounds: int) -> None:
         no_bias = torch.empty(0)
         kinds["pairs"] = lambda x, w: ops.linear_pairs(x, w, no_bias)
         packed["pairs"] = [[ops.pack_pairs(w) for w in ws] for ws in plain]
-    if ops.amx_products_available():
+    if ops.has_amx():
         no_bias = torch.empty(0)
         kinds["amx"] = lambda x, w: ops.linear_amx(x, w, no_bias)
         packed["amx"] = packed["pairs"]

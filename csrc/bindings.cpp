@@ -29,7 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pairs_available", &pairs_available, "Whether linear_pairs is built (AVX-512 BF16)");
   m.def("pack_pairs", &pack_pairs, "A bf16 [N, K] weight in linear_pairs' layout");
   m.def("linear_pairs", &linear_pairs, "x W^T (+ bias) of a few bf16 rows, W from pack_pairs (CPU)");
-  m.def("amx_products_available", &amx_products_available, "Whether linear_amx is built and this CPU runs it");
   m.def("linear_amx", &linear_amx, "x W^T (+ bias) on AMX tiles, the same bits at any row count (CPU)");
   m.def("pack_rows", &pack_rows, "A float32 or bf16 [N, K] weight in linear_rows' layout");
   m.def("linear_rows", &linear_rows, "x W^T (+ bias) with each row's sums in one fixed order (CPU)");

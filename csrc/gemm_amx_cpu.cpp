@@ -89,14 +89,6 @@ void unit(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_stride, bo
 
 }  // namespace
 
-bool amx_products_available() {
-#if defined(ENGINE_AMX)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
-
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_amx takes 2-d bf16 rows");
   // pack_pairs' [N / 64, K / 2, 64, 2], or the same as [N / 64, K / 32, 16, 64, 2] (how decoder_layers

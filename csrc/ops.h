@@ -20,8 +20,8 @@ bool pairs_available();
 torch::Tensor pack_pairs(torch::Tensor weight);
 torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 
-// Batch-invariant bf16 products on AMX tiles (csrc/gemm_amx_cpu.cpp), on pack_pairs' layout; K % 32 == 0.
-bool amx_products_available();
+// Batch-invariant bf16 products on AMX tiles (csrc/gemm_amx_cpu.cpp), on pack_pairs' layout; K % 32 == 0;
+// where has_amx().
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 
 // Batch-invariant products, float32 or bf16 (csrc/gemm_rows_cpu.cpp): each row's sums in one fixed order.

@@ -18,7 +18,7 @@ def test_linear_amx_matches_linear(ops, rows, bias) -> None:  # type: ignore[no-
     """AMX products against at::linear in float32: one tile of rows, two (32 x 32 units), a last tile of
     fewer than 16 rows, odd column-block counts, K of one and of many 32-dim steps; the 5-d view
     decoder_layers passes gives the same bits."""
-    if not ops.amx_products_available():
+    if not ops.has_amx():
         pytest.skip(NO_AMX)
     generator = torch.Generator().manual_seed(rows + 1000 * bias)
     for out_features, in_features in ((128, 96), (192, 64), (576, 576), (64, 1536)):
@@ -42,7 +42,7 @@ def test_linear_amx_gives_each_row_the_same_bits_in_any_batch(ops) -> None:  # t
     """A row's AMX product does not depend on the rows beside it, their number (one tile, two, a part
     tile), their order or the thread count; and it is the product a bf16 Linear takes in invariant mode
     on this CPU, in Python and through decoder_layers' 5-d view."""
-    if not ops.amx_products_available():
+    if not ops.has_amx():
         pytest.skip(NO_AMX)
     generator = torch.Generator().manual_seed(12)
     weight = torch.randn(1536, 576, generator=generator).to(torch.bfloat16)

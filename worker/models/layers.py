@@ -110,7 +110,7 @@ class Linear(nn.Linear):
         batch-invariant)."""
         out_features, in_features = self.weight.shape
         if self.weight.dtype == torch.bfloat16 and ops.pairs_available():
-            if out_features % 64 == 0 and in_features % 32 == 0 and ops.amx_products_available():
+            if out_features % 64 == 0 and in_features % 32 == 0 and ops.has_amx():
                 return "amx"
             if out_features % 64 == 0 and in_features % 2 == 0:
                 return "pairs"
