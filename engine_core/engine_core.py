@@ -14,6 +14,7 @@ abort), and once finished its blocks are back in the pool.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -26,16 +27,34 @@ from protocol.config import EngineConfig
 from protocol.errors import InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
 
+logger = logging.getLogger("engine.core")
+
+
+def prefix_cache_serves(info: ModelInfo) -> bool:
+    """A generative model, or a causal one pooling its last token: an encoder's keys depend on the tokens
+    after them, and MEAN, CLS and ALL pooling need every token's hidden state, which a cached block lacks."""
+    if info.runner != "pooling":
+        return True
+    return not info.is_encoder and info.pooler is not None and info.pooler.pooling_type == "LAST"
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.executor = executor
         # The worker reports the model and the pool; only the engine knows its prefix caching and policy.
+        info = executor.model_info
         self.model_info: ModelInfo = msgspec.structs.replace(
-            executor.model_info,
-            enable_prefix_caching=config.enable_prefix_caching,
+            info,
+            enable_prefix_caching=config.enable_prefix_caching and prefix_cache_serves(info),
             scheduling_policy=config.scheduling_policy,
         )
+        budget = config.max_num_batched_tokens
+        if info.is_encoder and budget < info.max_model_len:
+            # an encoder's input runs in one step (vLLM: chunked prefill is off for encoders)
+            logger.info(
+                "max_num_batched_tokens %d -> %d: an encoder's input runs whole", budget, info.max_model_len
+            )
+            budget = info.max_model_len
         capacity = self.model_info.num_kv_blocks * self.model_info.block_size
         if self.model_info.max_model_len > capacity:
             # NOTE: a request that cannot fit the pool alone would preempt itself forever.
@@ -45,15 +64,16 @@ class EngineCore:
             )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             max_model_len=self.model_info.max_model_len,
             block_size=self.model_info.block_size,
             num_kv_blocks=self.model_info.num_kv_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=self.model_info.enable_prefix_caching,
             policy=config.scheduling_policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             decode_prefill_token_budget=config.decode_prefill_token_budget,
             decode_prefill_tokens_per_decode=config.decode_prefill_tokens_per_decode,
+            chunked_prefill=not info.is_encoder,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0
@@ -67,7 +87,30 @@ class EngineCore:
             raise InvalidParameterError("prompt", "the prompt must contain at least one token.")
         if any(not 0 <= token_id < info.vocab_size for token_id in message.prompt_token_ids):
             raise InvalidParameterError("prompt", f"prompt token ids must be in [0, {info.vocab_size}).")
-        if len(message.prompt_token_ids) >= info.max_model_len:
+        pooling = message.pooling_params
+        if (pooling is not None) != (info.runner == "pooling"):
+            runner = (
+                "a pooling model: it embeds, scores and classifies"
+                if pooling is None
+                else "a generative model"
+            )
+            raise InvalidParameterError("model", f"this model is {runner}; it cannot serve this request.")
+        if pooling is not None and pooling.task not in info.pooling_tasks:
+            raise InvalidParameterError(
+                "task",
+                f"this model does not serve {pooling.task!r}; it serves {', '.join(info.pooling_tasks)}.",
+            )
+        if pooling is not None and pooling.dimensions is not None:
+            sizes = info.pooler.matryoshka_dimensions if info.pooler is not None else []
+            if pooling.dimensions not in sizes and pooling.dimensions != info.hidden_size:
+                raise InvalidParameterError(
+                    "dimensions",
+                    f"this model's embeddings come in the sizes {sizes or [info.hidden_size]} (Matryoshka), "
+                    f"not {pooling.dimensions}.",
+                )
+        # a pooling request outputs no token: its prompt may fill max_model_len
+        limit = info.max_model_len + (pooling is not None)
+        if len(message.prompt_token_ids) >= limit:
             raise InvalidParameterError(
                 "prompt",
                 f"the prompt has {len(message.prompt_token_ids)} tokens; max_model_len is {info.max_model_len}.",

@@ -16,6 +16,7 @@ import time
 from engine_core.block_hash import BlockHash, hash_block_tokens
 from protocol.config import DEFAULT_BLOCK_SIZE
 from protocol.messages import AddRequest
+from protocol.pooling import PoolingParams
 from protocol.sampling import SamplingParams
 
 
@@ -59,11 +60,13 @@ class Request:
         client_id: str = "",
         block_size: int = DEFAULT_BLOCK_SIZE,
         extra_keys: tuple[str, ...] = (),
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params  # a pooling request: finished when its prompt is computed
         self.arrival_time = arrival_time
         self.priority = priority
         self.status = RequestStatus.WAITING
@@ -105,6 +108,7 @@ class Request:
             client_id=client_id,
             block_size=block_size,
             extra_keys=extra_keys,
+            pooling_params=message.pooling_params,
         )
 
     @property

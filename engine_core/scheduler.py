@@ -107,7 +107,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidParameterError("request_id", f"request id {request.request_id!r} is already in use")
-        if request.num_tokens >= self.config.max_model_len:
+        if request.num_tokens >= self.config.max_model_len + (request.pooling_params is not None):
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens does not fit max_model_len {self.config.max_model_len}"
             )
@@ -201,8 +201,10 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget, self._prefill_cap(), prefill_budget)
-            if num_new <= 0:
-                break
+            if num_new <= 0 or (
+                not self.config.chunked_prefill and num_new < request.num_tokens - num_cached
+            ):
+                break  # (an encoder's input waits for a step with room for all of it)
             new_blocks = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
             if new_blocks is None:
                 break
@@ -220,7 +222,10 @@ class Scheduler:
         return self._make_output(num_scheduled, new_block_ids)
 
     def _length_capped_ahead(self, request: Request) -> bool:
-        """Whether the outputs in flight take the request to max_tokens or max_model_len."""
+        """Whether the outputs in flight take the request to max_tokens or max_model_len (a pooling request:
+        its one output, the pooled value)."""
+        if request.pooling_params is not None:
+            return True
         max_tokens = request.sampling_params.max_tokens
         num_outputs = request.num_output_tokens + request.num_outputs_ahead
         return (max_tokens is not None and num_outputs >= max_tokens) or (
@@ -240,7 +245,8 @@ class Scheduler:
 
     def _prefill_cap(self) -> int:
         cap = self.config.long_prefill_token_threshold
-        return cap if cap > 0 else self.config.max_num_batched_tokens
+        # an encoder's input is never cut: the threshold would keep a long one waiting forever
+        return cap if cap > 0 and self.config.chunked_prefill else self.config.max_num_batched_tokens
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -284,6 +290,7 @@ class Scheduler:
                         request.sampling_params,
                         self.kv_cache.get_block_ids(request_id),
                         request.num_computed_tokens,
+                        request.pooling_params,
                     )
                 )
                 self.sent_to_worker.add(request_id)
@@ -343,8 +350,12 @@ class Scheduler:
                 request.append_output_token_ids(new_token_ids)
                 self.num_generation_tokens += len(new_token_ids)
                 self._check_stop(request)
+            pooled = model_output.pooled.get(request_id)
+            if pooled is not None and error is None:
+                request.first_token_time = time.monotonic()
+                request.status = RequestStatus.FINISHED_STOPPED
             prompt_logprobs = model_output.prompt_logprobs.get(request_id)
-            if new_token_ids or prompt_logprobs is not None or error is not None:
+            if new_token_ids or prompt_logprobs is not None or error is not None or pooled is not None:
                 output = RequestOutput(
                     request_id,
                     new_token_ids,
@@ -354,6 +365,7 @@ class Scheduler:
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     error=error,
+                    pooled=pooled,
                 )
                 if request.is_finished:
                     output.queue_time_s, output.prefill_time_s, output.decode_time_s = request.timings()

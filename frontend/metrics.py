@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,6 +132,18 @@ class Metrics:
             str(model_info.enable_prefix_caching),
             str(model_info.num_kv_blocks),
         ).set(1)
+        # which runner the engine runs (vLLM's runner: generate or pooling) and, pooling, its tasks
+        self.runner_info = info(
+            "model_runner_info", "The model's runner and tasks.", ["model_name", "runner", "tasks"]
+        )
+        self.runner_info.labels(
+            self.model_name, model_info.runner, ",".join(model_info.pooling_tasks) or "generate"
+        ).set(1)
+        self.pooling_requests = counter(
+            "pooling_requests",
+            "Finished pooling requests (embeddings, scores, classification) by task.",
+            [*labels, "task"],
+        )
         self.http_requests = counter("http_requests", "HTTP requests.", ["method", "path", "status"])
         self.http_latency = histogram(
             "http_request_duration_seconds", "HTTP request latency.", LATENCY_BUCKETS, ["method", "path"]
@@ -180,6 +193,19 @@ class Metrics:
         self.request_params_n.labels(name).observe(n)
         if max_tokens:  # vLLM skips an unset (or zero) max_tokens
             self.request_params_max_tokens.labels(name).observe(max_tokens)
+
+    def observe_pooling(self, started: float, output: RequestOutput, num_prompt: int, task: str) -> None:
+        """A finished pooling request: the request and token counters and the latency histograms count it
+        as a request whose one output is its pooled value (its time to that value is its TTFT)."""
+        name, now = self.model_name, time.monotonic()
+        self.prompt_tokens.labels(name).inc(num_prompt)
+        self.request_success.labels(name, output.finish_reason or "stop").inc()
+        self.pooling_requests.labels(name, task).inc()
+        self.ttft.labels(name).observe(now - started)
+        self.e2e.labels(name).observe(now - started)
+        self.queue.labels(name).observe(output.queue_time_s)
+        self.prefill.labels(name).observe(output.prefill_time_s)
+        self.request_prompt_tokens.labels(name).observe(num_prompt)
 
 
 class RequestTiming:

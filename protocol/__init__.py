@@ -18,6 +18,7 @@ from protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
+from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 from protocol.structured_outputs import StructuredOutputsParams
 
@@ -31,6 +32,9 @@ __all__ = [
     "InvalidParameterError",
     "Logprobs",
     "ModelInfo",
+    "PooledOutput",
+    "PoolerConfig",
+    "PoolingParams",
     "ProtocolVersionError",
     "Ready",
     "Register",

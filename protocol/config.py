@@ -6,6 +6,8 @@ import os
 
 import msgspec
 
+from protocol.pooling import PoolerConfig
+
 # Tokens per KV block. Decode attention reads each block's rows in one sweep and then jumps to the next
 # block, wherever the pool put it; with 64-token blocks a batch-64 decode step took 2.7% less than with
 # 16 (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages and 64-token blocks"). vLLM's CPU
@@ -42,6 +44,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # are built (True without them is a startup error)
     batch_invariant: bool | None = None
     tokenizer: str | None = None  # a tokenizer folder other than the model's (--tokenizer), for grammars
+    runner: str = "auto"  # "generate", "pooling" or "auto" (worker/pooling.py)
+    convert: str = "auto"  # a pooling runner's conversion: "embed", "classify" or "auto"
+    pooler_config: PoolerConfig | None = None  # overrides of the model's pooling
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 5  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 6  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
-# 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend
+# 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
+# runner and tasks, AddRequest.pooling_params, RequestOutput.pooled)
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -42,6 +44,14 @@ class ModelInfo(msgspec.Struct, array_like=True):
     batch_invariant: bool = False  # whether greedy output is independent of the batch (the worker's kernels)
     # what an operator should know of how the worker serves (e.g. without the csrc kernels): /health's detail
     notices: list[str] = msgspec.field(default_factory=list)
+    runner: str = "generate"  # or "pooling": the model returns pooled values, not tokens
+    pooling_tasks: list[str] = msgspec.field(
+        default_factory=list
+    )  # what a pooling model does (POOLING_TASKS)
+    pooler: PoolerConfig | None = None  # a pooling model's resolved defaults
+    hidden_size: int = 0  # the width of a pooled vector before `dimensions`
+    id2label: dict[str, str] = msgspec.field(default_factory=dict)  # a classifier's labels, by index
+    is_encoder: bool = False  # bidirectional attention: no prefix cache, an input in one step
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -67,6 +77,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, kw_only=True):
     priority: int = 0  # lower is served first under the priority policy
     lora_name: str | None = None  # part of the prefix-cache key
     cache_salt: str | None = None  # isolates prefix-cache entries between tenants
+    pooling_params: PoolingParams | None = None  # a pooling request: prefill only, finished with `pooled`
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -121,6 +132,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prefill_time_s: float = 0.0  # set when finished: first scheduled -> first token
     decode_time_s: float = 0.0  # set when finished: first token -> last token
     error: RequestError | None = None  # set (with finish_reason "error") when the engine refused it
+    pooled: PooledOutput | None = None  # a pooling request's value, with finish_reason "stop"
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.messages import Logprobs, ModelInfo, RequestError
+from protocol.pooling import PooledOutput, PoolingParams
 from protocol.sampling import SamplingParams
 
 
@@ -17,6 +18,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit length at schedule time
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled when its prompt is computed
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -46,6 +48,7 @@ class ModelRunnerOutput(msgspec.Struct, tag="model_output", array_like=True):
     prompt_logprobs: dict[str, Logprobs] = {}
     errors: dict[str, RequestError] = {}  # requests the worker cannot go on with (a grammar that failed
     # to compile in time): the engine finishes each with finish_reason "error"
+    pooled: dict[str, PooledOutput] = {}  # pooling requests whose prompt this step finished
 
 
 class WorkerReady(msgspec.Struct, tag="worker_ready", array_like=True):

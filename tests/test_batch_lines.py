@@ -40,7 +40,7 @@ def line(custom_id: Any = "a", **extra: Any) -> str:
         (line(7), "invalid_custom_id", "custom_id", None),
         (line(method="GET"), "invalid_method", "method", "a"),
         (line(url="/v1/nothing"), "invalid_url", "url", "a"),
-        (line(url="/v1/embeddings"), "unsupported_url", "url", "a"),
+        (line(url="/v1/moderations"), "unsupported_url", "url", "a"),
         (line(body="prompt"), "invalid_body", "body", "a"),
         (line(body={"prompt": "x", "stream": True}), "unsupported_field", "body.stream", "a"),
     ],
@@ -56,9 +56,14 @@ def test_a_bad_line_names_what_is_wrong(
     assert error.error()["type"] == "invalid_request_error"
 
 
-def test_embeddings_are_named_as_not_supported_yet() -> None:
-    with pytest.raises(LineError, match="embeddings"):
-        parse_line(line(url="/v1/embeddings"), 1)
+def test_moderations_are_named_as_not_supported_yet() -> None:
+    with pytest.raises(LineError, match="moderations"):
+        parse_line(line(url="/v1/moderations"), 1)
+
+
+def test_pooling_lines_go_to_their_doors() -> None:
+    for url in ("/v1/embeddings", "/v1/score", "/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+        assert parse_line(line(url=url, body={"input": "x"}), 1).url == url
 
 
 def test_a_good_line_keeps_its_body_and_method_case() -> None:

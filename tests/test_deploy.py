@@ -30,6 +30,7 @@ def exported() -> set[str]:
     metrics.observe_token(timing, 1.0, 1)
     metrics.observe_token(timing, 1.1, 1)
     metrics.observe_finished(timing, RequestOutput("r", [1]), "stop", 3, 2, 2.0, n=1, max_tokens=16)
+    metrics.observe_pooling(0.0, RequestOutput("p", [], finish_reason="stop"), 5, "embed")
     metrics.http_requests.labels("POST", "/v1/completions", "200").inc()
     metrics.http_latency.labels("POST", "/v1/completions").observe(0.1)
     text = render(EngineStatsCollector(lambda: SchedulerStats(), "m")).decode()
@@ -68,6 +69,7 @@ def test_dashboard_queries_only_exported_metrics(exported: set[str]) -> None:
         "prefix cache",
         "time per output token",
         "per engine step",
+        "embeddings",
     ):
         assert topic in titles
 

@@ -64,6 +64,7 @@ ALLOWED = {
         "transformers",
         "tokenizers",
         "huggingface_hub",  # hub ids resolved through its cache (frontend/model_files.py)
+        "numpy",  # pooled vectors: float32 bytes to arrays, base64, cosines (frontend/pooling/)
     },  # fmt: skip
 }
 # modules only the benchmark harness (frontend/bench/, the [bench] extra) may import

@@ -103,18 +103,18 @@ def test_add_request_golden_bytes() -> None:
     )
     body = frontend_codec().encode(message)[1]
     assert body.hex() == (
-        "98a3616464a172920102dc001701cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
+        "99a3616464a172920102dc001701cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
         "cb0000000000000000cb0000000000000000cb3ff0000000000000c004009090c2c0c0c2c3c3c090c0"
-        "cb3ff000000000000000c0c0"
+        "cb3ff000000000000000c0c0c0"  # the last nil: pooling_params (PROTOCOL_VERSION 6)
     )
 
 
 def test_output_golden_bytes() -> None:
     body = engine_codec().encode(EngineOutputs([RequestOutput("r", [9], "length")], 2.0, None))[1]
     assert body.hex() == (
-        "94a76f757470757473919ba1729109a66c656e677468c0c0c000"
-        "cb0000000000000000cb0000000000000000cb0000000000000000c0cb4000000000000000c0"
-    )
+        "94a76f757470757473919ca1729109a66c656e677468c0c0c000"
+        "cb0000000000000000cb0000000000000000cb0000000000000000c0c0cb4000000000000000c0"
+    )  # RequestOutput's last nil: pooled (PROTOCOL_VERSION 6)
 
 
 def test_a_rejection_is_a_typed_error_in_the_output() -> None:

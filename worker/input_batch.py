@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from protocol.pooling import PoolingParams
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, NewRequestData
+from worker.attention import AttentionMetadata
 
 
 @dataclass
@@ -20,6 +23,7 @@ class RequestState:
     row: int
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    pooling_params: PoolingParams | None = None
 
 
 class InputBatch:
@@ -44,7 +48,7 @@ class InputBatch:
         self.block_table[row, : len(data.block_ids)] = data.block_ids
         self.num_blocks[row] = len(data.block_ids)
         self.requests[data.request_id] = RequestState(
-            data.request_id, row, len(data.prompt_token_ids), data.sampling_params
+            data.request_id, row, len(data.prompt_token_ids), data.sampling_params, data.pooling_params
         )
 
     def update(self, data: CachedRequestData) -> None:
@@ -68,3 +72,14 @@ class InputBatch:
 
     def prompt_token_ids(self, state: RequestState) -> np.ndarray:
         return self.token_ids[state.row, : state.num_prompt_tokens]
+
+
+@dataclass
+class StepInputs:
+    request_ids: list[str]  # in flattened order
+    rows: np.ndarray  # [R] batch rows
+    counts: np.ndarray  # [R] tokens scheduled
+    starts: np.ndarray  # [R] computed tokens before the step
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata

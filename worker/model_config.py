@@ -12,6 +12,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert",
 }
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -22,7 +24,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "llama", "qwen2" or "qwen3"
+    family: str  # "llama", "qwen2", "qwen3" or "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,6 +41,17 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"  # the checkpoint's dtype, used for dtype="auto"
+    architecture: str = ""  # the checkpoint's class, e.g. "BertModel" (GGUF: its general.architecture)
+    # encoders (BERT): rms_norm_eps holds layer_norm_eps; token types and the activation of the MLP
+    type_vocab_size: int = 0
+    hidden_act: str = "silu"
+    num_labels: int = 0  # a *ForSequenceClassification head's outputs (0: none)
+    id2label: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def is_encoder(self) -> bool:
+        """Bidirectional attention over the whole input (BERT): no KV cache, no chunked prefill."""
+        return self.family == "bert"
 
     @staticmethod
     def load(model: str, gguf_reader: Any = None) -> ModelConfig:
@@ -62,6 +75,9 @@ def _from_hf_folder(folder: str) -> ModelConfig:
         raise UnsupportedModelError(
             f"unsupported architecture {architectures}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
+    architecture = next(a for a in architectures if a in SUPPORTED_ARCHITECTURES)
+    if family == "bert":
+        return _bert(config, architecture)
     num_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
     rope_theta = config.get("rope_theta")
@@ -94,6 +110,41 @@ def _from_hf_folder(folder: str) -> ModelConfig:
         qk_norm=family == "qwen3",
         eos_token_ids=eos,
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        architecture=architecture,
+    )
+
+
+def _bert(config: dict[str, Any], architecture: str) -> ModelConfig:
+    num_heads = config["num_attention_heads"]
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedModelError(
+            f"BERT with {config['position_embedding_type']!r} position embeddings: only absolute ones run"
+        )
+    if config.get("hidden_act", "gelu") not in ("gelu", "relu", "gelu_new"):
+        raise UnsupportedModelError(
+            f"BERT with hidden_act {config['hidden_act']!r}: gelu, relu, gelu_new run"
+        )
+    classifies = architecture.endswith("ForSequenceClassification")
+    id2label = {int(k): str(v) for k, v in (config.get("id2label") or {}).items()} if classifies else {}
+    return ModelConfig(
+        family="bert",
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=config["hidden_size"] // num_heads,
+        rms_norm_eps=config.get("layer_norm_eps", 1e-12),
+        rope_theta=0.0,
+        max_position_embeddings=config.get("max_position_embeddings", 512),
+        tie_word_embeddings=False,
+        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        architecture=architecture,
+        type_vocab_size=config.get("type_vocab_size", 2),
+        hidden_act=config.get("hidden_act", "gelu"),
+        num_labels=(config.get("num_labels") or len(id2label) or 2) if classifies else 0,
+        id2label=id2label,
     )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,10 +23,13 @@ from worker.attention import AttentionMetadata, PrefillChunk, get_attention_back
 from worker.gguf_cache import load_model_files
 from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
-from worker.input_batch import InputBatch, RequestState
+from worker.input_batch import InputBatch, RequestState, StepInputs
 from worker.kernel_table import log_kernel_table
 from worker.model_config import ModelConfig
 from worker.models import build_model
+from worker.models.llama import LlamaForCausalLM
+from worker.pooling import resolve_pooling
+from worker.pooling_runner import PoolingStep
 from worker.sampler import SamplingBatch, gather_logprobs, sample
 
 logger = logging.getLogger("engine.worker")
@@ -64,17 +66,6 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-@dataclass
-class StepInputs:
-    request_ids: list[str]  # in flattened order
-    rows: np.ndarray  # [R] batch rows
-    counts: np.ndarray  # [R] tokens scheduled
-    starts: np.ndarray  # [R] computed tokens before the step
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    metadata: AttentionMetadata
-
-
 class ModelRunner:
     def __init__(self, config: WorkerConfig, phases: StartupPhases | None = None) -> None:
         phases = phases or StartupPhases("worker")
@@ -83,8 +74,11 @@ class ModelRunner:
         self.config = config
         self.model_config, weights = load_model_files(config.model, config.cache_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.pooling = resolve_pooling(config, self.model_config)  # None: the model generates
         limit = self.model_config.max_position_embeddings
-        self.max_model_len = config.max_model_len or limit
+        # a sentence-transformers folder's max_seq_length is its longest input, as vLLM takes it
+        longest = self.pooling.max_seq_length if self.pooling is not None else None
+        self.max_model_len = config.max_model_len or min(limit, longest or limit)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.block_size = config.block_size
@@ -110,14 +104,23 @@ class ModelRunner:
         self.model.load_weights(weights)
         phases.mark("weights")
         self.model.finalize(self.batch_invariant)
-        self.model.init_rotary(self.max_model_len, torch.device("cpu"))
+        if isinstance(self.model, LlamaForCausalLM):
+            self.model.init_rotary(self.max_model_len, torch.device("cpu"))
         self.model.eval()
         log_kernel_table(self.model, self.backend, self.dtype)
         phases.mark("packing")
-        self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
         mc = self.model_config
-        shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = zeroed_pool([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
+        self.pooling_step = (
+            PoolingStep(self.pooling.pooler, mc.num_labels) if self.pooling is not None else None
+        )
+        if mc.is_encoder:
+            # no cache (worker/models/bert.py): the engine's blocks only count the inputs in flight
+            self.num_kv_blocks = config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            self.kv_caches: list[torch.Tensor] = []
+        else:
+            self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
+            shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+            self.kv_caches = zeroed_pool([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
         trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
         keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
         phases.mark("kv cache")
@@ -158,6 +161,12 @@ class ModelRunner:
             structured_outputs_backend=resolve_backend_name(self.config.structured_outputs_backend),
             batch_invariant=self.batch_invariant,
             notices=self.notices,
+            runner="generate" if self.pooling is None else "pooling",
+            pooling_tasks=[] if self.pooling is None else self.pooling.tasks,
+            pooler=None if self.pooling is None else self.pooling.pooler,
+            hidden_size=self.model_config.hidden_size,
+            id2label={str(index): label for index, label in self.model_config.id2label.items()},
+            is_encoder=self.model_config.is_encoder,
         )
 
     # ---- one step ----
@@ -168,6 +177,9 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
         inputs = self._prepare_inputs(scheduler_output)
+        if self.pooling_step is not None:
+            return self.pooling_step.execute(self.model, inputs, self.batch, self.kv_caches, self.backend)
+        assert isinstance(self.model, LlamaForCausalLM)  # an encoder only pools
         ends = np.cumsum(inputs.counts)
         sample_pos = [
             i
@@ -226,6 +238,8 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             self.batch.remove(request_id)
             self.grammar.remove(request_id)
+            if self.pooling_step is not None:
+                self.pooling_step.remove(request_id)
         for new in scheduler_output.new_requests:
             self.batch.add(new)
             if new.sampling_params.structured_outputs is not None:

@@ -21,9 +21,18 @@ DOORS = {
     "/v1/chat/completions": "chat completions",
     "/v1/completions": "completions",
     "/v1/responses": "the Responses API",
+    # a pooling model's (docs/embeddings.md); a line for the other kind of model gets that door's 404
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classification",
+    "/score": "scores",
+    "/v1/score": "scores",
+    "/rerank": "reranking",
+    "/v1/rerank": "reranking",
+    "/v2/rerank": "reranking",
 }
 # OpenAI batch urls this server does not serve yet
-NOT_YET = {"/v1/embeddings": "embeddings", "/v1/moderations": "moderations"}
+NOT_YET = {"/v1/moderations": "moderations"}
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """`engine bench serve`: load any OpenAI-compatible server (ours, vLLM, llama.cpp) and report latency
 and throughput: requests/s, output and total tokens/s, TTFT, TPOT, ITL and E2E (mean, p50, p90, p99),
 goodput against SLOs, failures. Streaming requests to /v1/completions, /v1/chat/completions or
-/v1/responses; random, ShareGPT or shared-prefix prompts; a Poisson request rate (with burstiness) or a
+/v1/responses (or, `--endpoint embeddings`, inputs to /v1/embeddings: frontend/bench/embeddings.py);
+random, ShareGPT or shared-prefix prompts; a Poisson request rate (with burstiness) or a
 fixed concurrency. `--endpoint responses --responses-store both` measures what storing a response costs
 (frontend/bench/responses_store.py)."""
 
@@ -11,7 +12,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -19,11 +19,7 @@ from typing import Any
 
 import uvloop
 
-WORDS = (
-    "time year people way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue"
-).split()
+from frontend.bench.common import WORDS, percentiles
 
 
 @dataclass
@@ -223,17 +219,6 @@ def _progress(total: int, quiet: bool) -> Any:
     return tqdm(total=total, desc="requests", disable=quiet)
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-    return {"mean": statistics.fmean(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
-
-
 def summarize(
     args: argparse.Namespace, results: list[Result], duration: float, target: str
 ) -> dict[str, Any]:
@@ -323,6 +308,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.rounds < 1 or (args.rounds > 1 and not both):
         raise SystemExit("--rounds takes a count >= 1, and more than one round needs --responses-store both")
     args.model = args.model or first_model(args.base_url, args.api_key)
+    if args.endpoint == "embeddings":
+        from frontend.bench.embeddings import cmd_bench_embeddings
+
+        return cmd_bench_embeddings(args)
     if both:
         from frontend.bench.responses_store import compare_store
 
@@ -363,7 +352,12 @@ def add_workload_args(parser: argparse.ArgumentParser, datasets: tuple[str, ...]
 def add_serve_bench_parser(kinds: Any) -> None:
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server and report latency/throughput")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
-    serve.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions")
+    serve.add_argument(
+        "--endpoint", choices=["completions", "chat", "responses", "embeddings"], default="completions"
+    )
+    serve.add_argument(
+        "--inputs-per-request", type=int, default=16, help="--endpoint embeddings: inputs in one request"
+    )
     serve.add_argument(
         "--responses-store",
         choices=["true", "false", "both"],

@@ -8,9 +8,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from frontend.config.flags import ConfigError, human_bytes, naming, option
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
 from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, WorkerConfig
+from protocol.pooling import PoolerConfig
 from structured_outputs import resolve_backend_name
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -97,6 +100,24 @@ class EngineArgs:
         help='JSON: {"backend": "auto" | "guidance", "grammar_compile_timeout_s": 30}',
         parse=_json_object,
     )
+    runner: str = option(
+        "auto",
+        "generate, or pooling (embeddings, scores, classification); auto: pooling for an encoder or a "
+        "--convert, else generate",
+        choices=["auto", "generate", "pooling"],
+    )
+    convert: str = option(
+        "auto",
+        "serve the model as: embed (a causal LM pools its last token, normalized), classify; auto: by its "
+        "architecture",
+        choices=["auto", "none", "embed", "classify"],
+    )
+    pooler_config: dict[str, Any] = option(
+        default_factory=dict,
+        help='JSON: {"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL", "normalize": true, "dimensions": N, '
+        '"activation": true} (default: the model folder\'s sentence-transformers files, else by --convert)',
+        parse=_json_object,
+    )
     startup_timeout_s: float = option(
         600.0, "seconds the offline API waits for the engine to load", flag="--startup-timeout"
     )
@@ -132,6 +153,8 @@ class EngineArgs:
                 "--batch-invariant",
                 "needs the csrc kernels, which --attention-backend torch leaves out; drop one of the two",
             )
+        with naming("--pooler-config"):
+            self.pooler()
         flag, config = "--structured-outputs-config", self.structured_outputs_config
         unknown = set(config) - set(STRUCTURED_OUTPUTS_KEYS)
         if unknown:
@@ -142,6 +165,15 @@ class EngineArgs:
         timeout = config.get("grammar_compile_timeout_s", 30.0)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(flag, f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
+
+    def pooler(self) -> PoolerConfig | None:
+        if not self.pooler_config:
+            return None
+        try:
+            return msgspec.convert(self.pooler_config, PoolerConfig, strict=True)
+        except msgspec.ValidationError as error:
+            keys = ", ".join(PoolerConfig.__struct_fields__)
+            raise ValueError(f"{error} (its keys: {keys})") from None
 
     def resolved_tokenizer(self) -> str | None:
         """The local path of --tokenizer (None: the model's own)."""
@@ -173,6 +205,9 @@ class EngineArgs:
                 self.structured_outputs_config.get("grammar_compile_timeout_s", 30.0)
             ),
             cache_dir=self.cache_dir,
+            runner=self.runner,
+            convert=self.convert,
+            pooler_config=self.pooler(),
         )
         return EngineConfig(
             worker=worker,

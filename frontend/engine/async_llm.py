@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from contextlib import aclosing
@@ -18,8 +19,9 @@ from frontend.engine.client import AsyncEngineClient
 from frontend.engine.output_processor import Delta, OutputProcessor, RequestState
 from frontend.engine.pieces import TextParser
 from frontend.metrics import Metrics
-from protocol.errors import EngineDeadError
-from protocol.messages import RequestOutput
+from protocol.errors import EngineDeadError, InvalidParameterError
+from protocol.messages import AddRequest, RequestOutput
+from protocol.pooling import PooledOutput, PoolingParams
 from protocol.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -85,6 +87,50 @@ class AsyncLLM:
         finally:
             if open_ids := state.open_child_ids:
                 await self.client.abort(open_ids)
+
+    async def encode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> PooledOutput:
+        """Run one pooling request (prefill only) to its pooled value. Raises InvalidParameterError when the
+        engine refused it and EngineDeadError when it ended without one."""
+        request = AddRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=SamplingParams(max_tokens=1),
+            arrival_time=time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+            pooling_params=params,
+        )
+        started = time.monotonic()
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        finished = False
+        try:
+            await self.client.add_request(request, queue)
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.error is not None:
+                    raise InvalidParameterError(item.error.param, item.error.message)
+                if item.finish_reason is None:
+                    continue
+                finished = True
+                self.client.release(request_id)
+                if item.pooled is None:
+                    raise EngineDeadError(f"the engine ended the pooling request ({item.finish_reason})")
+                if self.processor.metrics is not None:
+                    self.processor.metrics.observe_pooling(started, item, len(prompt_token_ids), params.task)
+                return item.pooled
+        finally:
+            if not finished:
+                await self.client.abort([request_id])
 
     def _log(self, state: RequestState, log_id: str | None) -> None:
         if not (self.log_requests and logger.isEnabledFor(logging.DEBUG)):

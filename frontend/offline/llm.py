@@ -22,6 +22,7 @@ from frontend.engine.output_processor import RequestState
 from frontend.engine.process import EngineProcess
 from frontend.model_files import load_tokenizer
 from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
+from frontend.offline.pooling import PoolingMethods
 from protocol.errors import InvalidParameterError
 from protocol.messages import Logprobs, ModelInfo
 from protocol.sampling import SamplingParams
@@ -36,7 +37,7 @@ T = TypeVar("T")
 ENGINE_POLL_S = 0.5  # how often a running call checks that the engine process is alive
 
 
-class LLM:
+class LLM(PoolingMethods):
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.args = EngineArgs(model=model, **engine_args)
         config = self.args.engine_config()

@@ -28,6 +28,9 @@ def model_card(serving: OpenAIServing, name: str) -> dict[str, Any]:
         "owned_by": "engine",
         "root": info.model,
         "max_model_len": info.max_model_len,
+        # what the model does: vLLM's runner, and a pooling model's tasks (embed, score, classify)
+        "runner": info.runner,
+        "tasks": info.pooling_tasks if info.runner == "pooling" else ["generate"],
     }
 
 

@@ -12,6 +12,9 @@ from starlette.exceptions import HTTPException
 
 from frontend.anthropic import messages
 from frontend.openai import chat, chat_batch, completions, invocations, tokenize
+from frontend.pooling import embeddings as pooling_embeddings
+from frontend.pooling import score as pooling_score
+from frontend.pooling.routes import absent_router
 from frontend.responses import serving as responses
 from frontend.server import admin, dev
 from frontend.server.deps import AppDeps
@@ -78,16 +81,18 @@ def build_app(deps: AppDeps) -> FastAPI:
     async def http_error(request: Request, error: HTTPException) -> Response:
         return error_response(http_status_error(error.status_code, error.detail), request.url.path)
 
-    routers = [
-        chat.router,
-        chat_batch.router,
-        completions.router,
-        responses.router,
-        messages.router,
-        invocations.router,
-        tokenize.router,
-        admin.router,
-    ]
+    if deps.serving.model_info.runner == "pooling":
+        doors = [pooling_embeddings.router, pooling_score.router]
+    else:
+        doors = [
+            chat.router,
+            chat_batch.router,
+            completions.router,
+            responses.router,
+            messages.router,
+            invocations.router,
+        ]
+    routers = [*doors, absent_router(deps.serving.model_info), tokenize.router, admin.router]
     for router in routers + ([dev.router] if config.dev_mode else []):
         app.include_router(router)
         routes.extend(router.routes)

@@ -10,10 +10,13 @@ from worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
+    from worker.models.bert import BertModel
     from worker.models.llama import LlamaForCausalLM
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> LlamaForCausalLM:
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None
+) -> LlamaForCausalLM | BertModel:
     """ops: the csrc kernels for the fused layers, or None for plain torch. Call finalize() after loading."""
     if config.family in ("llama", "qwen2", "qwen3"):
         from worker.models.llama import LlamaForCausalLM
@@ -21,4 +24,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = No
         # NOTE: built on the CPU with uninitialized weights (the layers skip reset_parameters), not on the meta
         # device: the meta path's first op imported torch's Python decompositions, 1.9-3.9 s of a start
         return LlamaForCausalLM(config, dtype, ops)
+    if config.family == "bert":
+        from worker.models.bert import BertModel
+
+        return BertModel(config, dtype, ops)
     raise ValueError(f"no model implementation for family {config.family!r}")
