@@ -48,7 +48,7 @@ def run(core: EngineCore) -> dict[str, list]:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_pooling_request_is_prefill_only_and_ends_with_its_value(async_scheduling: bool) -> None:
-    core, executor = make_core("LAST", max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    core, executor = make_core("LAST", long_prefill_token_threshold=16, async_scheduling=async_scheduling)
     add(core, "a", list(range(3, 40)))  # 37 tokens: three chunks of 16 at most
     add(core, "b", [5, 6, 7])
     outputs = run(core)
@@ -56,20 +56,21 @@ def test_pooling_request_is_prefill_only_and_ends_with_its_value(async_schedulin
         (last,) = outputs[request_id]  # one output: the value, no token
         assert last.finish_reason == "stop" and last.new_token_ids == []
         assert struct.unpack("<2f", last.pooled.data) == (float(length), 1.0) and last.pooled.shape == [2]
-    assert max(step.total_num_scheduled_tokens for step in executor.steps) <= 16
+    chunks = [step.num_scheduled_tokens["a"] for step in executor.steps if "a" in step.num_scheduled_tokens]
+    assert chunks == [16, 16, 5]
     assert core.scheduler.kv_cache.usage == 0.0  # every block back
 
 
 def test_an_encoder_input_runs_whole_in_one_step_and_skips_the_prefix_cache() -> None:
-    core, executor = make_core("encoder", max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    core, executor = make_core("encoder", max_num_seqs=1, long_prefill_token_threshold=8)
     assert not core.model_info.enable_prefix_caching
-    assert core.scheduler_config.max_num_batched_tokens == 64  # raised to max_model_len: an input is whole
+    assert core.scheduler_config.max_num_batched_tokens == 2048  # a pooling step's least
     add(core, "a", list(range(3, 50)))  # 47 tokens
     add(core, "b", list(range(3, 50)))
     outputs = run(core)
     assert {r: o[-1].finish_reason for r, o in outputs.items()} == {"a": "stop", "b": "stop"}
     scheduled = [count for step in executor.steps for count in step.num_scheduled_tokens.values()]
-    assert scheduled == [47, 47]  # never a chunk; the second waits for a step with room for all of it
+    assert scheduled == [47, 47]  # never a chunk, whatever the threshold says
     assert all(o[-1].num_cached_tokens == 0 for o in outputs.values())
 
 

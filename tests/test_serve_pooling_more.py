@@ -129,9 +129,9 @@ def test_mean_pooling_over_prefill_chunks_and_a_matryoshka_size(smollm2_gguf: st
 
     hf = hf_model_of_gguf(smollm2_gguf)
     mean = {"pooling_type": "MEAN", "normalize": True}
-    # 16-token steps: every text of over 16 tokens is pooled across chunks
+    # 16-token chunks: every text of over 16 tokens is pooled across chunks
     with LLM(
-        smollm2_gguf, convert="embed", dtype="float32", pooler_config=mean, max_num_batched_tokens=16
+        smollm2_gguf, convert="embed", dtype="float32", pooler_config=mean, long_prefill_token_threshold=16
     ) as llm:
         assert not llm.model_info.enable_prefix_caching  # MEAN needs every row
         results = llm.embed(TEXTS)
