@@ -74,3 +74,33 @@ def test_classify_and_cross_encoder_scores_against_transformers(classifiers) -> 
             pair = tokenizer(TEXTS[0], document, return_tensors="pt")  # token types 0, then 1
             assert pair["token_type_ids"].max() == 1
             np.testing.assert_allclose(got, torch.sigmoid(hf(**pair).logits[0, 0]).item(), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_causal_sequence_classifier_against_transformers(family: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """LlamaForSequenceClassification (and Qwen3's): the score head over the last token's hidden state."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        Qwen3Config,
+        Qwen3ForSequenceClassification,
+    )
+
+    common = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    if family == "llama":
+        hf = LlamaForSequenceClassification(LlamaConfig(**common)).eval()
+    else:
+        hf = Qwen3ForSequenceClassification(Qwen3Config(**common, head_dim=32)).eval()
+    hf.save_pretrained(tmp_path)
+    prompts = [[5, 9, 33, 2], list(range(1, 90)), [7]]
+    with LLM(str(tmp_path), dtype="float32") as llm:
+        assert llm.model_info.pooling_tasks == ["classify"] and llm.model_info.pooler.pooling_type == "LAST"
+        got = [r.outputs.probs for r in llm.classify(prompts)]
+    with torch.inference_mode():
+        for ids, probs in zip(prompts, got, strict=True):
+            expected = torch.softmax(hf(torch.tensor([ids])).logits[0], -1)
+            np.testing.assert_allclose(probs, expected.numpy(), atol=1e-5)

@@ -12,6 +12,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
     "BertModel": "bert",
     "BertForSequenceClassification": "bert",
 }
@@ -88,6 +92,8 @@ def _from_hf_folder(folder: str) -> ModelConfig:
         if rope_parameters.get("rope_type", "default") != "default":
             rope_scaling = rope_parameters
     eos = _eos_ids(config.get("eos_token_id"))
+    classifies = architecture.endswith("ForSequenceClassification")
+    id2label = {int(k): str(v) for k, v in (config.get("id2label") or {}).items()} if classifies else {}
     generation_path = os.path.join(folder, "generation_config.json")
     if os.path.exists(generation_path):
         with open(generation_path) as f:
@@ -104,13 +110,16 @@ def _from_hf_folder(folder: str) -> ModelConfig:
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta or 10000.0,
         max_position_embeddings=config.get("max_position_embeddings", 2048),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        # a classifier's checkpoint has a score head and no lm_head: the embedding stands in, never used
+        tie_word_embeddings=config.get("tie_word_embeddings", False) or classifies,
         rope_scaling=rope_scaling,
         attention_bias=family == "qwen2" or config.get("attention_bias", False),
         qk_norm=family == "qwen3",
         eos_token_ids=eos,
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         architecture=architecture,
+        num_labels=(config.get("num_labels") or len(id2label) or 2) if classifies else 0,
+        id2label=id2label,
     )
 
 

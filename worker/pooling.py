@@ -1,8 +1,8 @@
 """Which runner a model runs and, for a pooling model, how it pools: vLLM's --runner, --convert and
 --pooler-config, with a sentence-transformers folder's own files as the model's defaults.
 
-- runner "auto": pooling for an encoder (BertModel, *ForSequenceClassification) or when --convert asks
-  for a conversion; else generate.
+- runner "auto": pooling for an encoder (BertModel), a sequence classifier (*ForSequenceClassification:
+  BERT's, Llama's, Qwen's) or when --convert asks for a conversion; else generate.
 - convert "auto": classify for a *ForSequenceClassification, embed for everything else. "embed" on a
   causal LM pools its last token, normalized (vLLM's as_embedding_model); on an encoder, CLS unless the
   folder's 1_Pooling/config.json says otherwise.
@@ -42,12 +42,13 @@ def resolve_pooling(config: WorkerConfig, model_config: ModelConfig) -> PoolingS
         raise UnsupportedModelError(f"--convert must be one of {', '.join(CONVERSIONS)}, got {convert!r}")
     classifier = model_config.num_labels > 0
     if runner == "auto":
-        runner = "pooling" if model_config.is_encoder or convert not in ("auto", "none") else "generate"
+        pools = model_config.is_encoder or classifier or convert not in ("auto", "none")
+        runner = "pooling" if pools else "generate"
     if runner == "generate":
-        if model_config.is_encoder:
+        if model_config.is_encoder or classifier:
             raise UnsupportedModelError(
-                f"{model_config.architecture} is an encoder: it embeds or classifies (--runner pooling), "
-                "it does not generate"
+                f"{model_config.architecture} is an encoder or a classifier: it embeds or classifies "
+                "(--runner pooling), it does not generate"
             )
         if convert not in ("auto", "none"):
             raise UnsupportedModelError(f"--convert {convert} needs --runner pooling (or auto)")
@@ -72,8 +73,10 @@ def resolve_pooling(config: WorkerConfig, model_config: ModelConfig) -> PoolingS
             activation=False,
         )
         tasks = ["embed", "score"]  # score: the cosine of two embeddings
-    else:
-        default = PoolerConfig(pooling_type="CLS", normalize=False, activation=True)
+    else:  # an encoder's classifier reads [CLS], a causal LM's its last token
+        default = PoolerConfig(
+            pooling_type="CLS" if model_config.is_encoder else "LAST", normalize=False, activation=True
+        )
         # one label: a cross-encoder's relevance score (vLLM serves /score and /rerank with it)
         tasks = ["classify", "score"] if model_config.num_labels == 1 else ["classify"]
     pooler = _merge(default, config.pooler_config)
@@ -81,8 +84,10 @@ def resolve_pooling(config: WorkerConfig, model_config: ModelConfig) -> PoolingS
         raise UnsupportedModelError(
             f"--pooler-config pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pooler.pooling_type!r}"
         )
-    if convert == "classify" and pooler.pooling_type != "CLS":
-        raise UnsupportedModelError("a sequence classifier pools the [CLS] row: pooling_type must be CLS")
+    if convert == "classify" and pooler.pooling_type != default.pooling_type:
+        raise UnsupportedModelError(
+            f"this sequence classifier pools its {default.pooling_type} row: pooling_type must be {default.pooling_type}"
+        )
     dims = pooler.matryoshka_dimensions or st.get("matryoshka_dimensions", [])
     if pooler.dimensions is not None and pooler.dimensions not in [*dims, model_config.hidden_size]:
         raise UnsupportedModelError(

@@ -63,7 +63,7 @@ class PoolingStep:
             hidden = model.norm(hidden)  # HF's last_hidden_state is after the final norm
             row_of = np.full(len(inputs.input_ids), -1)
             row_of[wanted] = np.arange(len(wanted))
-        hidden = hidden.float()
+        model_dtype, hidden = hidden.dtype, hidden.float()
         output = ModelRunnerOutput({})
         values: dict[int, torch.Tensor] = {}
         for i, state in enumerate(states):
@@ -92,7 +92,7 @@ class PoolingStep:
         order = sorted(values)
         params = [states[i].pooling_params or PoolingParams() for i in order]
         if self.num_labels:
-            rows = torch.stack([values[i] for i in order]).to(model.word_embeddings.weight.dtype)
+            rows = torch.stack([values[i] for i in order]).to(model_dtype)
             pooled = model.classify(rows).float()
             results = [self._activate(row, p) for row, p in zip(pooled, params, strict=True)]
         else:

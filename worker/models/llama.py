@@ -139,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        # *ForSequenceClassification: the `score` head over the last token's normed hidden state
+        self.score = ScoreHead(config.hidden_size, config.num_labels, dtype) if config.num_labels else None
         self.rotary: RotaryEmbedding | None = None
         # The layers' weights for the csrc stack (csrc/decoder_cpu.cpp), set by finalize() when it is built.
         self.native_layers: list[list[torch.Tensor]] | None = None
@@ -197,6 +199,11 @@ class LlamaForCausalLM(nn.Module):
         converts to float32 where it needs to)."""
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
         return logits
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [n, hidden], each input's last hidden state after the final norm -> [n, num_labels]."""
+        assert self.score is not None
+        return self.score(rows)
 
     def finalize(self, batch_invariant: bool = False) -> None:
         """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays,
@@ -282,6 +289,19 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.add(name)
         return names
+
+
+class ScoreHead(nn.Module):
+    """HF's `score` (a bias-free Linear to a few labels) as each row's own float32 dot products: every
+    row's logits are the same whatever else is in the batch, and no product kernel takes 1-3 outputs."""
+
+    def __init__(self, hidden_size: int, num_labels: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        products = rows.float().unsqueeze(1) * self.weight.float()  # [n, labels, hidden]
+        return products.sum(-1).to(rows.dtype)
 
 
 def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
