@@ -61,7 +61,7 @@ INVALID = {
     17: (json.dumps({"method": "POST", "url": "/v1/completions", "body": completion_body(17)}), None, "invalid_custom_id", "custom_id"),
     27: (request_line("bad-url", "/v1/nothing", completion_body(27)), "bad-url", "invalid_url", "url"),
     37: (request_line("bad-method", "/v1/completions", completion_body(37), "GET"), "bad-method", "invalid_method", "method"),
-    47: (request_line("embed", "/v1/embeddings", {"model": MODEL, "input": "hi"}), "embed", "unsupported_url", "url"),
+    47: (request_line("embed", "/v1/embeddings", {"model": MODEL, "input": "hi"}), "embed", "model_task_not_supported", "model"),  # a generative model's 404
     57: (request_line("audio", "/v1/chat/completions", {**chat_body(57), "audio": {"voice": "x"}}), "audio", "unsupported_field", "audio"),
     67: (request_line("no-model", "/v1/completions", {**completion_body(67), "model": "gpt-9"}), "no-model", "model_not_found", "model"),
     77: (request_line("stream", "/v1/completions", {**completion_body(77), "stream": True}), "stream", "unsupported_field", "body.stream"),
