@@ -168,3 +168,21 @@ def test_truncation_and_the_other_runners_routes(server: Served, oracle) -> None
         )
     metrics = httpx.get(f"{server.base}/metrics").text
     assert 'runner="pooling"' in metrics and "engine:pooling_requests_total{model_name=" in metrics
+
+
+def test_bench_serve_embeddings(server: Served, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    command = [
+        sys.executable, "-m", "frontend.cli", "bench", "serve", "--endpoint", "embeddings", "--base-url", server.base,
+        "--num-prompts", "48", "--inputs-per-request", "8", "--max-concurrency", "4", "--output-json", str(out),
+        "--quiet",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["failed"] == 0 and summary["inputs"] == 48 and summary["input_throughput"] > 0
+    assert "Input throughput (inputs/s):" in done.stdout
