@@ -12,6 +12,7 @@ import torch
 from frontend import LLM
 from protocol.errors import InvalidParameterError
 from protocol.pooling import PoolingParams
+from tests.test_serve_pooling import texts
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +28,16 @@ def test_minilm_in_bf16_against_sentence_transformers(minilm: str) -> None:
         assert llm.model_info.dtype == "bfloat16"
         scores = [r.outputs.score for r in llm.score(TEXTS[0], TEXTS[1:])]
         raw = llm.encode(TEXTS[:1], PoolingParams(normalize=False))[0].outputs.data
+        long = texts()[-1]  # 400 random words: cut where the oracle cuts (its first 256 tokens)
+        cut = np.array(llm.embed(long, truncate_prompt_tokens=256)[0].outputs.embedding)
         with pytest.raises(InvalidParameterError, match="pooling model"):
             llm.generate("hi")
     cos = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
     assert cos.min() >= 0.999
     np.testing.assert_allclose(scores, expected[1:] @ expected[0], atol=5e-3)
     assert abs(np.linalg.norm(raw) - 1.0) > 1e-3  # not normalized when asked not to be
+    oracle = SentenceTransformer(minilm, device="cpu").encode([long])[0]
+    assert float(cut @ oracle) / np.linalg.norm(cut) / np.linalg.norm(oracle) >= 0.999
 
 
 def test_smollm2_as_an_embedder_against_transformers(smollm2_gguf: str) -> None:

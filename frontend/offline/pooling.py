@@ -145,10 +145,15 @@ def _pool(
     if host.model_info.runner != "pooling":
         raise InvalidParameterError("model", f"{host.model} generates: it does not embed, score or classify")
     ids_list = []
+    keep = host.model_info.max_model_len if truncate == -1 else truncate
     for prompt in _prompt_list(prompts):
-        ids = host._tokenize(prompt)[1]
-        if truncate is not None:
-            ids = ids[-(host.model_info.max_model_len if truncate == -1 else truncate) :]
+        if isinstance(prompt, str) and keep is not None:
+            # the tokenizer's cut, as the HTTP doors make it (a BERT tokenizer keeps the end's [SEP])
+            ids = list(host._require_tokenizer()(prompt, truncation=True, max_length=keep)["input_ids"])
+        else:
+            ids = host._tokenize(prompt)[1]
+            if keep is not None:
+                ids = ids[-keep:]  # token ids: the last k, as vLLM keeps them
         if not ids:
             raise InvalidParameterError("prompt", "the prompt is empty.")
         if len(ids) > host.model_info.max_model_len:
