@@ -115,15 +115,7 @@ class SamplingFields(BaseModel):
         check_one_of("service_tier", self.service_tier, (None, "auto", "default"))
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true.", param="stream_options")
-        if self.truncate_prompt_tokens is not None and not (
-            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
-        ):
-            raise OpenAIError(
-                "truncate_prompt_tokens must be -1 (the model's limit) or at least 1.",
-                param="truncate_prompt_tokens",
-            )
-        if self.cache_salt is not None and not self.cache_salt:
-            raise OpenAIError("cache_salt must not be empty.", param="cache_salt")
+        check_truncation_and_salt(self.truncate_prompt_tokens, self.cache_salt)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -227,6 +219,19 @@ def check_fields(
                 raise unsupported(name, not_implemented[name])
         elif name not in passing:
             logger.debug("ignoring the unknown request field %r", name)
+
+
+def check_truncation_and_salt(truncate_prompt_tokens: int | None, cache_salt: str | None) -> None:
+    """Two vLLM extensions every door that renders prompts shares (generation and pooling)."""
+    if truncate_prompt_tokens is not None and not (
+        truncate_prompt_tokens == -1 or truncate_prompt_tokens >= 1
+    ):
+        raise OpenAIError(
+            "truncate_prompt_tokens must be -1 (the model's limit) or at least 1.",
+            param="truncate_prompt_tokens",
+        )
+    if cache_salt is not None and not cache_salt:
+        raise OpenAIError("cache_salt must not be empty.", param="cache_salt")
 
 
 def check_one_of(param: str, value: Any, implemented: tuple[Any, ...]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.openai.schemas import check_fields, check_one_of, unsupported
+from frontend.openai.schemas import check_fields, check_one_of, check_truncation_and_salt, unsupported
 from frontend.server.errors import OpenAIError
 
 # the most inputs one request may carry (OpenAI's limit for embeddings)
@@ -44,15 +44,7 @@ class PoolingFields(BaseModel):
 
     def check_supported(self) -> None:
         check_fields(self, UNSUPPORTED_FIELDS)
-        if self.truncate_prompt_tokens is not None and not (
-            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
-        ):
-            raise OpenAIError(
-                "truncate_prompt_tokens must be -1 (the model's limit) or at least 1.",
-                param="truncate_prompt_tokens",
-            )
-        if self.cache_salt is not None and not self.cache_salt:
-            raise OpenAIError("cache_salt must not be empty.", param="cache_salt")
+        check_truncation_and_salt(self.truncate_prompt_tokens, self.cache_salt)
 
 
 class EmbeddingRequest(PoolingFields):

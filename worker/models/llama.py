@@ -203,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
     def classify(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [n, hidden], each input's last hidden state after the final norm -> [n, num_labels]."""
         assert self.score is not None
-        return self.score(rows)
+        logits: torch.Tensor = self.score(rows)
+        return logits
 
     def finalize(self, batch_invariant: bool = False) -> None:
         """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays,
