@@ -112,6 +112,11 @@ class EngineCore:
                     f"this model's embeddings come in the sizes {sizes or [info.hidden_size]} (Matryoshka), "
                     f"not {pooling.dimensions}.",
                 )
+        start = pooling.token_type_start if pooling is not None else None
+        if start is not None and not (info.is_encoder and 0 < start < len(message.prompt_token_ids)):
+            raise InvalidParameterError(
+                "token_type_start", "token types are an encoder's, from a position inside the prompt."
+            )
         # a pooling request outputs no token: its prompt may fill max_model_len
         limit = info.max_model_len + (pooling is not None)
         if len(message.prompt_token_ids) >= limit:

@@ -238,7 +238,11 @@ class Scheduler:
         cap, budget = self.config.decode_prefill_token_budget, self.config.max_num_batched_tokens
         if cap <= 0:
             return budget
-        decoding = sum(1 for r in self.running if r.num_computed_after_flight >= r.num_prompt_tokens)
+        decoding = sum(
+            1
+            for r in self.running
+            if r.num_computed_after_flight >= r.num_prompt_tokens and r.pooling_params is None
+        )  # a pooling request whose last chunk is in flight decodes nothing
         if not decoding:
             return budget
         return min(budget, max(cap, self.config.decode_prefill_tokens_per_decode * decoding))

@@ -14,5 +14,9 @@ class ProtocolVersionError(RuntimeError):
     """A peer speaks another PROTOCOL_VERSION; raised at registration."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The engine ended a request on purpose (a drain, a cancel) before it produced its value."""
+
+
 class EngineDeadError(RuntimeError):
     """The EngineCore process is gone (it sent DEAD, or its process exited)."""

@@ -60,6 +60,23 @@ def test_a_sentence_transformers_folder_is_an_embedder_as_it_says(folders) -> No
     assert (setup.pooler.pooling_type, setup.pooler.normalize) == ("CLS", False)
 
 
+def test_all_pooling_serves_token_embeddings_only(folders) -> None:  # type: ignore[no-untyped-def]
+    setup = resolve(folders["st"], pooler_config=PoolerConfig(pooling_type="ALL"))
+    assert setup.tasks == ["token_embed"]  # no /v1/embeddings vector, no cosine
+
+
+def test_a_sentence_transformers_pooling_we_do_not_run_is_refused(folders, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    folder = tmp_path / "sqrt"
+    shutil.copytree(folders["st"], folder)
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_mean_sqrt_len_tokens": True})
+    )
+    with pytest.raises(UnsupportedModelError, match="not one of CLS, MEAN, LAST"):
+        resolve(folder)
+
+
 def test_defaults_by_architecture(folders) -> None:  # type: ignore[no-untyped-def]
     assert resolve(folders["bert"]).pooler.pooling_type == "CLS"
     classifier = resolve(folders["classifier"])
@@ -80,6 +97,7 @@ def test_defaults_by_architecture(folders) -> None:  # type: ignore[no-untyped-d
         ("st", {"pooler_config": PoolerConfig(pooling_type="MAX")}, "pooling_type must be one of"),
         ("st", {"pooler_config": PoolerConfig(dimensions=16)}, "dimensions 16"),
         ("classifier", {"pooler_config": PoolerConfig(pooling_type="MEAN")}, "must be CLS"),
+        ("llama", {"convert": "embed", "pooler_config": PoolerConfig(pooling_type="CLS")}, "first token"),
     ],
 )
 def test_combinations_that_cannot_run_say_why(folders, name: str, kwargs, message: str) -> None:  # type: ignore[no-untyped-def]

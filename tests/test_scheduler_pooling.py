@@ -103,6 +103,34 @@ def test_a_pooling_prompt_may_fill_max_model_len() -> None:
         add(core, "over", list(range(3, 68)))
 
 
+def test_token_types_are_an_encoders_and_inside_the_prompt() -> None:
+    core, _ = make_core("encoder")
+    for start in (-1, 0, 3):
+        with pytest.raises(InvalidParameterError, match="token types"):
+            core.add_request(
+                AddRequest(
+                    request_id=f"t{start}",
+                    prompt_token_ids=[1, 2, 3],
+                    sampling_params=SamplingParams(max_tokens=1),
+                    arrival_time=0.0,
+                    pooling_params=PoolingParams(token_type_start=start),
+                )
+            )
+
+
+def test_a_pooling_request_in_flight_does_not_shrink_the_prefill_share() -> None:
+    core, executor = make_core(
+        "LAST", decode_prefill_token_budget=8, long_prefill_token_threshold=16, async_scheduling=True
+    )
+    add(core, "short", [5, 6, 7])  # done in step 1; its last chunk is in flight while step 2 is scheduled
+    add(core, "long", list(range(3, 40)))
+    run(core)
+    chunks = [
+        step.num_scheduled_tokens["long"] for step in executor.steps if "long" in step.num_scheduled_tokens
+    ]
+    assert chunks == [16, 16, 5]  # not cut to the decoding share of 8: nothing in the batch decodes
+
+
 def test_dimensions_must_be_a_matryoshka_size() -> None:
     core, _ = make_core("LAST")  # the fake's pooler lists no Matryoshka sizes; hidden_size is 0
     with pytest.raises(InvalidParameterError, match="Matryoshka"):

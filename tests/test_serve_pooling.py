@@ -143,6 +143,13 @@ def test_score_and_rerank_follow_the_oracle(server: Served, oracle) -> None:  # 
         ("/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
         ("/rerank", {"query": "q", "documents": []}, "documents", "must not be empty"),
         ("/score", {"queries": ["a", "b"], "documents": ["c", "d", "e"]}, "documents", "one per document"),
+        ("/pooling", {"input": "hi", "activation": True}, "activation", "for classify and score"),
+        (
+            "/rerank",
+            {"query": "q", "documents": ["d"], "max_tokens_per_query": 4},
+            "max_tokens_per_query",
+            "not supported",
+        ),
     ],
 )
 def test_bad_input_is_a_400_in_openai_shape(

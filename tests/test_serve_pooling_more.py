@@ -49,6 +49,12 @@ def test_classify_over_http(classifier_server: Served, classifiers) -> None:  # 
             expected = torch.softmax(hf(**tokenizer(text, return_tensors="pt")).logits[0], -1).numpy()
         np.testing.assert_allclose(item["probs"], expected, atol=1e-5)
         assert item["num_classes"] == 3 and item["label"] == hf.config.id2label[int(np.argmax(expected))]
+    raw = httpx.post(
+        f"{classifier_server.base}/classify", json={"input": TEXTS[0], "use_activation": False}
+    ).json()
+    with torch.inference_mode():
+        logits = hf(**tokenizer(TEXTS[0], return_tensors="pt")).logits[0].numpy()
+    np.testing.assert_allclose(raw["data"][0]["probs"], logits, atol=1e-5)  # vLLM's name: no softmax
     for path in ("/v1/embeddings", "/score", "/rerank"):  # a 3-label classifier scores no pairs
         response = httpx.post(
             f"{classifier_server.base}{path}", json={"input": "x", "query": "q", "documents": ["d"]}
@@ -82,6 +88,17 @@ def test_cross_encoder_scores_and_rerank_over_http(cross_encoder_server: Served,
     ).json()
     assert [r["index"] for r in ranked["results"]] == list(np.argsort(-expected))
     assert all("document" not in r for r in ranked["results"])
+    # max_tokens_per_doc cuts each document, never the query
+    cut = httpx.post(
+        f"{cross_encoder_server.base}/rerank",
+        json={"query": query, "documents": documents, "max_tokens_per_doc": 2},
+    ).json()
+    with torch.inference_mode():
+        for result in cut["results"]:
+            document = tokenizer(documents[result["index"]], add_special_tokens=False)["input_ids"][:2]
+            pair = tokenizer(query, tokenizer.decode(document), return_tensors="pt")
+            expected_cut = torch.sigmoid(hf(**pair).logits[0, 0]).item()
+            np.testing.assert_allclose(result["relevance_score"], expected_cut, atol=1e-5)
 
 
 def test_run_batch_answers_pooling_lines(minilm: str, tmp_path: pathlib.Path) -> None:

@@ -84,6 +84,12 @@ def resolve_pooling(config: WorkerConfig, model_config: ModelConfig) -> PoolingS
         raise UnsupportedModelError(
             f"--pooler-config pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pooler.pooling_type!r}"
         )
+    if pooler.pooling_type == "CLS" and not model_config.is_encoder:
+        raise UnsupportedModelError(
+            "CLS pooling on a causal LM pools its first token, which sees no other: use LAST or MEAN"
+        )
+    if pooler.pooling_type == "ALL":
+        tasks = ["token_embed"]  # a vector per token: /pooling only (no embedding, no cosine)
     if convert == "classify" and pooler.pooling_type != default.pooling_type:
         raise UnsupportedModelError(
             f"this sequence classifier pools its {default.pooling_type} row: pooling_type must be {default.pooling_type}"
@@ -127,7 +133,12 @@ def _sentence_transformers(folder: str) -> dict[str, Any]:
     if "Pooling" in kinds:
         pooling = _read_json(os.path.join(folder, str(kinds["Pooling"].get("path", "")), "config.json")) or {}
         modes = [mode for mode, key in _POOLING_MODES.items() if pooling.get(key)]
-        if len(modes) != 1:
+        others = [
+            k
+            for k, v in pooling.items()
+            if k.startswith("pooling_mode_") and v and k not in _POOLING_MODES.values()
+        ]
+        if len(modes) != 1 or others:
             raise UnsupportedModelError(
                 f"the sentence-transformers pooling of {folder!r} is not one of CLS, MEAN, LAST: {pooling}"
             )

@@ -2,8 +2,8 @@
 
 An encoder (worker/models/bert.py) gets each input whole in one step and attends within it; a causal LM
 served as an embedder runs on the paged cache like a generative one, chunked prefill included. Across a
-causal LM's chunks what a pooling type needs is kept here: CLS the first row, MEAN a float32 sum of the
-rows and ALL the rows themselves; LAST needs only the last chunk's last row (and is the one type whose
+causal LM's chunks what a pooling type needs is kept here: CLS the first row, MEAN and ALL the rows
+(MEAN sums them once, when the last chunk is in, so the sum's order never depends on the chunks); LAST needs only the last chunk's last row (and is the one type whose
 requests may start from the prefix cache: the engine turns the cache off for the others).
 """
 
@@ -71,10 +71,7 @@ class PoolingStep:
             kept = self.partial.setdefault(state.request_id, [])
             if kind == "CLS" and starts[i] == 0:
                 kept.append(hidden[row_of[first]])
-            elif kind == "MEAN":
-                part = hidden[row_of[first] : row_of[end - 1] + 1].sum(0)
-                kept[:] = [part if not kept else kept[0] + part]
-            elif kind == "ALL":
+            elif kind in ("MEAN", "ALL"):  # the rows; MEAN sums them once, at the end, in one order
                 kept.append(hidden[row_of[first] : row_of[end - 1] + 1])
             if i not in finishing:
                 continue
@@ -82,7 +79,7 @@ class PoolingStep:
             if kind == "LAST":
                 values[i] = hidden[row_of[end - 1]]
             elif kind == "MEAN":
-                values[i] = kept[0] / state.num_prompt_tokens
+                values[i] = torch.cat(kept).sum(0) / state.num_prompt_tokens
             elif kind == "ALL":
                 values[i] = torch.cat(kept)
             else:

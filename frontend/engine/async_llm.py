@@ -19,7 +19,7 @@ from frontend.engine.client import AsyncEngineClient
 from frontend.engine.output_processor import Delta, OutputProcessor, RequestState
 from frontend.engine.pieces import TextParser
 from frontend.metrics import Metrics
-from protocol.errors import EngineDeadError, InvalidParameterError
+from protocol.errors import EngineDeadError, InvalidParameterError, RequestAbortedError
 from protocol.messages import AddRequest, RequestOutput
 from protocol.pooling import PooledOutput, PoolingParams
 from protocol.sampling import SamplingParams
@@ -124,6 +124,8 @@ class AsyncLLM:
                 finished = True
                 self.client.release(request_id)
                 if item.pooled is None:
+                    if item.finish_reason == "abort" and item.stop_reason is not None:
+                        raise RequestAbortedError(str(item.stop_reason))  # a drain or a cancel, on purpose
                     raise EngineDeadError(f"the engine ended the pooling request ({item.finish_reason})")
                 if self.processor.metrics is not None:
                     self.processor.metrics.observe_pooling(started, item, len(prompt_token_ids), params.task)

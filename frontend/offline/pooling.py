@@ -145,6 +145,8 @@ def _pool(
     if host.model_info.runner != "pooling":
         raise InvalidParameterError("model", f"{host.model} generates: it does not embed, score or classify")
     ids_list = []
+    if truncate is not None and not (truncate == -1 or truncate >= 1):
+        raise InvalidParameterError("truncate_prompt_tokens", "must be -1 (the model's limit) or at least 1")
     keep = host.model_info.max_model_len if truncate == -1 else truncate
     for prompt in _prompt_list(prompts):
         if isinstance(prompt, str) and keep is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import msgspec
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -52,7 +53,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, serving: Serving)
     model = serving.model_name(body.model)
     params = embedding_params(serving, body)
     prompts = render_inputs(serving, body.input, body)
-    request_id, values = await pool_all(serving, prompts, params, body, "embd")
+    request_id, values = await pool_all(serving, prompts, params, body, "embd", request)
     data = [
         {"object": "embedding", "index": i, "embedding": encode(value, body.encoding_format)}
         for i, value in enumerate(values)
@@ -69,12 +70,17 @@ async def pooling(body: PoolingRequest, request: Request, serving: Serving) -> R
     check_task(serving, task, f"the task {task!r}")
     body.check_supported()
     model = serving.model_name(body.model)
-    if task == "classify":
-        params = PoolingParams(task="classify")
+    if task in ("classify", "score"):
+        for name in ("dimensions", "normalize"):
+            if getattr(body, name) is not None:
+                raise OpenAIError(f"{name} is for embeddings; task {task!r} takes activation.", param=name)
+        params = PoolingParams(task=task, activation=body.activation_of())
     else:
-        params = embedding_params(serving, body)
+        if body.activation_of() is not None:
+            raise OpenAIError(f"activation is for classify and score, not task {task!r}.", param="activation")
+        params = msgspec.structs.replace(embedding_params(serving, body), task=task)
     prompts = render_inputs(serving, body.input, body)
-    request_id, values = await pool_all(serving, prompts, params, body, "pool")
+    request_id, values = await pool_all(serving, prompts, params, body, "pool", request)
     data = [
         {"object": "pooling", "index": i, "data": encode(value, body.encoding_format)}
         for i, value in enumerate(values)
@@ -88,8 +94,8 @@ async def classify(body: ClassifyRequest, request: Request, serving: Serving) ->
     body.check_supported()
     model = serving.model_name(body.model)
     prompts = render_inputs(serving, body.input, body)
-    params = PoolingParams(task="classify", activation=body.activation)
-    request_id, values = await pool_all(serving, prompts, params, body, "classify")
+    params = PoolingParams(task="classify", activation=body.activation_of())
+    request_id, values = await pool_all(serving, prompts, params, body, "classify", request)
     labels = serving.model_info.id2label
     data = []
     for i, value in enumerate(values):

@@ -22,8 +22,7 @@ UNSUPPORTED_FIELDS = {
     "add_generation_prompt": "chat messages as the input",
     "continue_final_message": "chat messages as the input",
     "media_io_kwargs": "multimodal inputs",
-    "softmax": "the old name of activation",
-    "use_activation": "the old name of activation",
+    "max_tokens_per_query": "the query's own cut (rerank)",
 }
 
 Input = str | list[str] | list[int] | list[list[int]]
@@ -47,6 +46,30 @@ class PoolingFields(BaseModel):
         check_truncation_and_salt(self.truncate_prompt_tokens, self.cache_salt)
 
 
+class ActivationFields(BaseModel):
+    """classify, score, rerank: softmax over the labels (sigmoid for one). vLLM's names: use_activation
+    (its current one), activation and softmax (older)."""
+
+    activation: bool | None = None
+    use_activation: bool | None = None
+    softmax: bool | None = None
+
+    def activation_of(self) -> bool | None:
+        """The one that is set (None: the model's default); 400 when two disagree."""
+        given = {
+            name: value
+            for name, value in (
+                ("use_activation", self.use_activation),
+                ("activation", self.activation),
+                ("softmax", self.softmax),
+            )
+            if value is not None
+        }
+        if len(set(given.values())) > 1:
+            raise OpenAIError(f"{' and '.join(given)} disagree: give one.", param=next(iter(given)))
+        return next(iter(given.values()), None)
+
+
 class EmbeddingRequest(PoolingFields):
     """POST /v1/embeddings (and /pooling, which answers with `data` instead of `embedding`)."""
 
@@ -66,20 +89,21 @@ class EmbeddingRequest(PoolingFields):
             raise OpenAIError("dimensions must be at least 1.", param="dimensions")
 
 
-class PoolingRequest(EmbeddingRequest):
-    """POST /pooling: the model's pooled output as it is (vLLM's `task` picks embed or classify)."""
+class PoolingRequest(EmbeddingRequest, ActivationFields):
+    """POST /pooling: the model's pooled output as it is (vLLM's `task` picks embed, token_embed,
+    classify or score); `dimensions` and `normalize` are for the embedding tasks, the activation for the
+    others."""
 
     task: str | None = None
 
 
-class ClassifyRequest(PoolingFields):
+class ClassifyRequest(PoolingFields, ActivationFields):
     """POST /classify."""
 
     input: Input
-    activation: bool | None = None  # softmax over the labels (sigmoid for one); None: the model's
 
 
-class ScoreRequest(PoolingFields):
+class ScoreRequest(PoolingFields, ActivationFields):
     """POST /score and /v1/score: queries against documents (1 to 1, 1 to N, or N to N). text_1 and
     text_2 are the older names."""
 
@@ -87,7 +111,6 @@ class ScoreRequest(PoolingFields):
     documents: str | list[str] | None = None
     text_1: str | list[str] | None = None
     text_2: str | list[str] | None = None
-    activation: bool | None = None
 
     def pairs(self) -> tuple[list[str], list[str]]:
         """(queries, documents), one query per document."""
@@ -116,7 +139,7 @@ class ScoreRequest(PoolingFields):
         return queries, documents
 
 
-class RerankRequest(PoolingFields):
+class RerankRequest(PoolingFields, ActivationFields):
     """POST /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's shape)."""
 
     query: str
@@ -124,7 +147,6 @@ class RerankRequest(PoolingFields):
     top_n: int | None = None  # None or 0: every document
     return_documents: bool = True
     max_tokens_per_doc: int | None = None  # Cohere v2's: truncation of each document
-    activation: bool | None = None
     rank_fields: list[str] | None = Field(default=None)  # Cohere v1's structured documents
 
     def check_supported(self) -> None:

@@ -28,29 +28,35 @@ async def scores(
     documents: list[str],
     body: PoolingFields,
     activation: bool | None,
+    request: Request,
+    doc_tokens: int | None = None,
 ) -> tuple[list[float], list[PoolingPrompt]]:
-    """One score per (query, document) pair, and the prompts that ran (for usage)."""
+    """One score per (query, document) pair, and the prompts that ran (for usage). doc_tokens: each
+    document's cut (rerank's max_tokens_per_doc), the queries left whole."""
     check_task(serving, "score", "scores")
     if len(documents) > MAX_INPUTS:
         raise OpenAIError(
             f"at most {MAX_INPUTS} documents per request, got {len(documents)}.", param="documents"
         )
     if "embed" in serving.model_info.pooling_tasks:
-        texts = list(dict.fromkeys([*queries, *documents]))
+        # each distinct text once; a document cut by doc_tokens is another input than the same query
+        keys = list(dict.fromkeys([*((q, None) for q in queries), *((d, doc_tokens) for d in documents)]))
         prompts = [
-            render_one(serving, text, body, "documents" if text not in queries else "queries")
-            for text in texts
+            render_one(serving, text, body, "queries" if cut is None else "documents", doc_tokens=cut)
+            for text, cut in keys
         ]
         _, vectors = await pool_all(
-            serving, prompts, PoolingParams(task="score", normalize=True), body, "score"
+            serving, prompts, PoolingParams(task="score", normalize=True), body, "score", request
         )
-        by_text = dict(zip(texts, vectors, strict=True))
-        return [float(by_text[q] @ by_text[d]) for q, d in zip(queries, documents, strict=True)], prompts
+        by_key = dict(zip(keys, vectors, strict=True))
+        pairs = zip(queries, documents, strict=True)
+        return [float(by_key[(q, None)] @ by_key[(d, doc_tokens)]) for q, d in pairs], prompts
     prompts = [
-        render_one(serving, q, body, "queries", pair=d) for q, d in zip(queries, documents, strict=True)
+        render_one(serving, q, body, "queries", pair=d, doc_tokens=doc_tokens)
+        for q, d in zip(queries, documents, strict=True)
     ]
     _, values = await pool_all(
-        serving, prompts, PoolingParams(task="score", activation=activation), body, "score"
+        serving, prompts, PoolingParams(task="score", activation=activation), body, "score", request
     )
     return [float(value.reshape(-1)[0]) for value in values], prompts
 
@@ -62,7 +68,7 @@ async def score(body: ScoreRequest, request: Request, serving: Serving) -> Respo
     body.check_supported()
     model = serving.model_name(body.model)
     queries, documents = body.pairs()
-    values, prompts = await scores(serving, queries, documents, body, body.activation)
+    values, prompts = await scores(serving, queries, documents, body, body.activation_of(), request)
     data = [{"index": i, "object": "score", "score": value} for i, value in enumerate(values)]
     return json_response(envelope(body.request_id or new_request_id("score"), model, data, prompts))
 
@@ -79,9 +85,10 @@ async def rerank(body: RerankRequest, request: Request, serving: Serving) -> Res
     texts = body.texts()
     if not texts:
         raise OpenAIError("documents must not be empty.", param="documents")
-    if body.max_tokens_per_doc is not None:
-        body = body.model_copy(update={"truncate_prompt_tokens": body.max_tokens_per_doc})
-    values, prompts = await scores(serving, [body.query] * len(texts), texts, body, body.activation)
+    queries = [body.query] * len(texts)
+    values, prompts = await scores(
+        serving, queries, texts, body, body.activation_of(), request, body.max_tokens_per_doc
+    )
     order = sorted(range(len(texts)), key=lambda i: -values[i])
     if body.top_n:
         order = order[: body.top_n]

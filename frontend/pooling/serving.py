@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from fastapi import Request
 
 from frontend.engine.async_llm import gather_all, new_request_id
+from frontend.openai.common import until_disconnected
 from frontend.openai.serving import OpenAIServing
 from frontend.pooling.schemas import MAX_INPUTS, Input, PoolingFields
 from frontend.server.errors import OpenAIError
@@ -58,8 +60,15 @@ def render_inputs(
 
 
 def render_one(
-    serving: OpenAIServing, item: str | list[int], body: PoolingFields, param: str, pair: str | None = None
+    serving: OpenAIServing,
+    item: str | list[int],
+    body: PoolingFields,
+    param: str,
+    pair: str | None = None,
+    doc_tokens: int | None = None,
 ) -> PoolingPrompt:
+    """One input; pair: a cross-encoder's second text; doc_tokens: the document's own cut (rerank's
+    max_tokens_per_doc: the document alone, or the pair's second text, keeps at most this many tokens)."""
     info = serving.model_info
     limit = info.max_model_len
     keep = body.truncate_prompt_tokens
@@ -69,7 +78,15 @@ def render_one(
         if not item or (pair is not None and not pair):
             raise OpenAIError(f"{param} must not hold an empty string.", param=param)
         tokenizer = serving.require_tokenizer(param)
-        truncation = {"truncation": True, "max_length": keep} if keep is not None else {}
+        truncation: dict[str, Any] = {"truncation": True, "max_length": keep} if keep is not None else {}
+        if doc_tokens is not None:
+            specials = tokenizer.num_special_tokens_to_add(pair=pair is not None)
+            query = len(tokenizer(item, add_special_tokens=False)["input_ids"]) if pair is not None else 0
+            limit_doc = query + doc_tokens + specials
+            truncation = {
+                "truncation": "only_second" if pair is not None else True,
+                "max_length": min(limit_doc, keep) if keep is not None else limit_doc,
+            }
         args = (item,) if pair is None else (item, pair)
         encoded = tokenizer(*args, add_special_tokens=body.add_special_tokens, **truncation)
         ids = list(encoded["input_ids"])
@@ -99,8 +116,10 @@ async def pool_all(
     params: PoolingParams,
     body: PoolingFields,
     prefix: str,
+    request: Request,
 ) -> tuple[str, list[np.ndarray]]:
-    """Every prompt at once on the engine (it batches them); the request id and each pooled array."""
+    """Every prompt at once on the engine (it batches them); the request id and each pooled array. A
+    client that goes away cancels them (their engine requests are aborted), as on the generation doors."""
     serving.admit()
     serving.check_priority(body.priority)
     request_id = body.request_id or new_request_id(prefix)
@@ -115,7 +134,7 @@ async def pool_all(
         )
         for i, prompt in enumerate(prompts)
     ]
-    outputs = await gather_all(work)
+    outputs = await until_disconnected(request, gather_all(work))
     return request_id, [as_array(output) for output in outputs]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response
 
-from protocol.errors import EngineDeadError, InvalidParameterError
+from protocol.errors import EngineDeadError, InvalidParameterError, RequestAbortedError
 
 logger = logging.getLogger("engine.api")
 
@@ -79,6 +79,10 @@ def to_openai_error(error: BaseException) -> OpenAIError:
         )
     if isinstance(error, InvalidParameterError):
         return OpenAIError(error.message, param=error.param)
+    if isinstance(error, RequestAbortedError):
+        return OpenAIError(
+            f"The request was aborted: {error}", status=503, type="service_unavailable_error", code="aborted"
+        )
     logger.error("internal error while serving a request", exc_info=error)
     return OpenAIError(f"Internal error: {type(error).__name__}: {error}", status=500, type="internal_error")
 
