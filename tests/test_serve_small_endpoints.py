@@ -245,3 +245,17 @@ def test_collect_env_prints_the_report() -> None:
     info = json.loads(result.stdout)
     assert info["torch"]["version"] == info["packages"]["torch"]
     assert info["cpu"]["num_cpus"] == os.cpu_count() and "csrc" in info["torch"]
+
+
+def test_reset_prefix_cache_in_dev_mode(base: str) -> None:
+    body = {**CHAT, "messages": [{"role": "user", "content": "tell me about the sea " * 30}]}
+
+    def cached() -> int:
+        answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    cached()
+    assert cached() > 0  # the second asks hit the first's blocks
+    response = httpx.post(f"{base}/reset_prefix_cache", timeout=30)
+    assert response.status_code == 200 and response.json() == {"reset": True}
+    assert cached() == 0

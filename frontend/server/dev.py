@@ -1,5 +1,6 @@
 """Developer endpoints, served only when the launcher saw ENGINE_SERVER_DEV_MODE=1 (or vLLM's
-VLLM_SERVER_DEV_MODE=1): GET /server_info, what this API server runs with (vLLM's, in our terms).
+VLLM_SERVER_DEV_MODE=1): GET /server_info, what this API server runs with (vLLM's, in our terms), and
+POST /reset_prefix_cache (vLLM's: the engine drops every cached block no request holds).
 
 It shows configuration and the machine, never a secret: API keys are counted, not shown, and
 environment variables whose names hold KEY, TOKEN, SECRET or PASSWORD are left out.
@@ -30,6 +31,14 @@ def server_info(deps: Any) -> dict[str, Any]:
         "server": config,
         "system_fingerprint": deps.serving.system_fingerprint,
     }
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(deps: Deps) -> Response:
+    """200 {"reset": true} once the engine's prefix cache is empty; {"reset": false} when running requests
+    hold cached blocks (the engine then keeps its cache: reset when they are done)."""
+    reset = await deps.client.call_utility("reset_prefix_cache")
+    return json_response({"reset": bool(reset)})
 
 
 @router.get("/server_info")
