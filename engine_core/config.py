@@ -26,6 +26,7 @@ class SchedulerConfig:
     # False for encoders: a prompt is scheduled whole in one step or waits (its first token attends to
     # its last); the budget must then hold max_model_len
     chunked_prefill: bool = True
+    max_loras: int = 0  # >0: the distinct LoRA adapters one step may hold (the worker's slots); 0: no LoRA
 
     def __post_init__(self) -> None:
         for name in (

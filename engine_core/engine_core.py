@@ -21,6 +21,7 @@ import msgspec
 
 from engine_core.config import SchedulerConfig
 from engine_core.executor import Executor
+from engine_core.lora_table import LoraTable
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from protocol.config import EngineConfig
@@ -49,6 +50,7 @@ class EngineCore:
             info,
             enable_prefix_caching=config.enable_prefix_caching and prefix_cache_serves(info),
             scheduling_policy=config.scheduling_policy,
+            max_loras=config.worker.lora.max_loras if config.worker.lora is not None else 0,
         )
         budget = config.max_num_batched_tokens
         if info.runner == "pooling":
@@ -78,11 +80,18 @@ class EngineCore:
             decode_prefill_token_budget=config.decode_prefill_token_budget,
             decode_prefill_tokens_per_decode=config.decode_prefill_tokens_per_decode,
             chunked_prefill=not info.is_encoder,
+            max_loras=config.worker.lora.max_loras if config.worker.lora is not None else 0,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0
         self.max_steps_in_flight = 2 if config.async_scheduling else 1
         self.request_ended = False  # since the last collect: run one step at a time until the next
+        self.loras = LoraTable(config.worker.lora, executor)
+        for module in config.lora_modules:
+            try:
+                self.loras.load(module.name, module.path, module.base_model_name)
+            except InvalidParameterError as error:
+                raise ValueError(f"--lora-modules {module.name}: {error.message}") from error
 
     def add_request(self, message: AddRequest, client_id: str = "") -> None:
         """Validate and queue; raises InvalidParameterError for what the frontend should have caught."""
@@ -127,7 +136,8 @@ class EngineCore:
         message.sampling_params.validate(info.vocab_size)
         if message.sampling_params.n != 1:
             raise InvalidParameterError("n", "the engine takes n == 1; the frontend fans n > 1 out.")
-        self.scheduler.add_request(Request.from_add(message, client_id, info.block_size))
+        lora = self.loras.resolve(message.lora_name) if message.lora_name is not None else None
+        self.scheduler.add_request(Request.from_add(message, client_id, info.block_size, lora))
 
     def abort_requests(
         self, request_ids: list[str], reason: str | None = None
@@ -135,6 +145,7 @@ class EngineCore:
         """reason: the abort outputs' stop_reason (None: the owner reads the abort as a fault)."""
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.request_ended |= bool(finished)
+        self.loras.sweep(self.scheduler.requests.values())
         return [
             (
                 request,
@@ -165,6 +176,8 @@ class EngineCore:
         self.num_steps += 1
         outputs = self.scheduler.update_from_output(model_output)
         self.request_ended = any(output.finish_reason for _, output in outputs)
+        if self.request_ended:
+            self.loras.sweep(self.scheduler.requests.values())
         return outputs
 
     def make_stats(self) -> SchedulerStats:
@@ -179,6 +192,14 @@ class EngineCore:
         if method == "check_invariants":
             self.scheduler.check_invariants()
             return True
+        if method == "load_lora":
+            name, path, base_model_name, replace = args
+            adapter = self.loras.load(name, path, base_model_name, replace, self.scheduler.requests.values())
+            return msgspec.to_builtins(adapter)
+        if method == "unload_lora":
+            return msgspec.to_builtins(self.loras.unload(args[0], self.scheduler.requests.values()))
+        if method == "list_loras":
+            return [msgspec.to_builtins(adapter) for adapter in self.loras.listed()]
         raise ValueError(f"unknown utility method {method!r}")
 
     def shutdown(self) -> None:

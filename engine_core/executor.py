@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections import deque
 from typing import Protocol
 
 import msgspec
@@ -23,6 +24,8 @@ from protocol.startup import parent_pid_arg
 from protocol.worker_messages import (
     ModelRunnerOutput,
     SchedulerOutput,
+    WorkerCall,
+    WorkerCallResult,
     WorkerError,
     WorkerReady,
     WorkerShutdown,
@@ -38,6 +41,10 @@ class Executor(Protocol):
     def submit(self, scheduler_output: SchedulerOutput) -> None: ...
 
     def collect(self) -> ModelRunnerOutput: ...
+
+    def call(self, call: WorkerCall) -> WorkerCallResult:
+        """Run a worker method after the steps submitted so far (their outputs stay for collect)."""
+        ...
 
     def check_health(self) -> None: ...
 
@@ -55,6 +62,7 @@ class MultiprocExecutor:
     POLL_INTERVAL_MS = 1000
 
     def __init__(self, config: WorkerConfig, load_timeout_s: float = 600.0) -> None:
+        self._early: deque[ModelRunnerOutput] = deque()  # step outputs a call read ahead of collect
         self._input_codec = worker_input_codec()
         self._output_codec = worker_output_codec()
         self._context = zmq.Context()
@@ -93,9 +101,20 @@ class MultiprocExecutor:
         self._socket.send_multipart(self._input_codec.encode(scheduler_output), copy=False)
 
     def collect(self) -> ModelRunnerOutput:
+        if self._early:
+            return self._early.popleft()
         message = self._receive()
         assert isinstance(message, ModelRunnerOutput)
         return message
+
+    def call(self, call: WorkerCall) -> WorkerCallResult:
+        self._socket.send_multipart(self._input_codec.encode(call), copy=False)
+        while True:
+            message = self._receive()
+            if isinstance(message, WorkerCallResult):
+                return message
+            assert isinstance(message, ModelRunnerOutput)
+            self._early.append(message)  # a step submitted before the call: collect returns it next
 
     def check_health(self) -> None:
         code = self._process.poll()

@@ -269,7 +269,10 @@ class EngineCoreProc:
                 param = error.param if isinstance(error, InvalidParameterError) else "prompt"
                 message_text = error.message if isinstance(error, InvalidParameterError) else str(error)
                 output = RequestOutput(
-                    message.request_id, [], finish_reason="error", error=RequestError(param, message_text)
+                    message.request_id,
+                    [],
+                    finish_reason="error",
+                    error=RequestError(param, message_text, getattr(error, "code", None)),
                 )
                 self.output_queue.put((client_id, EngineOutputs([output], time.time())))
         elif isinstance(message, AbortRequests):
@@ -279,6 +282,10 @@ class EngineCoreProc:
                 args = [decode_value(arg) for arg in message.args]
                 result = self.engine.call_utility(message.method, args)
                 reply = UtilityResult(message.call_id, encode_value(result))
+            except InvalidParameterError as error:
+                reply = UtilityResult(
+                    message.call_id, encode_value(None), error.message, error.param, error.code
+                )
             except Exception as error:
                 reply = UtilityResult(message.call_id, encode_value(None), f"{type(error).__name__}: {error}")
             self.output_queue.put((client_id, reply))

@@ -15,6 +15,7 @@ import time
 
 from engine_core.block_hash import BlockHash, hash_block_tokens
 from protocol.config import DEFAULT_BLOCK_SIZE
+from protocol.lora import LoraRequest
 from protocol.messages import AddRequest
 from protocol.pooling import PoolingParams
 from protocol.sampling import SamplingParams
@@ -61,12 +62,14 @@ class Request:
         block_size: int = DEFAULT_BLOCK_SIZE,
         extra_keys: tuple[str, ...] = (),
         pooling_params: PoolingParams | None = None,
+        lora: LoraRequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params  # a pooling request: finished when its prompt is computed
+        self.lora = lora  # the adapter it runs with (None: the base model)
         self.arrival_time = arrival_time
         self.priority = priority
         self.status = RequestStatus.WAITING
@@ -97,8 +100,13 @@ class Request:
         return scheduled - self.received_time, first_token - scheduled, now - first_token
 
     @classmethod
-    def from_add(cls, message: AddRequest, client_id: str, block_size: int) -> Request:
-        extra_keys = tuple(k for k in (message.lora_name, message.cache_salt) if k is not None)
+    def from_add(
+        cls, message: AddRequest, client_id: str, block_size: int, lora: LoraRequest | None = None
+    ) -> Request:
+        """lora: the adapter message.lora_name resolved to (engine_core/lora_table.py)."""
+        # keyed by the adapter's id, not its name: a name loaded again from another folder shares no KV
+        lora_key = f"lora:{lora.lora_id}" if lora is not None else None
+        extra_keys = tuple(k for k in (lora_key, message.cache_salt) if k is not None)
         return cls(
             message.request_id,
             message.prompt_token_ids,
@@ -109,6 +117,7 @@ class Request:
             block_size=block_size,
             extra_keys=extra_keys,
             pooling_params=message.pooling_params,
+            lora=lora,
         )
 
     @property

@@ -14,6 +14,8 @@ they were scheduled for, so a request finished, aborted or preempted meanwhile d
 
 Invariants (check_invariants):
 - scheduled tokens never exceed max_num_batched_tokens; running requests never exceed max_num_seqs;
+- the running requests use at most max_loras distinct LoRA adapters (the worker's slots), so every step
+  fits them; a waiting request whose adapter would be one more waits, and later ones may go first;
 - every running request holds blocks for its computed tokens; waiting ones hold none;
 - a finished request is in neither queue and holds no blocks;
 - the step-token histogram (iteration_tokens_buckets) counts each step executed once: it sums to num_steps.
@@ -25,6 +27,7 @@ import bisect
 import heapq
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine_core.config import SchedulerConfig
@@ -192,6 +195,10 @@ class Scheduler:
             index += 1
 
         # NOTE: after a preemption the pool is tight; admitting new work would only thrash.
+        loras = (
+            {r.lora.lora_id for r in self.running if r.lora is not None} if self.config.max_loras else set()
+        )
+        skipped: list[Request] = []  # waiting requests whose adapter would be one too many for the step
         while (
             not preempted
             and len(self.waiting) > 0
@@ -199,6 +206,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.lora is not None and request.lora.lora_id not in loras:
+                if len(loras) >= self.config.max_loras:
+                    skipped.append(self.waiting.pop())  # vLLM's rule: later requests may still go
+                    continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget, self._prefill_cap(), prefill_budget)
             if num_new <= 0 or (
@@ -215,9 +226,13 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora is not None:
+                loras.add(request.lora.lora_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             prefill_budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.add_front(request)
 
         return self._make_output(num_scheduled, new_block_ids)
 
@@ -295,6 +310,7 @@ class Scheduler:
                         self.kv_cache.get_block_ids(request_id),
                         request.num_computed_tokens,
                         request.pooling_params,
+                        request.lora,
                     )
                 )
                 self.sent_to_worker.add(request_id)
@@ -414,11 +430,21 @@ class Scheduler:
             num_steps=self.num_steps,
             iteration_tokens_buckets=list(self.iteration_tokens_buckets),  # a copy: sent from another thread
             iteration_tokens_sum=self.iteration_tokens_sum,
+            running_loras=self._lora_names(self.running),
+            waiting_loras=self._lora_names(self.waiting),
+            max_loras=self.config.max_loras,
         )
+
+    def _lora_names(self, requests: Iterable[Request]) -> list[str]:
+        if not self.config.max_loras:
+            return []
+        return sorted({r.lora.name for r in requests if r.lora is not None})
 
     def check_invariants(self, scheduler_output: SchedulerOutput | None = None) -> None:
         self.kv_cache.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
+        if self.config.max_loras:
+            assert len({r.lora.lora_id for r in self.running if r.lora is not None}) <= self.config.max_loras
         if scheduler_output is not None:
             assert scheduler_output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         block_size = self.config.block_size

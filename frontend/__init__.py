@@ -11,14 +11,24 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from frontend.offline.llm import LLM
+    from frontend.offline.lora import LoRARequest
     from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
     from protocol.sampling import SamplingParams
     from protocol.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestResult", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "CompletionOutput",
+    "Logprob",
+    "RequestResult",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 _HOMES = {
     "LLM": "frontend.offline.llm",
+    "LoRARequest": "frontend.offline.lora",
     "CompletionOutput": "frontend.offline.outputs",
     "Logprob": "frontend.offline.outputs",
     "RequestResult": "frontend.offline.outputs",

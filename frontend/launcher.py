@@ -298,10 +298,15 @@ def _start_api_servers(
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
     supervisor.state_dir = tempfile.mkdtemp(prefix="engine-state-")
     store = os.path.join(supervisor.state_dir, "responses.sqlite")
-    dev_mode = ServerArgs.dev_mode()  # read once, here: every API server gets the launcher's answer
+    # read once, here: every API server gets the launcher's answer
+    dev_mode, runtime_lora = ServerArgs.dev_mode(), ServerArgs.runtime_lora_updating()
     for index in range(args.api_server_count):
         config = msgspec.structs.replace(
-            api_config, server_index=index, responses_store_path=store, dev_mode=dev_mode
+            api_config,
+            server_index=index,
+            responses_store_path=store,
+            dev_mode=dev_mode,
+            runtime_lora_updating=runtime_lora,
         )
         supervisor.start_api_server(sock, config)
     sock.close()  # the API servers hold it now

@@ -171,14 +171,17 @@ class Metrics:
         *,
         n: int | None = 1,
         max_tokens: int | None = None,
+        model_name: str | None = None,
     ) -> None:
         """One finished request, or one choice of an n > 1 request. `n` and `max_tokens` are the
         request's parameters, given with its last choice to finish only (None for the others), so
-        request_params_* count each request once, as vLLM's do."""
+        request_params_* count each request once, as vLLM's do. model_name: the LoRA adapter the request
+        named, which the request and token counters carry as their model_name (None: the base model's)."""
         name = self.model_name
-        self.prompt_tokens.labels(name).inc(num_prompt)
-        self.generation_tokens.labels(name).inc(num_generated)
-        self.request_success.labels(name, finish_reason).inc()
+        asked = model_name or name
+        self.prompt_tokens.labels(asked).inc(num_prompt)
+        self.generation_tokens.labels(asked).inc(num_generated)
+        self.request_success.labels(asked, finish_reason).inc()
         self.e2e.labels(name).observe(now - state.arrival_time)
         self.queue.labels(name).observe(output.queue_time_s)
         self.prefill.labels(name).observe(output.prefill_time_s)
@@ -194,13 +197,16 @@ class Metrics:
         if max_tokens:  # vLLM skips an unset (or zero) max_tokens
             self.request_params_max_tokens.labels(name).observe(max_tokens)
 
-    def observe_pooling(self, started: float, output: RequestOutput, num_prompt: int, task: str) -> None:
+    def observe_pooling(
+        self, started: float, output: RequestOutput, num_prompt: int, task: str, model_name: str | None = None
+    ) -> None:
         """A finished pooling request: the request and token counters and the latency histograms count it
         as a request whose one output is its pooled value (its time to that value is its TTFT)."""
         name, now = self.model_name, time.monotonic()
-        self.prompt_tokens.labels(name).inc(num_prompt)
-        self.request_success.labels(name, output.finish_reason or "stop").inc()
-        self.pooling_requests.labels(name, task).inc()
+        asked = model_name or name
+        self.prompt_tokens.labels(asked).inc(num_prompt)
+        self.request_success.labels(asked, output.finish_reason or "stop").inc()
+        self.pooling_requests.labels(asked, task).inc()
         self.ttft.labels(name).observe(now - started)
         self.e2e.labels(name).observe(now - started)
         self.queue.labels(name).observe(output.queue_time_s)
@@ -269,6 +275,15 @@ class EngineStatsCollector:
             buckets = list(zip(upper_bounds, cumulative, strict=True))
             histogram.add_metric(label, buckets, sum_value=stats.iteration_tokens_sum)
             yield histogram
+        if stats.max_loras:  # vLLM's: the adapters running and waiting, as labels; the value is the time
+            lora = GaugeMetricFamily(
+                f"{prefix}:lora_requests_info",
+                "LoRA adapters of the running and waiting requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            waiting, running = ",".join(stats.waiting_loras), ",".join(stats.running_loras)
+            lora.add_metric([str(stats.max_loras), waiting, running], time.time())
+            yield lora
 
 
 def render(collector: EngineStatsCollector) -> bytes:

@@ -24,9 +24,11 @@ TYPE_BYTES: dict[str, bytes] = {
     "dead": b"\x14",
     "schedule": b"\x20",
     "shutdown": b"\x21",
+    "worker_call": b"\x22",
     "model_output": b"\x30",
     "worker_ready": b"\x31",
     "worker_error": b"\x32",
+    "worker_call_result": b"\x33",
 }
 
 

@@ -6,6 +6,7 @@ import os
 
 import msgspec
 
+from protocol.lora import LoraAdapter, LoraConfig
 from protocol.pooling import PoolerConfig
 
 # Tokens per KV block. Decode attention reads each block's rows in one sweep and then jumps to the next
@@ -47,6 +48,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     runner: str = "auto"  # "generate", "pooling" or "auto" (worker/pooling.py)
     convert: str = "auto"  # a pooling runner's conversion: "embed", "classify" or "auto"
     pooler_config: PoolerConfig | None = None  # overrides of the model's pooling
+    lora: LoraConfig | None = None  # LoRA's slots and limits (--enable-lora); None: no adapters
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -67,3 +69,4 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     log_level: str = "info"
     log_format: str = "text"  # or "json"
     stats_log_interval_s: float = 10.0  # the periodic one-line engine summary; 0 turns it off
+    lora_modules: list[LoraAdapter] = []  # adapters loaded at start (--lora-modules); needs worker.lora

@@ -4,10 +4,11 @@
 class InvalidParameterError(ValueError):
     """A caller passed a value outside its allowed range; `param` names the field (OpenAI `error.param`)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.message = message
+        self.code = code  # e.g. "model_not_found": the HTTP edge answers 404
 
 
 class ProtocolVersionError(RuntimeError):

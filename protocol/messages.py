@@ -10,10 +10,11 @@ import msgspec
 from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 6  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 7  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
 # 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
-# runner and tasks, AddRequest.pooling_params, RequestOutput.pooled)
+# runner and tasks, AddRequest.pooling_params, RequestOutput.pooled); 7: LoRA (RequestError.code,
+# SchedulerStats' adapters, NewRequestData.lora, the worker calls)
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -52,6 +53,7 @@ class ModelInfo(msgspec.Struct, array_like=True):
     hidden_size: int = 0  # the width of a pooled vector before `dimensions`
     id2label: dict[str, str] = msgspec.field(default_factory=dict)  # a classifier's labels, by index
     is_encoder: bool = False  # bidirectional attention: no prefix cache, an input in one step
+    max_loras: int = 0  # >0: LoRA is on (set by the EngineCore); requests may name an adapter as `model`
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -101,6 +103,8 @@ class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
     call_id: int
     result: msgspec.Raw  # msgpack-encoded return value (nil when the call raised)
     error: str | None = None  # set when the call raised
+    param: str | None = None  # set when the caller's input was at fault: the HTTP edge answers 400
+    code: str | None = None  # e.g. "model_not_found": 404
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -116,6 +120,7 @@ class RequestError(msgspec.Struct, array_like=True):
 
     param: str  # the request field at fault, e.g. "prompt" or "max_tokens"
     message: str  # a sentence for the caller
+    code: str | None = None  # e.g. "model_not_found" (an adapter the engine does not have): a 404
 
 
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -154,6 +159,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
         default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
     )
     iteration_tokens_sum: int = 0  # tokens scheduled over all steps executed
+    running_loras: list[str] = []  # adapters of the running requests (vLLM's lora_requests_info)
+    waiting_loras: list[str] = []  # adapters of the waiting requests
+    max_loras: int = 0  # adapters one step may mix; 0: LoRA off
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):

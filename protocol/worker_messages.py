@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
+from protocol.lora import LoraRequest
 from protocol.messages import Logprobs, ModelInfo, RequestError
 from protocol.pooling import PooledOutput, PoolingParams
 from protocol.sampling import SamplingParams
@@ -19,6 +22,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit length at schedule time
     pooling_params: PoolingParams | None = None  # a pooling request: pooled when its prompt is computed
+    lora: LoraRequest | None = None  # the adapter its products add (None: the base model)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -63,9 +67,26 @@ class WorkerError(msgspec.Struct, tag="worker_error", array_like=True):
     message: str
 
 
+class WorkerCall(msgspec.Struct, tag="worker_call", array_like=True):
+    """engine -> worker: call one of the worker's methods between steps (ModelRunner.CALLS: LoRA adapters,
+    sleep and wake, the profiler, collective_rpc's allowlist); answered by WorkerCallResult in order."""
+
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class WorkerCallResult(msgspec.Struct, tag="worker_call_result", array_like=True):
+    """worker -> engine: a WorkerCall's return value (msgpack-able), or why it failed."""
+
+    result: Any = None
+    error: str | None = None  # the exception's message; the engine raises it to the caller
+    param: str | None = None  # set when the caller's input was at fault (an InvalidParameterError)
+
+
 class WorkerShutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """engine -> worker: exit cleanly."""
 
 
-EngineToWorker = SchedulerOutput | WorkerShutdown
-WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError
+EngineToWorker = SchedulerOutput | WorkerCall | WorkerShutdown
+WorkerToEngine = ModelRunnerOutput | WorkerReady | WorkerError | WorkerCallResult

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from protocol.lora import LoraRequest
 from protocol.pooling import PoolingParams
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, NewRequestData
@@ -24,6 +25,7 @@ class RequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     pooling_params: PoolingParams | None = None
+    lora: LoraRequest | None = None  # the adapter its products add
 
 
 class InputBatch:
@@ -48,7 +50,12 @@ class InputBatch:
         self.block_table[row, : len(data.block_ids)] = data.block_ids
         self.num_blocks[row] = len(data.block_ids)
         self.requests[data.request_id] = RequestState(
-            data.request_id, row, len(data.prompt_token_ids), data.sampling_params, data.pooling_params
+            data.request_id,
+            row,
+            len(data.prompt_token_ids),
+            data.sampling_params,
+            data.pooling_params,
+            data.lora,
         )
 
     def update(self, data: CachedRequestData) -> None:

@@ -17,7 +17,7 @@ from protocol.codec import worker_input_codec, worker_output_codec
 from protocol.config import WorkerConfig
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, exit_with_parent
-from protocol.worker_messages import SchedulerOutput, WorkerError, WorkerReady, WorkerShutdown
+from protocol.worker_messages import SchedulerOutput, WorkerCall, WorkerError, WorkerReady, WorkerShutdown
 
 logger = logging.getLogger("engine.worker")
 
@@ -38,10 +38,12 @@ def main() -> None:
     socket.setsockopt(zmq.LINGER, 1000)
     socket.connect(address)
     try:
+        from worker.calls import WorkerCalls
         from worker.model_runner import ModelRunner
 
         phases.mark("imports")
         runner = ModelRunner(config, phases)
+        calls = WorkerCalls(runner)
         gc.collect()
         gc.freeze()  # torch's and the model's objects are never garbage: collections need not walk them
         socket.send_multipart(output_codec.encode(WorkerReady(runner.model_info())))
@@ -55,6 +57,9 @@ def main() -> None:
             message = input_codec.decode(socket.recv_multipart())
             if isinstance(message, WorkerShutdown):
                 return
+            if isinstance(message, WorkerCall):
+                socket.send_multipart(output_codec.encode(calls.handle(message)))
+                continue
             assert isinstance(message, SchedulerOutput)
             socket.send_multipart(output_codec.encode(runner.execute_model(message)))
     except Exception:

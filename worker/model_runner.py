@@ -25,6 +25,8 @@ from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
 from worker.input_batch import InputBatch, RequestState, StepInputs
 from worker.kernel_table import log_kernel_table
+from worker.lora.manager import LoraManager
+from worker.lora.slots import LoraBatch
 from worker.model_config import ModelConfig
 from worker.models import build_model
 from worker.models.llama import LlamaForCausalLM
@@ -124,6 +126,7 @@ class ModelRunner:
         trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
         keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
         phases.mark("kv cache")
+        self.lora = LoraManager(config.lora, mc, self.dtype) if config.lora is not None else None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
@@ -177,8 +180,11 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
         inputs = self._prepare_inputs(scheduler_output)
+        lora = self._lora_batch(inputs)
         if self.pooling_step is not None:
-            return self.pooling_step.execute(self.model, inputs, self.batch, self.kv_caches, self.backend)
+            return self.pooling_step.execute(
+                self.model, inputs, self.batch, self.kv_caches, self.backend, lora
+            )
         assert isinstance(self.model, LlamaForCausalLM)  # an encoder only pools
         ends = np.cumsum(inputs.counts)
         sample_pos = [
@@ -194,7 +200,7 @@ class ModelRunner:
         sampling_ids = [inputs.request_ids[i] for i in sample_pos]
         bitmask = self.grammar.start_bitmask(sampling_ids)  # filled while the forward runs
         hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend, out_rows
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend, out_rows, lora
         )  # [len(score_rows), hidden]
         logits = self.model.compute_logits(hidden) if score_rows else None  # [n, vocab]
 
@@ -230,6 +236,11 @@ class ModelRunner:
         for i, row in enumerate(inputs.rows):
             self.batch.num_computed_tokens[row] = inputs.starts[i] + inputs.counts[i]
         return output
+
+    def _lora_batch(self, inputs: StepInputs) -> LoraBatch | None:
+        if self.lora is None:
+            return None
+        return self.lora.batch([self.batch.requests[r].lora for r in inputs.request_ids], inputs.counts)
 
     def _num_tokens(self, i: int, inputs: StepInputs) -> int:
         return int(self.batch.num_tokens[inputs.rows[i]])

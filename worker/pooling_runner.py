@@ -31,9 +31,16 @@ class PoolingStep:
         self.partial.pop(request_id, None)
 
     def execute(
-        self, model: Any, inputs: StepInputs, batch: InputBatch, kv_caches: list[torch.Tensor], backend: Any
+        self,
+        model: Any,
+        inputs: StepInputs,
+        batch: InputBatch,
+        kv_caches: list[torch.Tensor],
+        backend: Any,
+        lora: Any = None,
     ) -> ModelRunnerOutput:
-        """model: a BertModel or a LlamaForCausalLM (its `norm` after the last layer)."""
+        """model: a BertModel or a LlamaForCausalLM (its `norm` after the last layer); lora: the step's
+        LoraBatch (a causal LM's adapters)."""
         counts, starts = inputs.counts, inputs.starts
         ends = np.cumsum(counts)
         firsts = ends - counts
@@ -59,6 +66,7 @@ class PoolingStep:
                 inputs.metadata,
                 backend,
                 out_rows,
+                lora,
             )
             hidden = model.norm(hidden)  # HF's last_hidden_state is after the final norm
             row_of = np.full(len(inputs.input_ids), -1)

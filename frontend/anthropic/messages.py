@@ -35,6 +35,7 @@ _encoder = msgspec.json.Encoder()
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, serving: Serving) -> Response:
     chat = to_chat_request(body)
+    await serving.check_model(chat.model)
     if body.thinking is not None and serving.reasoning_parser is None:
         raise OpenAIError("thinking needs a server started with --reasoning-parser.", param="thinking")
     run, stream = start_chat(chat, request, serving, id_prefix="msg")
@@ -56,6 +57,7 @@ async def messages(body: MessagesRequest, request: Request, serving: Serving) ->
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, serving: Serving) -> Response:
     chat = to_chat_request(body)
+    await serving.check_model(chat.model)
     serving.model_name(chat.model)
     return json_response({"input_tokens": len(chat_prompt(serving, chat, chat.tools).token_ids)})
 

@@ -13,6 +13,7 @@ import msgspec
 from frontend.config.flags import ConfigError, human_bytes, naming, option
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
 from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, WorkerConfig
+from protocol.lora import LoraAdapter, LoraConfig
 from protocol.pooling import PoolerConfig
 from structured_outputs import resolve_backend_name
 
@@ -28,6 +29,19 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("expected a JSON object")
     return value
+
+
+def lora_module(text: str) -> LoraAdapter:
+    """One --lora-modules entry, vLLM's two spellings: name=path, or {"name", "path", "base_model_name"}."""
+    if text.lstrip().startswith("{"):
+        try:
+            return msgspec.json.decode(text, type=LoraAdapter, strict=True)
+        except (msgspec.ValidationError, msgspec.DecodeError) as error:
+            raise ValueError(f"{error} (its keys: name, path, base_model_name)") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"expected name=path or a JSON object, got {text!r}")
+    return LoraAdapter(name=name, path=path)
 
 
 def _gib(text: str) -> int:
@@ -118,6 +132,18 @@ class EngineArgs:
         '"activation": true} (default: the model folder\'s sentence-transformers files, else by --convert)',
         parse=_json_object,
     )
+    enable_lora: bool = option(False, "serve LoRA adapters: a request names one as its `model`")
+    lora_modules: list[LoraAdapter] = option(
+        default_factory=list,
+        help='adapters loaded at start: name=path, or JSON {"name", "path", "base_model_name"}',
+        parse=lora_module,
+        nargs="+",
+    )
+    max_loras: int = option(1, "LoRA adapters one step may mix (the worker's preallocated slots)")
+    max_lora_rank: int = option(16, "the largest rank an adapter may have (the slots' width)")
+    max_cpu_loras: int | None = option(
+        None, "adapters the worker keeps loaded, least recently used out first (default: --max-loras)"
+    )
     startup_timeout_s: float = option(
         600.0, "seconds the offline API waits for the engine to load", flag="--startup-timeout"
     )
@@ -155,6 +181,16 @@ class EngineArgs:
             )
         with naming("--pooler-config"):
             self.pooler()
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules", "needs --enable-lora")
+        for flag, value in (("--max-loras", self.max_loras), ("--max-lora-rank", self.max_lora_rank)):
+            if value < 1:
+                raise ConfigError(flag, f"must be positive, got {value}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError("--max-cpu-loras", f"must be at least --max-loras ({self.max_loras})")
+        names = [module.name for module in self.lora_modules]
+        if len(set(names)) < len(names):
+            raise ConfigError("--lora-modules", "names an adapter twice")
         flag, config = "--structured-outputs-config", self.structured_outputs_config
         unknown = set(config) - set(STRUCTURED_OUTPUTS_KEYS)
         if unknown:
@@ -174,6 +210,13 @@ class EngineArgs:
         except msgspec.ValidationError as error:
             keys = ", ".join(PoolerConfig.__struct_fields__)
             raise ValueError(f"{error} (its keys: {keys})") from None
+
+    def lora_config(self) -> LoraConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoraConfig(
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
+        )
 
     def resolved_tokenizer(self) -> str | None:
         """The local path of --tokenizer (None: the model's own)."""
@@ -208,8 +251,14 @@ class EngineArgs:
             runner=self.runner,
             convert=self.convert,
             pooler_config=self.pooler(),
+            lora=self.lora_config(),
         )
+        base = worker.served_model_names[0]
         return EngineConfig(
+            lora_modules=[
+                msgspec.structs.replace(module, base_model_name=module.base_model_name or base)
+                for module in self.lora_modules
+            ],
             worker=worker,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -25,6 +25,8 @@ SERVE_DECODE_PREFILL_TOKEN_BUDGET = 64
 API_KEY_ENV = ("ENGINE_API_KEY", "VLLM_API_KEY")  # read in this order, comma-separated keys each
 # `/server_info` is served when either is 1 (vLLM's VLLM_SERVER_DEV_MODE, and ours); read by the launcher
 DEV_MODE_ENV = ("ENGINE_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
+# /v1/load_lora_adapter and /v1/unload_lora_adapter are served when either is true (vLLM's and ours)
+RUNTIME_LORA_ENV = ("ENGINE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 FINGERPRINT_MODES = ["full", "hash", "custom", "none"]
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -180,8 +182,13 @@ class ServerArgs:
     @staticmethod
     def dev_mode(environ: dict[str, str] | None = None) -> bool:
         """ENGINE_SERVER_DEV_MODE=1 or VLLM_SERVER_DEV_MODE=1: developer endpoints (/server_info)."""
-        environ = dict(os.environ) if environ is None else environ
-        return any(environ.get(name, "").strip().lower() in ("1", "true") for name in DEV_MODE_ENV)
+        return _env_true(DEV_MODE_ENV, environ)
+
+    @staticmethod
+    def runtime_lora_updating(environ: dict[str, str] | None = None) -> bool:
+        """ENGINE_ALLOW_RUNTIME_LORA_UPDATING or VLLM_ALLOW_RUNTIME_LORA_UPDATING true: load and unload
+        LoRA adapters over HTTP."""
+        return _env_true(RUNTIME_LORA_ENV, environ)
 
     def api_keys(self, environ: dict[str, str] | None = None) -> list[str]:
         """Keys from --api-key (repeatable), --api-key-file (one a line, # comments), ENGINE_API_KEY and
@@ -194,3 +201,8 @@ class ServerArgs:
         for name in API_KEY_ENV:
             keys += [key.strip() for key in environ.get(name, "").split(",") if key.strip()]
         return list(dict.fromkeys(keys))
+
+
+def _env_true(names: tuple[str, ...], environ: dict[str, str] | None) -> bool:
+    environ = dict(os.environ) if environ is None else environ
+    return any(environ.get(name, "").strip().lower() in ("1", "true") for name in names)

@@ -55,9 +55,11 @@ class AsyncLLM:
         log_id: str | None = None,
         parser: TextParser | None = None,
         incremental: bool = True,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[tuple[RequestState, Delta], None]:
         """Run the n choices of one prompt; yield each delta as it comes, with the request's state.
-        parser, incremental: how the door reads the text (OutputProcessor.add_request)."""
+        parser, incremental: how the door reads the text (OutputProcessor.add_request); lora_name: the
+        adapter it runs with (None: the base model)."""
         state, requests = self.processor.add_request(
             request_id,
             prompt_token_ids,
@@ -66,6 +68,7 @@ class AsyncLLM:
             cache_salt=cache_salt,
             parser=parser,
             incremental=incremental,
+            lora_name=lora_name,
         )
         self._log(state, log_id)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -96,6 +99,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> PooledOutput:
         """Run one pooling request (prefill only) to its pooled value. Raises InvalidParameterError when the
         engine refused it and EngineDeadError when it ended without one."""
@@ -107,6 +111,7 @@ class AsyncLLM:
             priority=priority,
             cache_salt=cache_salt,
             pooling_params=params,
+            lora_name=lora_name,
         )
         started = time.monotonic()
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -118,7 +123,7 @@ class AsyncLLM:
                 if isinstance(item, Exception):
                     raise item
                 if item.error is not None:
-                    raise InvalidParameterError(item.error.param, item.error.message)
+                    raise InvalidParameterError(item.error.param, item.error.message, item.error.code)
                 if item.finish_reason is None:
                     continue
                 finished = True
@@ -128,7 +133,8 @@ class AsyncLLM:
                         raise RequestAbortedError(str(item.stop_reason))  # a drain or a cancel, on purpose
                     raise EngineDeadError(f"the engine ended the pooling request ({item.finish_reason})")
                 if self.processor.metrics is not None:
-                    self.processor.metrics.observe_pooling(started, item, len(prompt_token_ids), params.task)
+                    metrics = self.processor.metrics
+                    metrics.observe_pooling(started, item, len(prompt_token_ids), params.task, lora_name)
                 return item.pooled
         finally:
             if not finished:

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.codec import decode_value, encode_value, engine_codec, frontend_codec
-from protocol.errors import EngineDeadError, ProtocolVersionError
+from protocol.errors import EngineDeadError, InvalidParameterError, ProtocolVersionError
 from protocol.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -228,7 +228,10 @@ class AsyncEngineClient:
             elif isinstance(message, UtilityResult):
                 future = self._calls.get(message.call_id)
                 if future is not None and not future.done():
-                    if message.error is not None:
+                    if message.error is not None and message.param is not None:
+                        error = InvalidParameterError(message.param, message.error, message.code)
+                        future.set_exception(error)  # the caller's input: a 400 (or 404) at the edge
+                    elif message.error is not None:
                         future.set_exception(RuntimeError(message.error))
                     else:
                         future.set_result(decode_value(message.result))

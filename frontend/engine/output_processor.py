@@ -83,6 +83,7 @@ class RequestState:
     arrival_time: float
     num_cached_tokens: int = 0
     prompt_logprobs: Logprobs | None = None  # positions 1.. of the prompt (position 0 has none)
+    lora_name: str | None = None  # the adapter it runs with (the request counters' model_name)
 
     def child_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -121,6 +122,7 @@ class OutputProcessor:
         cache_salt: str | None = None,
         parser: TextParser | None = None,
         incremental: bool = True,
+        lora_name: str | None = None,
     ) -> tuple[RequestState, list[AddRequest]]:
         """The state of a new prompt and the engine requests that run its n choices. parser: how the
         door reads each choice's text (None: all of it is content); incremental False: the door reads
@@ -141,6 +143,7 @@ class OutputProcessor:
                 for index in range(params.n)
             ],
             arrival_time=time.time(),
+            lora_name=lora_name,
         )
         requests = [
             AddRequest(
@@ -150,6 +153,7 @@ class OutputProcessor:
                 arrival_time=state.arrival_time,
                 priority=priority,
                 cache_salt=cache_salt,
+                lora_name=lora_name,
             )
             for index in range(params.n)
         ]
@@ -163,7 +167,7 @@ class OutputProcessor:
         if choice is None or choice.finished:
             return None
         if output.error is not None:
-            raise InvalidParameterError(output.error.param, output.error.message)
+            raise InvalidParameterError(output.error.param, output.error.message, output.error.code)
         finished = output.finish_reason is not None
         if output.finish_reason == "abort" and output.stop_reason is None:
             raise EngineDeadError("the engine aborted the request")  # a deliberate abort has a reason
@@ -214,6 +218,7 @@ class OutputProcessor:
                 now,
                 # the request's parameters once, with the last of its choices to finish
                 n=state.params.n if state.finished else None,
+                model_name=state.lora_name,
                 max_tokens=state.params.max_tokens,
             )
 

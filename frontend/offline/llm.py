@@ -21,6 +21,7 @@ from frontend.engine.client import AsyncEngineClient
 from frontend.engine.output_processor import RequestState
 from frontend.engine.process import EngineProcess
 from frontend.model_files import load_tokenizer
+from frontend.offline.lora import LoraLoader, LoRARequest
 from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
 from frontend.offline.pooling import PoolingMethods
 from protocol.errors import InvalidParameterError
@@ -54,6 +55,7 @@ class LLM(PoolingMethods):
             self.shutdown()
             raise
         self._counter = itertools.count()
+        self._loras = LoraLoader()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -73,15 +75,21 @@ class LLM(PoolingMethods):
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestResult]:
-        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}); results in order."""
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}); results in order.
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model); loaded into
+        the engine (needs enable_lora=True) on first use."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_request: {len(loras)} for {len(prompt_list)} prompts")
         priorities = priority or [0] * len(prompt_list)
         prompts_ids = [self._tokenize(p) for p in prompt_list]
         for (_, ids), params in zip(prompts_ids, params_list, strict=True):
             self._validate(ids, params)
-        return self._call(self._run_all(prompts_ids, params_list, priorities))
+        return self._call(self._run_all(prompts_ids, params_list, priorities, loras))
 
     def chat(
         self,
@@ -208,19 +216,27 @@ class LLM(PoolingMethods):
         prompts: list[tuple[str | None, list[int]]],
         params_list: list[SamplingParams],
         priorities: list[int],
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestResult]:
+        names: list[str | None] = []
+        for lora in loras or [None] * len(prompts):
+            base = self.model_info.served_model_names[0]
+            names.append(None if lora is None else await self._loras.ensure(self.client, lora, base))
         return await gather_all(
             [
-                self._run_one(text, ids, params, priority)
-                for (text, ids), params, priority in zip(prompts, params_list, priorities, strict=True)
+                self._run_one(text, ids, params, priority, name)
+                for (text, ids), params, priority, name in zip(
+                    prompts, params_list, priorities, names, strict=True
+                )
             ]
         )
 
     async def _run_one(
-        self, text: str | None, ids: list[int], params: SamplingParams, priority: int
+        self, text: str | None, ids: list[int], params: SamplingParams, priority: int, lora_name: str | None
     ) -> RequestResult:
         request_id = f"{self.client.client_id}-{next(self._counter)}"
-        state = await final_state(self.engine_llm.generate(request_id, ids, params, priority=priority))
+        stream = self.engine_llm.generate(request_id, ids, params, priority=priority, lora_name=lora_name)
+        state = await final_state(stream)
         return _result(state, text)
 
 

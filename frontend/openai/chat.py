@@ -79,12 +79,14 @@ class ChatRun(Run):
             log_id=log_id,
             parser=self.plan if self.plan.parses else None,
             incremental=body.stream,  # a body answered whole is read once, at its end
+            lora_name=self.serving.lora_name(body.model),
         )
 
 
 @router.post("/v1/chat/completions")
 @echoes_request_id
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
+    await serving.check_model(body.model)
     run, stream = start_chat(body, request, serving)
     headers = id_headers(request, body)
     if body.stream:

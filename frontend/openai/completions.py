@@ -78,6 +78,7 @@ class CompletionRun(Run):
             priority=self.body.priority,
             cache_salt=self.body.cache_salt,
             log_id=caller_request_id(request, self.body),
+            lora_name=self.serving.lora_name(self.body.model),
         )
 
 
@@ -87,6 +88,7 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     serving.admit()
     body.check_supported()
     serving.check_priority(body.priority)
+    await serving.check_model(body.model)
     model = serving.model_name(body.model)
     prompts = completion_prompts(serving, body)
     top = check_top(body.logprobs, "logprobs")

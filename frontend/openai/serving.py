@@ -72,10 +72,40 @@ class OpenAIServing:
         return self.tokenizer
 
     def model_name(self, requested: str | None) -> str:
+        """The name a body's `model` answers with: a served name, or (with LoRA on) an adapter's, which
+        check_model has found in the engine's table."""
         names = self.model_info.served_model_names
-        if requested is None or requested in names:
+        if requested is None or requested in names or self.model_info.max_loras:
             return requested or names[0]
-        raise OpenAIError(
+        raise self.not_found(requested)
+
+    def lora_name(self, requested: str | None) -> str | None:
+        """The adapter a body's `model` names (None: the base model)."""
+        if requested is None or requested in self.model_info.served_model_names:
+            return None
+        return requested
+
+    async def check_model(self, requested: str | None) -> None:
+        """404 model_not_found unless `model` is a served name or an adapter the engine has now (it owns
+        the table, so every API server sees a load or unload at once; the engine checks again on add)."""
+        if self.lora_name(requested) is None:
+            return
+        assert requested is not None
+        if not self.model_info.max_loras or requested not in await self.lora_names():
+            raise self.not_found(requested)
+
+    async def lora_names(self) -> list[str]:
+        return [adapter["name"] for adapter in await self.loras()]
+
+    async def loras(self) -> list[dict[str, Any]]:
+        """The engine's adapters (LoraAdapter's fields), none when LoRA is off."""
+        if not self.model_info.max_loras:
+            return []
+        adapters: list[dict[str, Any]] = await self.client.call_utility("list_loras")
+        return adapters
+
+    def not_found(self, requested: str) -> OpenAIError:
+        return OpenAIError(
             f"The model `{requested}` does not exist.",
             status=404,
             type="NotFoundError",

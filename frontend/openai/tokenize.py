@@ -31,19 +31,32 @@ def model_card(serving: OpenAIServing, name: str) -> dict[str, Any]:
         # what the model does: vLLM's runner, and a pooling model's tasks (embed, score, classify)
         "runner": info.runner,
         "tasks": info.pooling_tasks if info.runner == "pooling" else ["generate"],
+        "parent": None,
     }
+
+
+def lora_card(serving: OpenAIServing, adapter: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's card of an adapter: its folder as `root`, the base model as `parent`."""
+    base = adapter.get("base_model_name") or serving.model_info.served_model_names[0]
+    return {**model_card(serving, adapter["name"]), "root": adapter["path"], "parent": base}
 
 
 @router.get("/v1/models")
 async def models(serving: Serving) -> Response:
     data = [model_card(serving, name) for name in serving.model_info.served_model_names]
+    data += [lora_card(serving, adapter) for adapter in await serving.loras()]
     return json_response({"object": "list", "data": data})
 
 
 # `:path`: a served name may hold slashes (a hub id such as Qwen/Qwen3-0.6B)
 @router.get("/v1/models/{model:path}")
 async def model(model: str, serving: Serving) -> Response:
-    """OpenAI's retrieve: the model's card, or 404 model_not_found."""
+    """OpenAI's retrieve: the model's card (a base name's or an adapter's), or 404 model_not_found."""
+    if serving.lora_name(model) is not None:
+        for adapter in await serving.loras():
+            if adapter["name"] == model:
+                return json_response(lora_card(serving, adapter))
+        raise serving.not_found(model)
     return json_response(model_card(serving, serving.model_name(model)))
 
 
@@ -63,6 +76,7 @@ async def v1_root(serving: Serving) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, serving: Serving) -> Response:
+    await serving.check_model(body.model)
     serving.model_name(body.model)
     if body.messages is not None:
         try:
@@ -85,6 +99,7 @@ async def tokenize(body: TokenizeRequest, serving: Serving) -> Response:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, serving: Serving) -> Response:
+    await serving.check_model(body.model)
     serving.model_name(body.model)
     tokenizer = serving.require_tokenizer("tokens")
     if any(not 0 <= t < serving.model_info.vocab_size for t in body.tokens):

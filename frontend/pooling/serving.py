@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 from fastapi import Request
 
@@ -122,6 +123,7 @@ async def pool_all(
     client that goes away cancels them (their engine requests are aborted), as on the generation doors."""
     serving.admit()
     serving.check_priority(body.priority)
+    await serving.check_model(body.model)
     request_id = body.request_id or new_request_id(prefix)
     base = new_request_id(prefix)
     work = [
@@ -131,6 +133,7 @@ async def pool_all(
             params if prompt.token_type_start is None else _with_types(params, prompt.token_type_start),
             priority=body.priority,
             cache_salt=body.cache_salt,
+            lora_name=serving.lora_name(body.model),
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -139,8 +142,6 @@ async def pool_all(
 
 
 def _with_types(params: PoolingParams, start: int) -> PoolingParams:
-    import msgspec
-
     return msgspec.structs.replace(params, token_type_start=start)
 
 

@@ -89,6 +89,7 @@ class Context:
 
 @router.post("/v1/responses")
 async def create(body: ResponsesRequest, request: Request, serving: Serving) -> Response:
+    await serving.check_model(body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = (await _stored(serving, body.previous_response_id, "previous_response_id")).history

@@ -53,3 +53,5 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     fingerprint_mode: str = "full"  # system_fingerprint: full, hash, custom or none
     fingerprint_value: str | None = None  # the custom one
     dev_mode: bool = False  # ENGINE_SERVER_DEV_MODE / VLLM_SERVER_DEV_MODE: /server_info
+    # ENGINE_ALLOW_RUNTIME_LORA_UPDATING / VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter, /v1/unload_...
+    runtime_lora_updating: bool = False

@@ -78,6 +78,10 @@ def to_openai_error(error: BaseException) -> OpenAIError:
             code="engine_dead",
         )
     if isinstance(error, InvalidParameterError):
+        if error.code == "model_not_found":
+            return OpenAIError(
+                error.message, status=404, type="NotFoundError", param=error.param, code=error.code
+            )
         return OpenAIError(error.message, param=error.param)
     if isinstance(error, RequestAbortedError):
         return OpenAIError(

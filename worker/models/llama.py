@@ -29,14 +29,16 @@ from worker.models.layers import (
 
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
+    from worker.lora.slots import LoraBatch
 
 
 logger = logging.getLogger("engine.worker")
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None, index: int = 0) -> None:
         super().__init__()
+        self.index = index  # the layer's, for its LoRA slots
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -60,10 +62,14 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         out_rows: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """out_rows: the rows to return (all when None); every row's keys and values are written."""
+        """out_rows: the rows to return (all when None); every row's keys and values are written.
+        lora: the step's adapters (of out_rows' rows for o_proj), added to each product they target."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        if lora is not None:
+            lora.add(self.index, "qkv", x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
@@ -74,31 +80,42 @@ class Attention(nn.Module):
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [num_tokens, heads, head_dim]
         if out_rows is not None:
             out = out.index_select(0, out_rows)
-        projected: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden]
+        out = out.reshape(-1, self.q_size)
+        projected: torch.Tensor = self.o_proj(out)  # [num_tokens, hidden]
+        if lora is not None:
+            (lora if out_rows is None else lora.select(out_rows)).add(self.index, "o", out, projected)
         return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None, index: int = 0) -> None:
         super().__init__()
+        self.index = index  # the layer's, for its LoRA slots
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False, dtype=dtype)
         self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         # [num_tokens, hidden]
-        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.ops))
+        if lora is None:
+            out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.ops))
+            return out
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter]
+        lora.add(self.index, "gate_up", x, gate_up)
+        hidden = silu_and_mul(gate_up, self.ops)  # [num_tokens, inter]
+        out = self.down_proj(hidden)
+        lora.add(self.index, "down", hidden, out)
         return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(config, dtype, ops)
+        self.self_attn = Attention(config, dtype, ops, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.mlp = MLP(config, dtype, ops)
+        self.mlp = MLP(config, dtype, ops, index)
 
     def forward(
         self,
@@ -109,6 +126,7 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         out_rows: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it); their sum is the hidden state,
         of the rows out_rows names (all when None).
@@ -119,13 +137,15 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, metadata, backend, out_rows)
+        x = self.self_attn(x, rope, kv_cache, metadata, backend, out_rows, lora)
         if out_rows is not None:
             residual = residual.index_select(0, out_rows)
             if not len(out_rows):
                 return x, residual  # nothing scored: the keys and values were all this layer had to give
+            if lora is not None:
+                lora = lora.select(out_rows)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -136,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.ops = ops  # the csrc kernels, or None for the plain torch path
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         # *ForSequenceClassification: the `score` head over the last token's normed hidden state
@@ -160,15 +180,17 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         out_rows: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [len(out_rows) or num_tokens, hidden], before the final norm
         """out_rows: the rows the step scores (sampled tokens, prompt logprobs), in the order wanted; None
         for all. Past the last layer's KV write no other row is needed, so that layer's attention, o and
-        MLP run on these rows alone (llama.cpp's inp_out_ids): in a prefill step most of a layer."""
+        MLP run on these rows alone (llama.cpp's inp_out_ids): in a prefill step most of a layer.
+        lora: the step's adapters, where a row uses one (a step with none keeps the native stack)."""
         assert self.rotary is not None
         x: torch.Tensor = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
         rope = self.rotary.prepare(positions, x.dtype, self.ops)
-        if self.native_layers is not None:
+        if self.native_layers is not None and lora is None:
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
             if rows is not None:  # every layer in one native call: the same kernels, no Python between them
                 first = cast(DecoderLayer, self.layers[0])
@@ -189,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(
-                x, residual, rope, kv_cache, metadata, backend, out_rows if i == last else None
+                x, residual, rope, kv_cache, metadata, backend, out_rows if i == last else None, lora
             )
         assert residual is not None  # the model has at least one layer
         return x + residual

@@ -1,0 +1,85 @@
+"""The worker's adapters: a CPU cache of loaded ones (max_cpu_loras, least recently used out first) and
+the slots a step's adapters go in (max_loras; the engine never schedules more adapters in one step).
+
+An adapter the cache let go of is read again from its folder when a request needs it (the request names
+its path), as vLLM's LRU cache does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from protocol.lora import LoraConfig, LoraRequest
+from worker.lora.adapter import LoraWeights, load_adapter
+from worker.lora.slots import LoraBatch, LoraSlots
+from worker.model_config import ModelConfig
+
+
+class LoraManager:
+    def __init__(self, config: LoraConfig, model_config: ModelConfig, dtype: torch.dtype) -> None:
+        if model_config.is_encoder:
+            raise ValueError("--enable-lora serves the Llama and Qwen families; this model is an encoder")
+        self.config, self.model_config, self.dtype = config, model_config, dtype
+        self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype)
+        self.cache: OrderedDict[int, LoraWeights] = OrderedDict()  # lora id -> weights, oldest use first
+        self.slot_ids: list[int | None] = [None] * config.max_loras  # the adapter in each slot
+        self.slot_order: list[int] = list(range(config.max_loras))  # least recently used slot first
+
+    def add(self, lora: LoraRequest) -> dict[str, int]:
+        """Load (and check) an adapter into the cache; raises InvalidParameterError and keeps nothing when
+        the folder does not fit. Returns its rank and size."""
+        weights = load_adapter(lora.path, self.model_config, self.config.max_lora_rank, self.dtype)
+        self._keep(lora.lora_id, weights)
+        return {"rank": weights.rank, "num_bytes": weights.num_bytes}
+
+    def remove(self, lora_id: int) -> bool:
+        """Drop an adapter from the cache and its slot; False when the worker did not hold it."""
+        held = self.cache.pop(lora_id, None) is not None
+        if lora_id in self.slot_ids:
+            slot = self.slot_ids.index(lora_id)
+            self.slots.write(slot, None)
+            self.slot_ids[slot] = None
+            held = True
+        return held
+
+    def list_ids(self) -> list[int]:
+        return list(self.cache)
+
+    def _keep(self, lora_id: int, weights: LoraWeights) -> None:
+        self.cache[lora_id] = weights
+        self.cache.move_to_end(lora_id)
+        while len(self.cache) > self.config.num_cpu_loras:
+            self.cache.popitem(last=False)
+
+    def batch(self, loras: list[LoraRequest | None], counts: np.ndarray) -> LoraBatch | None:
+        """The step's LoRA batch for requests in flattened order (their adapters, their token counts);
+        None when no request uses one."""
+        ids = [lora.lora_id if lora is not None else 0 for lora in loras]
+        if not any(ids):
+            return None
+        present = {lora.lora_id: lora for lora in loras if lora is not None}
+        if len(present) > self.config.max_loras:
+            raise RuntimeError(f"a step mixes {len(present)} adapters; max_loras is {self.config.max_loras}")
+        slot_of = {lora_id: self._slot_for(lora, set(present)) for lora_id, lora in present.items()}
+        slots = np.array([slot_of.get(lora_id, -1) for lora_id in ids], dtype=np.int64)
+        return self.slots.batch(np.repeat(slots, counts), self.dtype)
+
+    def _slot_for(self, lora: LoraRequest, present: set[int]) -> int:
+        if lora.lora_id in self.slot_ids:
+            slot = self.slot_ids.index(lora.lora_id)
+        else:
+            weights = self.cache.get(lora.lora_id)
+            if weights is None:  # the cache let it go: read it again
+                weights = load_adapter(lora.path, self.model_config, self.config.max_lora_rank, self.dtype)
+            self._keep(lora.lora_id, weights)
+            slot = next(s for s in self.slot_order if self.slot_ids[s] not in present)
+            self.slots.write(slot, weights)
+            self.slot_ids[slot] = lora.lora_id
+        self.slot_order.remove(slot)
+        self.slot_order.append(slot)
+        if lora.lora_id in self.cache:
+            self.cache.move_to_end(lora.lora_id)
+        return slot
