@@ -31,7 +31,7 @@ class LoraRequest(msgspec.Struct, array_like=True):
     path: str  # the PEFT folder: adapter_config.json + adapter_model.safetensors
 
 
-class LoraAdapter(msgspec.Struct, kw_only=True):
+class LoraAdapter(msgspec.Struct, kw_only=True, frozen=True):
     """One row of the engine's table, as /v1/models shows it."""
 
     name: str

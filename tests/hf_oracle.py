@@ -15,17 +15,31 @@ import torch
 ORACLE_CACHE = pathlib.Path(os.path.expanduser("~")) / ".cache" / "engine" / "hf-oracle"
 
 
+def hf_folder_of_gguf(gguf_path: str) -> pathlib.Path:
+    """The transformers folder hf_model_of_gguf keeps (made now if it is not there yet): a base model
+    for peft to make adapters of."""
+    folder = _oracle_folder(gguf_path)
+    if not (folder / "config.json").exists():
+        hf_model_of_gguf(gguf_path)
+    return folder
+
+
+def _oracle_folder(gguf_path: str) -> pathlib.Path:
+    from transformers import __version__ as transformers_version
+
+    stat = os.stat(gguf_path)
+    identity = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers_version}|{torch.__version__}"
+    return ORACLE_CACHE / hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
 def hf_model_of_gguf(gguf_path: str) -> Any:
     """transformers' own model of a GGUF file in float32: its dequantization, not ours, is the oracle's.
     Dequantizing takes ~18 s, so the model is kept as a transformers folder (save_pretrained) under
     ~/.cache/engine/hf-oracle, keyed by the file and the transformers and torch versions; later runs
     load that folder in about a second."""
     from transformers import AutoModelForCausalLM
-    from transformers import __version__ as transformers_version
 
-    stat = os.stat(gguf_path)
-    identity = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers_version}|{torch.__version__}"
-    folder = ORACLE_CACHE / hashlib.sha256(identity.encode()).hexdigest()[:16]
+    folder = _oracle_folder(gguf_path)
     if (folder / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     directory, name = os.path.split(gguf_path)
