@@ -19,6 +19,9 @@
 // out_rows:  int64 [n], the rows whose hidden state the step scores (sampled tokens, prompt logprobs). Past
 //            the last layer's KV write no other row is read, so its attention, o and MLP run on those rows
 //            alone (as llama.cpp's inp_out_ids does): in a prefill step most of a layer's products.
+// lora_layers, lora_meta: a step with LoRA rows (worker/lora/slots.py): per layer [a, bt] of qkv, o,
+//            gate_up and down; meta [row_slots, then bounds and ranks of qkv, o, gate_up, down] (an empty
+//            ranks: no slot's adapter targets that product). lora_add follows each product they name.
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -71,12 +74,31 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
 
 }  // namespace
 
+namespace {
+
+// The LoRA products of one layer's four fused products, for a step with adapter rows.
+struct LayerLora {
+  const std::vector<torch::Tensor>* factors = nullptr;  // [a, bt] x (qkv, o, gate_up, down)
+  const std::vector<torch::Tensor>* meta = nullptr;     // [row_slots, (bounds, ranks) x 4]
+  void add(int product, const at::Tensor& x, at::Tensor& y, const at::Tensor& row_slots) const {
+    if (factors == nullptr) return;
+    const at::Tensor& ranks = (*meta)[2 + 2 * product];
+    if (!ranks.numel() || !x.size(0)) return;
+    lora_add(x.contiguous(), y, (*factors)[2 * product], (*factors)[2 * product + 1], row_slots,
+             (*meta)[1 + 2 * product], ranks);
+  }
+};
+
+}  // namespace
+
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
                                           std::vector<torch::Tensor> kv_caches, torch::Tensor slot_block_ids,
                                           torch::Tensor slot_offsets, torch::Tensor block_tables,
                                           torch::Tensor seq_lens, std::vector<int64_t> config,
-                                          std::vector<double> scalars, std::optional<torch::Tensor> out_rows) {
+                                          std::vector<double> scalars, std::optional<torch::Tensor> out_rows,
+                                          std::optional<std::vector<std::vector<torch::Tensor>>> lora_layers,
+                                          std::optional<std::vector<torch::Tensor>> lora_meta) {
   TORCH_CHECK(config.size() == 5 && scalars.size() == 2,
               "config: heads, kv heads, head_dim, packed, pairs_rows; eps, scale");
   TORCH_CHECK(layers.size() == kv_caches.size() && !layers.empty(), "one KV cache per layer");
@@ -88,18 +110,25 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
   const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(!out_rows || (out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong),
               "out_rows must be int64 [n]");
+  TORCH_CHECK(lora_layers.has_value() == lora_meta.has_value(), "lora_layers and lora_meta go together");
+  TORCH_CHECK(!lora_layers || (lora_layers->size() == layers.size() && lora_meta->size() == 9),
+              "LoRA factors per layer; meta: row_slots, then bounds and ranks of four products");
+  at::Tensor lora_rows = lora_meta ? (*lora_meta)[0] : at::Tensor();
 
   at::Tensor hidden, residual;
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& w = layers[l];
     TORCH_CHECK(w.size() == kNumWeights, "each layer has ", int(kNumWeights), " weight slots");
+    LayerLora lora;
+    if (lora_layers) lora = LayerLora{&(*lora_layers)[l], &*lora_meta};
     if (l == 0) {
       residual = x;
       hidden = rms_norm(x, w[kInputNorm], eps);
     } else {
       fused_add_rms_norm(hidden, residual, w[kInputNorm], eps);  // hidden: the norm; residual: the sum
     }
-    const at::Tensor qkv = linear(hidden, w[kQkv], w[kQkvBias], w[kQkvPairs]);  // [T, q + 2 kv]
+    at::Tensor qkv = linear(hidden, w[kQkv], w[kQkvBias], w[kQkvPairs]);  // [T, q + 2 kv]
+    lora.add(0, hidden, qkv, lora_rows);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
@@ -116,15 +145,21 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       tables = block_tables.index_select(0, *out_rows);
       lens = seq_lens.index_select(0, *out_rows);
       residual = residual.index_select(0, *out_rows);
+      if (lora_layers) lora_rows = lora_rows.index_select(0, *out_rows);
       rows = out_rows->numel();
       if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
     }
     const at::Tensor attention =
         paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale);  // [rows, heads, d]
-    hidden = linear(attention.view({rows, q_size}), w[kO], at::Tensor(), w[kOPairs]);
+    const at::Tensor attended = attention.view({rows, q_size});
+    hidden = linear(attended, w[kO], at::Tensor(), w[kOPairs]);
+    lora.add(1, attended, hidden, lora_rows);
     fused_add_rms_norm(hidden, residual, w[kPostNorm], eps);
-    hidden = linear(silu_and_mul(linear(hidden, w[kGateUp], at::Tensor(), w[kGateUpPairs])), w[kDown], at::Tensor(),
-                    w[kDownPairs]);
+    at::Tensor gate_up = linear(hidden, w[kGateUp], at::Tensor(), w[kGateUpPairs]);
+    lora.add(2, hidden, gate_up, lora_rows);
+    const at::Tensor activated = silu_and_mul(gate_up);
+    hidden = linear(activated, w[kDown], at::Tensor(), w[kDownPairs]);
+    lora.add(3, activated, hidden, lora_rows);
   }
   return {hidden, residual};
 }

@@ -36,9 +36,14 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor block_ids,
               torch::Tensor offsets);
 torch::Tensor argmax_rows(torch::Tensor logits);
+// LoRA's products for the rows that use an adapter, added to a fused product's output (csrc/lora_cpu.cpp).
+void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor row_slots,
+              torch::Tensor bounds, torch::Tensor ranks);
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
                                           std::vector<torch::Tensor> kv_caches, torch::Tensor slot_block_ids,
                                           torch::Tensor slot_offsets, torch::Tensor block_tables,
                                           torch::Tensor seq_lens, std::vector<int64_t> config,
-                                          std::vector<double> scalars, std::optional<torch::Tensor> out_rows);
+                                          std::vector<double> scalars, std::optional<torch::Tensor> out_rows,
+                                          std::optional<std::vector<std::vector<torch::Tensor>>> lora_layers,
+                                          std::optional<std::vector<torch::Tensor>> lora_meta);

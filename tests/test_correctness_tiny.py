@@ -142,7 +142,7 @@ def test_the_last_layer_runs_on_the_scored_rows_only(tiny_model, native: bool, m
 
     def recording_forward(self, input_ids, *args):  # type: ignore[no-untyped-def]
         hidden = forward(self, input_ids, *args)
-        out_rows = args[-1]
+        out_rows = args[4]  # (positions, kv_caches, metadata, backend, out_rows, lora)
         steps.append((len(input_ids), None if out_rows is None else len(out_rows), hidden.shape[0]))
         return hidden
 

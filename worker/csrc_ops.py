@@ -41,6 +41,7 @@ SOURCES = [
         "gemm_cpu.cpp",
         "gemm_rows_cpu.cpp",
         "gemm_amx_cpu.cpp",
+        "lora_cpu.cpp",
     )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
@@ -78,6 +79,16 @@ class CpuOps(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
     ) -> None: ...
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def lora_add(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        row_slots: torch.Tensor,
+        bounds: torch.Tensor,
+        ranks: torch.Tensor,
+    ) -> None: ...
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
     def parallel_threads(self) -> int: ...
     def decoder_layers(
@@ -95,6 +106,8 @@ class CpuOps(Protocol):
         config: list[int],
         scalars: list[float],
         out_rows: torch.Tensor | None,
+        lora_layers: list[list[torch.Tensor]] | None,
+        lora_meta: list[torch.Tensor] | None,
     ) -> list[torch.Tensor]: ...
     def write_kv(
         self,

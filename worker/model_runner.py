@@ -126,7 +126,7 @@ class ModelRunner:
         trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
         keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
         phases.mark("kv cache")
-        self.lora = LoraManager(config.lora, mc, self.dtype) if config.lora is not None else None
+        self.lora = LoraManager(config.lora, mc, self.dtype, ops) if config.lora is not None else None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids

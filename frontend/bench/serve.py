@@ -27,6 +27,7 @@ class BenchRequest:
     prompt: str | list[int]
     prompt_len: int
     output_len: int
+    model: str | None = None  # a LoRA adapter's name (--lora-modules); None: --model
 
 
 @dataclass
@@ -77,7 +78,7 @@ def sharegpt_requests(args: argparse.Namespace, rng: random.Random) -> list[Benc
 
 def request_body(args: argparse.Namespace, request: BenchRequest) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of one streamed request to the endpoint under test."""
-    body: dict[str, Any] = {"model": args.model, "stream": True, "temperature": 0.0}
+    body: dict[str, Any] = {"model": request.model or args.model, "stream": True, "temperature": 0.0}
     if args.endpoint == "responses":
         # NOTE: no stream_options (the Responses door refuses it): its last event carries the usage.
         body.update(input=request.prompt, max_output_tokens=request.output_len, store=args.responses_store)
@@ -292,7 +293,10 @@ def first_model(base_url: str, api_key: str | None) -> str:
 
 def bench_requests(args: argparse.Namespace, seed: int) -> list[BenchRequest]:
     rng = random.Random(seed)
-    return sharegpt_requests(args, rng) if args.dataset == "sharegpt" else random_requests(args, rng)
+    requests = sharegpt_requests(args, rng) if args.dataset == "sharegpt" else random_requests(args, rng)
+    for request in requests if getattr(args, "lora_modules", None) else []:
+        request.model = rng.choice(args.lora_modules)  # vLLM's bench serve: an adapter per request
+    return requests
 
 
 def one_pass(args: argparse.Namespace, seed: int) -> tuple[dict[str, Any], list[Result]]:
@@ -305,8 +309,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     both = args.responses_store == "both"
     if args.responses_store != "true" and args.endpoint != "responses":
         raise SystemExit("--responses-store is for --endpoint responses")
-    if args.rounds < 1 or (args.rounds > 1 and not both):
-        raise SystemExit("--rounds takes a count >= 1, and more than one round needs --responses-store both")
+    if args.rounds < 1 or (args.rounds > 1 and not (both or args.lora_compare)):
+        raise SystemExit(
+            "--rounds takes a count >= 1, and more than one round needs --responses-store both or --lora-compare"
+        )
+    if args.lora_compare and not args.lora_modules:
+        raise SystemExit("--lora-compare needs --lora-modules")
     args.model = args.model or first_model(args.base_url, args.api_key)
     if args.endpoint == "embeddings":
         from frontend.bench.embeddings import cmd_bench_embeddings
@@ -316,6 +324,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         from frontend.bench.responses_store import compare_store
 
         return compare_store(args, one_pass, table)
+    if args.lora_compare:
+        from frontend.bench.lora import compare_lora
+
+        return compare_lora(args, one_pass, table)
     args.responses_store = args.responses_store == "true"
     summary, results = one_pass(args, args.seed)
     print(table(summary))
@@ -371,6 +383,17 @@ def add_serve_bench_parser(kinds: Any) -> None:
         help="with --responses-store both: this many pairs of passes, taking turns; the medians are reported",
     )
     serve.add_argument("--model", default=None, help="default: the server's first model")
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapter names the server has: each request names one at random as its model",
+    )
+    serve.add_argument(
+        "--lora-compare",
+        action="store_true",
+        help="with --lora-modules: the same load on the base model too, and the throughput ratio (--rounds)",
+    )
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--dataset-path", default=None, help="a ShareGPT-format JSON file")
     serve.add_argument(

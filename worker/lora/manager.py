@@ -8,6 +8,7 @@ its path), as vLLM's LRU cache does.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,13 +18,18 @@ from worker.lora.adapter import LoraWeights, load_adapter
 from worker.lora.slots import LoraBatch, LoraSlots
 from worker.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+
 
 class LoraManager:
-    def __init__(self, config: LoraConfig, model_config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: LoraConfig, model_config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None
+    ) -> None:
         if model_config.is_encoder:
             raise ValueError("--enable-lora serves the Llama and Qwen families; this model is an encoder")
         self.config, self.model_config, self.dtype = config, model_config, dtype
-        self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype)
+        self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype, ops)
         self.cache: OrderedDict[int, LoraWeights] = OrderedDict()  # lora id -> weights, oldest use first
         self.slot_ids: list[int | None] = [None] * config.max_loras  # the adapter in each slot
         self.slot_order: list[int] = list(range(config.max_loras))  # least recently used slot first
@@ -65,7 +71,7 @@ class LoraManager:
             raise RuntimeError(f"a step mixes {len(present)} adapters; max_loras is {self.config.max_loras}")
         slot_of = {lora_id: self._slot_for(lora, set(present)) for lora_id, lora in present.items()}
         slots = np.array([slot_of.get(lora_id, -1) for lora_id in ids], dtype=np.int64)
-        return self.slots.batch(np.repeat(slots, counts), self.dtype)
+        return self.slots.batch(np.repeat(slots, counts))
 
     def _slot_for(self, lora: LoraRequest, present: set[int]) -> int:
         if lora.lora_id in self.slot_ids:

@@ -1,20 +1,22 @@
 """The adapters one step may mix, in preallocated slots, and their products for the rows that use them.
 
 Per layer and fused product (qkv, o, gate_up, down: FUSED) the slots are two tensors, allocated once:
-A [max_loras * parts * rank, in] and B [out, max_loras * parts * rank], where slot s's part p (q, k or v
-of qkv) holds its factor in rank-wide block s * parts + p (padded with zeros below max_lora_rank; B's
-block sits in that part's rows). Loading an adapter writes its slot's blocks and nothing else.
+a [max_loras, parts * rank, in] and bt [max_loras, parts * rank, out] (B transposed), where slot s's part p
+(q, k or v of qkv) holds its factors in the rank-wide block at p * rank (zeros past the adapter's rank; bt's
+block only in that part's out columns). Loading an adapter writes its slot and nothing else.
 
-A step's products (BGMV's shape, in two torch products, one pass over every slot at once):
-  xa = x @ A.T                       # [rows, slots * parts * rank]: each row against every slot
-  xa.view(rows, slots, -1) *= mask   # [rows, slots, 1]: 1 at the row's own slot, 0 elsewhere (and for the base)
-  y += xa @ B.T                      # [rows, out]: only the row's adapter contributes
-The masked blocks add exact zeros, so a base row's output is the base product's bit for bit. The cost is
-rows x width x (slots x rank) multiply-adds per product, beside the base's rows x width x out: small for the
-ranks LoRA uses; a step with no adapter row skips all of it (and keeps the native decoder stack).
+A step's products, for the rows that use an adapter only: y[r] += B_s (A_s x[r]) with s the row's slot, in
+one call per fused product (csrc lora_add: BGMV's shape; each row alone, so batch-invariant). A step with no
+adapter row costs nothing (and keeps the native decoder stack). Without the csrc kernels, two torch products
+over every slot at once, masked to each row's own (the reference the kernel is tested against):
+  xa = x @ a.view(slots * width, in).T     # [rows, slots * width]: each row against every slot
+  xa.view(rows, slots, width) *= mask      # 1 at the row's slot, 0 elsewhere (and for the base): exact zeros
+  y += xa @ bt.view(slots * width, out)    # [rows, out]
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,25 +24,46 @@ import torch
 from worker.lora.adapter import FUSED, LoraWeights, module_shapes
 from worker.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+
+
+NONE = torch.empty(0, dtype=torch.long)
+
 
 class LoraSlots:
-    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype) -> None:
-        self.num_slots, self.max_rank = max_loras, max_rank
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        ops: CpuOps | None = None,
+    ) -> None:
+        self.num_slots, self.max_rank, self.ops = max_loras, max_rank, ops
         shapes = module_shapes(config)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
-        self.b: dict[tuple[int, str], torch.Tensor] = {}
-        self.part_rows: dict[str, list[tuple[int, int]]] = {}  # fused -> each part's (first, last) out rows
+        self.bt: dict[tuple[int, str], torch.Tensor] = {}
+        self.bounds: dict[str, torch.Tensor] = {}  # fused -> its parts' out columns, int64 [parts + 1]
         for fused, parts in FUSED.items():
             in_features = shapes[parts[0]][0]
-            outs = [shapes[part][1] for part in parts]
-            bounds = np.cumsum([0, *outs])
-            self.part_rows[fused] = [(int(bounds[i]), int(bounds[i + 1])) for i in range(len(parts))]
-            width = max_loras * len(parts) * max_rank
+            bounds = np.cumsum([0, *(shapes[part][1] for part in parts)])
+            self.bounds[fused] = torch.from_numpy(bounds.astype(np.int64))
+            width = len(parts) * max_rank
             for layer in range(config.num_layers):
-                self.a[(layer, fused)] = torch.zeros(width, in_features, dtype=dtype)  # [S*P*R, in]
-                self.b[(layer, fused)] = torch.zeros(int(bounds[-1]), width, dtype=dtype)  # [out, S*P*R]
+                self.a[(layer, fused)] = torch.zeros(max_loras, width, in_features, dtype=dtype)
+                self.bt[(layer, fused)] = torch.zeros(max_loras, width, int(bounds[-1]), dtype=dtype)
+        # fused -> [slots, parts]: each slot's rank in each part (0: its adapter does not target the part)
+        self.ranks = {
+            fused: torch.zeros(max_loras, len(parts), dtype=torch.long) for fused, parts in FUSED.items()
+        }
         self.used: dict[str, int] = dict.fromkeys(FUSED, 0)  # slots whose adapter targets each product
         self.targets: dict[int, set[str]] = {}  # slot -> the fused products its adapter targets
+        # per layer [a, bt] of each fused product, in FUSED's order: decoder_layers' lora_layers
+        self.native_layers = [
+            [t for fused in FUSED for t in (self.a[(layer, fused)], self.bt[(layer, fused)])]
+            for layer in range(config.num_layers)
+        ]
 
     def write(self, slot: int, weights: LoraWeights | None) -> None:
         """Put an adapter in a slot (None: empty it); the other slots are untouched."""
@@ -48,52 +71,69 @@ class LoraSlots:
         new = {
             fused for fused, parts in FUSED.items() if weights and any(k[1] in parts for k in weights.factors)
         }
-        for fused, parts in FUSED.items():
-            block = len(parts) * self.max_rank
-            for key, a in self.a.items():
-                if key[1] != fused:
-                    continue
-                a[slot * block : (slot + 1) * block].zero_()
-                self.b[key][:, slot * block : (slot + 1) * block].zero_()
-            if weights is None:
-                continue
-            for p, part in enumerate(parts):
-                first, last = self.part_rows[fused][p]
-                column = slot * block + p * self.max_rank
-                for (layer, target), (a_part, b_part) in weights.factors.items():
-                    if target != part:
-                        continue
-                    rank = a_part.shape[0]
-                    self.a[(layer, fused)][column : column + rank] = a_part
-                    self.b[(layer, fused)][first:last, column : column + rank] = b_part
+        for key in self.a:
+            self.a[key][slot].zero_()
+            self.bt[key][slot].zero_()
+        for ranks in self.ranks.values():
+            ranks[slot] = 0
+        for (layer, target), (a_part, b_part) in weights.factors.items() if weights else []:
+            fused = next(name for name, parts in FUSED.items() if target in parts)
+            p = FUSED[fused].index(target)
+            first, last = (int(v) for v in self.bounds[fused][p : p + 2])
+            row, rank = p * self.max_rank, a_part.shape[0]
+            self.a[(layer, fused)][slot, row : row + rank] = a_part  # [rank, in]
+            self.bt[(layer, fused)][slot, row : row + rank, first:last] = b_part.t()  # [rank, part's out]
+            self.ranks[fused][slot, p] = rank
         for fused in FUSED:
             self.used[fused] += (fused in new) - (fused in old)
         self.targets[slot] = new
 
-    def batch(self, slot_per_token: np.ndarray, dtype: torch.dtype) -> LoraBatch:
+    def batch(self, slot_per_token: np.ndarray) -> LoraBatch:
         """slot_per_token: [T], each token row's slot (-1: the base model)."""
-        mask = np.zeros((len(slot_per_token), self.num_slots, 1), dtype=np.float32)
-        rows = np.nonzero(slot_per_token >= 0)[0]
-        mask[rows, slot_per_token[rows], 0] = 1.0
-        return LoraBatch(self, torch.from_numpy(mask).to(dtype))
+        return LoraBatch(self, torch.from_numpy(slot_per_token.astype(np.int64)))
 
 
 class LoraBatch:
     """One step's rows and their slots; `add` puts the adapters' products into a fused product's output."""
 
-    def __init__(self, slots: LoraSlots, mask: torch.Tensor) -> None:
+    def __init__(self, slots: LoraSlots, row_slots: torch.Tensor) -> None:
         self.slots = slots
-        self.mask = mask  # [rows, slots, 1]
+        self.row_slots = row_slots  # int64 [rows], -1 for the base model's
+
+    def native(self) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """decoder_layers' lora_layers and lora_meta (csrc/decoder_cpu.cpp): the same products, in the stack."""
+        slots = self.slots
+        meta = [self.row_slots]
+        for fused in FUSED:
+            meta += [slots.bounds[fused], slots.ranks[fused] if slots.used[fused] else NONE]
+        return slots.native_layers, meta
 
     def select(self, rows: torch.Tensor) -> LoraBatch:
         """The batch of these rows alone (the last layer's scored rows)."""
-        return LoraBatch(self.slots, self.mask.index_select(0, rows))
+        return LoraBatch(self.slots, self.row_slots.index_select(0, rows))
 
     def add(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """x: [rows, in] the product's input; y: [rows, out] its output, updated in place."""
-        if not self.slots.used[fused] or not len(x):
+        slots = self.slots
+        if not slots.used[fused] or not len(x):
             return
-        a, b = self.slots.a[(layer, fused)], self.slots.b[(layer, fused)]
-        xa = x @ a.t()  # [rows, S*P*R]
-        xa.view(len(x), self.slots.num_slots, -1).mul_(self.mask)
-        y.addmm_(xa, b.t())
+        a, bt = slots.a[(layer, fused)], slots.bt[(layer, fused)]
+        if slots.ops is not None:
+            slots.ops.lora_add(
+                x.contiguous(), y, a, bt, self.row_slots, slots.bounds[fused], slots.ranks[fused]
+            )
+            return
+        add_reference(x, y, a, bt, self.row_slots)
+
+
+def add_reference(
+    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, row_slots: torch.Tensor
+) -> None:
+    """lora_add in torch: every row against every slot, masked to its own (exact zeros elsewhere)."""
+    num_slots, width, in_features = a.shape
+    mask = torch.zeros(len(x), num_slots, 1, dtype=x.dtype)  # [rows, slots, 1]
+    rows = torch.nonzero(row_slots >= 0).flatten()
+    mask[rows, row_slots[rows], 0] = 1
+    xa = x @ a.view(num_slots * width, in_features).t()  # [rows, slots * width]
+    xa.view(len(x), num_slots, width).mul_(mask)
+    y.addmm_(xa, bt.view(num_slots * width, -1))

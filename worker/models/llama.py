@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         x: torch.Tensor = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
         rope = self.rotary.prepare(positions, x.dtype, self.ops)
-        if self.native_layers is not None and lora is None:
+        if self.native_layers is not None:
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
             if rows is not None:  # every layer in one native call: the same kernels, no Python between them
                 first = cast(DecoderLayer, self.layers[0])
@@ -206,6 +206,7 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = self.ops.decoder_layers(
                     x, self.native_layers, rope.cos, rope.sin, positions, kv_caches, metadata.slot_block_ids,
                     metadata.slot_offsets, *rows, shape, [self.config.rms_norm_eps, attention.scale], out_rows,
+                    *(lora.native() if lora is not None else (None, None)),
                 )  # fmt: skip
                 return x + residual
         last = len(self.layers) - 1
