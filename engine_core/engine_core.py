@@ -23,7 +23,9 @@ from engine_core.config import SchedulerConfig
 from engine_core.executor import Executor
 from engine_core.lora_table import LoraTable
 from engine_core.request import Request, RequestStatus
+from engine_core.run_state import RunState
 from engine_core.scheduler import Scheduler
+from engine_core.utilities import call_utility
 from protocol.config import EngineConfig
 from protocol.errors import InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
@@ -87,6 +89,9 @@ class EngineCore:
         self.max_steps_in_flight = 2 if config.async_scheduling else 1
         self.request_ended = False  # since the last collect: run one step at a time until the next
         self.loras = LoraTable(config.worker.lora, executor)
+        self.state = RunState()  # paused, asleep (the operator's endpoints)
+        self.profiler_dir = config.profiler_dir
+        self.pending_outputs: list[tuple[Request, RequestOutput]] = []
         for module in config.lora_modules:
             try:
                 self.loras.load(module.name, module.path, module.base_model_name)
@@ -96,6 +101,7 @@ class EngineCore:
     def add_request(self, message: AddRequest, client_id: str = "") -> None:
         """Validate and queue; raises InvalidParameterError for what the frontend should have caught."""
         info = self.model_info
+        self.state.check_new_request()
         if not message.prompt_token_ids:
             raise InvalidParameterError("prompt", "the prompt must contain at least one token.")
         if any(not 0 <= token_id < info.vocab_size for token_id in message.prompt_token_ids):
@@ -159,13 +165,23 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.scheduler.steps_in_flight)
 
+    def can_step(self) -> bool:
+        """Whether step() has work: a step in flight, or requests it may schedule (not while paused or
+        asleep, where the busy loop blocks on its input instead)."""
+        if self.scheduler.steps_in_flight:
+            return True
+        if self.state.frozen:
+            return False
+        return bool(self.scheduler.running) or (len(self.scheduler.waiting) > 0 and self.state.admits)
+
     def step(self) -> list[tuple[Request, RequestOutput]]:
         """Submit the next step if the queue has room, then collect the oldest once the queue is full
         (or nothing more could be scheduled); the outputs of the step collected, if any."""
         in_flight = self.scheduler.steps_in_flight
         submitted = False
         depth = 1 if self.request_ended else self.max_steps_in_flight
-        if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
+        self.scheduler.admit_waiting = self.state.admits
+        if len(in_flight) < depth and not self.state.frozen and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is not None:
                 self.executor.submit(scheduler_output)
@@ -181,26 +197,22 @@ class EngineCore:
         return outputs
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.paused, stats.sleeping, stats.sleep_level = (
+            self.state.paused,
+            list(self.state.sleeping),
+            self.state.sleep_level,
+        )
+        return stats
 
     def call_utility(self, method: str, args: list[Any]) -> Any:
-        if method == "reset_prefix_cache":
-            return self.scheduler.kv_cache.reset_prefix_cache()
-        if method == "get_stats":
-            stats = self.make_stats()
-            return {field: getattr(stats, field) for field in stats.__struct_fields__}
-        if method == "check_invariants":
-            self.scheduler.check_invariants()
-            return True
-        if method == "load_lora":
-            name, path, base_model_name, replace = args
-            adapter = self.loras.load(name, path, base_model_name, replace, self.scheduler.requests.values())
-            return msgspec.to_builtins(adapter)
-        if method == "unload_lora":
-            return msgspec.to_builtins(self.loras.unload(args[0], self.scheduler.requests.values()))
-        if method == "list_loras":
-            return [msgspec.to_builtins(adapter) for adapter in self.loras.listed()]
-        raise ValueError(f"unknown utility method {method!r}")
+        """A frontend's UTILITY call (engine_core/utilities.py lists them)."""
+        return call_utility(self, method, args)
+
+    def take_pending_outputs(self) -> list[tuple[Request, RequestOutput]]:
+        """Outputs a utility call made (a pause that aborted requests): for their owners."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
 
     def shutdown(self) -> None:
         self.executor.shutdown()

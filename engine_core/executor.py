@@ -42,7 +42,7 @@ class Executor(Protocol):
 
     def collect(self) -> ModelRunnerOutput: ...
 
-    def call(self, call: WorkerCall) -> WorkerCallResult:
+    def call(self, call: WorkerCall, timeout_s: float | None = None) -> WorkerCallResult:
         """Run a worker method after the steps submitted so far (their outputs stay for collect)."""
         ...
 
@@ -107,10 +107,10 @@ class MultiprocExecutor:
         assert isinstance(message, ModelRunnerOutput)
         return message
 
-    def call(self, call: WorkerCall) -> WorkerCallResult:
+    def call(self, call: WorkerCall, timeout_s: float | None = None) -> WorkerCallResult:
         self._socket.send_multipart(self._input_codec.encode(call), copy=False)
         while True:
-            message = self._receive()
+            message = self._receive(timeout_s)
             if isinstance(message, WorkerCallResult):
                 return message
             assert isinstance(message, ModelRunnerOutput)

@@ -182,17 +182,17 @@ class EngineCoreProc:
         try:
             while not self.stop_event.is_set():
                 self._maybe_log_stats()
-                idle = not self.engine.has_unfinished_requests()
+                idle = not self.engine.can_step()  # paused or asleep with nothing in flight: idle too
                 if idle:
                     self.engine.executor.check_health()  # a worker that died while idle fails us now
                 if idle and os.getppid() != self.parent_pid:
                     logger.warning("the process that started the engine is gone; exiting")
                     break
                 self._process_inputs(block=idle)
-                if idle and self.engine.has_unfinished_requests():
+                if idle and self.engine.can_step():
                     self._gather_burst()
                 started = time.monotonic()
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                outputs = self.engine.step() if self.engine.can_step() else []
                 if (took := time.monotonic() - started) > STARVED_S:
                     logger.warning("a step took %.1f s", took)
                 self.latest_stats = self.engine.make_stats()
@@ -282,6 +282,8 @@ class EngineCoreProc:
                 args = [decode_value(arg) for arg in message.args]
                 result = self.engine.call_utility(message.method, args)
                 reply = UtilityResult(message.call_id, encode_value(result))
+                self._send(self.engine.take_pending_outputs())  # a pause that ended requests
+                self._broadcast_state()
             except InvalidParameterError as error:
                 reply = UtilityResult(
                     message.call_id, encode_value(None), error.message, error.param, error.code
@@ -291,6 +293,12 @@ class EngineCoreProc:
             self.output_queue.put((client_id, reply))
         elif isinstance(message, _ClientGone):
             self._drop_client(client_id)
+
+    def _broadcast_state(self) -> None:
+        """Every frontend learns a pause, resume, sleep or wake at once (their admission reads it)."""
+        self.latest_stats = self.engine.make_stats()
+        for client_id in list(self.clients):
+            self.output_queue.put((client_id, EngineOutputs([], time.time(), self.latest_stats)))
 
     def _drop_client(self, client_id: str) -> None:
         """A frontend left: abort its requests so their blocks are freed."""

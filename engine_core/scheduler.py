@@ -104,6 +104,7 @@ class Scheduler:
         self.num_steps = 0
         self.iteration_tokens_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # SchedulerStats' layout
         self.iteration_tokens_sum = 0
+        self.admit_waiting = True  # False while the engine is paused: running requests go on, no new ones
 
     # ---- requests in and out ----
 
@@ -201,6 +202,7 @@ class Scheduler:
         skipped: list[Request] = []  # waiting requests whose adapter would be one too many for the step
         while (
             not preempted
+            and self.admit_waiting
             and len(self.waiting) > 0
             and budget > 0
             and len(self.running) < self.config.max_num_seqs

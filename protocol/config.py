@@ -70,3 +70,4 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     log_format: str = "text"  # or "json"
     stats_log_interval_s: float = 10.0  # the periodic one-line engine summary; 0 turns it off
     lora_modules: list[LoraAdapter] = []  # adapters loaded at start (--lora-modules); needs worker.lora
+    profiler_dir: str | None = None  # where POST /start_profile's traces go (--profiler-dir); None: off

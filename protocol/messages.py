@@ -162,6 +162,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     running_loras: list[str] = []  # adapters of the running requests (vLLM's lora_requests_info)
     waiting_loras: list[str] = []  # adapters of the waiting requests
     max_loras: int = 0  # adapters one step may mix; 0: LoRA off
+    paused: str = ""  # "abort", "wait" or "keep" while paused (POST /pause); "" when running
+    sleeping: list[str] = []  # what sleeps (POST /sleep): "weights", "kv_cache"; [] when awake
+    sleep_level: int = 0  # 1: weights kept in a file; 2: weights dropped (reloaded on wake)
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from typing import Any
 
 import msgspec
 
 from protocol.messages import ModelInfo, RequestError
 from protocol.pooling import PooledOutput, PoolerConfig
-from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
+from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerCallResult
 
 
 class FakeExecutor:
@@ -43,9 +44,16 @@ class FakeExecutor:
         self.fail: dict[str, str] = {}  # request id -> the error its next sample reports (a grammar's)
         self.steps: list[SchedulerOutput] = []
         self.submitted: deque[SchedulerOutput] = deque()
+        self.calls: list[WorkerCall] = []
+        self.call_results: dict[str, Any] = {}
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         self.submitted.append(scheduler_output)
+
+    def call(self, call: WorkerCall, timeout_s: float | None = None) -> WorkerCallResult:
+        """Worker calls (LoRA, sleep, ...): recorded, and answered with `call_results` (None by default)."""
+        self.calls.append(call)
+        return WorkerCallResult(result=self.call_results.get(call.method))
 
     def collect(self) -> ModelRunnerOutput:
         """Runs the oldest step submitted, as a worker process would have by now."""

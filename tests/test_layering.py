@@ -30,6 +30,7 @@ ALLOWED = {
     "engine_core": {"engine_core", "protocol", "numpy", "msgspec", "zmq"},
     "worker": {
         "worker",
+        "psutil",
         "protocol",
         "structured_outputs",
         "torch",

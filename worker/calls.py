@@ -1,19 +1,27 @@
 """The worker methods the engine may call between steps (WorkerCall), by name: nothing else is reachable.
 
-LoRA: add_lora, remove_lora, list_loras (the engine's table drives them). collective_rpc, the operator's
-endpoint, reaches only COLLECTIVE_RPC_METHODS (frontend/server/operator.py says why those).
+LoRA: add_lora, remove_lora, list_loras (the engine's table drives them); sleep and wake_up; the torch
+profiler. collective_rpc, the operator's endpoint, reaches only engine_core/utilities.py's
+COLLECTIVE_RPC_METHODS: reports that change nothing (report_memory, list_loras, model_summary), so an API
+key holder cannot reach a method that rewrites weights or runs code.
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import torch
 
 from protocol.errors import InvalidParameterError
 from protocol.lora import LoraRequest
 from protocol.worker_messages import WorkerCall, WorkerCallResult
+from worker.host_memory import trim_freed_memory
+from worker.sleep import Sleeper, model_tensors, rss_bytes, storages
 
 if TYPE_CHECKING:
     from worker.model_runner import ModelRunner
@@ -22,6 +30,9 @@ if TYPE_CHECKING:
 class WorkerCalls:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.sleeper = Sleeper(runner.config.cache_dir)
+        self.profiler: Any = None  # a torch.profiler.profile while one runs
+        self.profile_folder = ""
 
     def handle(self, call: WorkerCall) -> WorkerCallResult:
         method = getattr(self, f"call_{call.method}", None)
@@ -52,3 +63,73 @@ class WorkerCalls:
 
     def call_list_loras(self) -> list[int]:
         return self._lora().list_ids()  # type: ignore[no-any-return]
+
+    # ---- sleep and wake (worker/sleep.py) ----
+
+    def _weights(self) -> list[torch.Tensor]:
+        runner = self.runner
+        extra = [] if runner.lora is None else [*runner.lora.slots.a.values(), *runner.lora.slots.bt.values()]
+        return model_tensors(runner.model, extra)
+
+    def call_sleep(self, level: int) -> dict[str, Any]:
+        return self.sleeper.sleep(level, self._weights(), self.runner.kv_caches)
+
+    def call_wake_up(self, tags: list[str]) -> dict[str, Any]:
+        before = rss_bytes()
+        if "weights" in tags and "weights" in self.sleeper.asleep:
+            rebuilt = None
+            if self.sleeper.level == 2:
+                extra = self._weights()[len(model_tensors(self.runner.model)) :]  # the LoRA slots
+                for tensor in extra:
+                    tensor.zero_()  # dropped with the rest; the manager fills them again on demand
+                if self.runner.lora is not None:
+                    self.runner.lora.clear_slots()
+                rebuilt = model_tensors(self.runner.reload_model(), extra)
+            self.sleeper.wake_weights(self._weights(), rebuilt)
+        if "kv_cache" in tags:
+            self.sleeper.wake_kv()
+        gc.collect()
+        trim_freed_memory()  # a level-2 wake's second copy of the model goes back to the kernel
+        return {"rss_before": before, "rss_after": rss_bytes(), "asleep": sorted(self.sleeper.asleep)}
+
+    # ---- collective_rpc's reports (engine_core/utilities.py COLLECTIVE_RPC_METHODS) ----
+
+    def call_report_memory(self) -> dict[str, int]:
+        """The worker's resident memory and what its KV cache and weights take."""
+        weights = sum(s.nbytes() for s in storages(self._weights()))
+        kv = sum(s.nbytes() for s in storages(self.runner.kv_caches))
+        return {"rss_bytes": rss_bytes(), "weights_bytes": weights, "kv_cache_bytes": kv, "pid": os.getpid()}
+
+    def call_model_summary(self) -> dict[str, Any]:
+        runner = self.runner
+        return {
+            "family": runner.model_config.family,
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "num_layers": runner.model_config.num_layers,
+            "num_kv_blocks": runner.num_kv_blocks,
+            "batch_invariant": runner.batch_invariant,
+        }
+
+    # ---- the torch profiler (POST /start_profile, /stop_profile) ----
+
+    def call_start_profile(self, folder: str) -> dict[str, Any]:
+        if self.profiler is not None:
+            raise InvalidParameterError("profiler", "a profile is already running: POST /stop_profile first.")
+        from torch.profiler import ProfilerActivity, profile
+
+        os.makedirs(folder, exist_ok=True)
+        self.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self.profiler.start()
+        self.profile_folder = folder
+        return {"started": True}
+
+    def call_stop_profile(self) -> dict[str, Any]:
+        if self.profiler is None:
+            raise InvalidParameterError("profiler", "no profile is running: POST /start_profile first.")
+        self.profiler.stop()
+        path = os.path.join(
+            self.profile_folder, f"worker-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        )
+        self.profiler.export_chrome_trace(path)
+        self.profiler = None
+        return {"trace": path}

@@ -28,7 +28,7 @@ class InprocExecutor:
             return self.ran.popleft()
         return self.runner.execute_model(self.submitted.popleft())
 
-    def call(self, call: WorkerCall) -> WorkerCallResult:
+    def call(self, call: WorkerCall, timeout_s: float | None = None) -> WorkerCallResult:
         """Run after the steps submitted before it, as a worker process does."""
         while self.submitted:
             self.ran.append(self.runner.execute_model(self.submitted.popleft()))

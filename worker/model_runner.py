@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from worker.models.llama import LlamaForCausalLM
 from worker.pooling import resolve_pooling
 from worker.pooling_runner import PoolingStep
 from worker.sampler import SamplingBatch, gather_logprobs, sample
+
+if TYPE_CHECKING:
+    from worker.models.bert import BertModel
 
 logger = logging.getLogger("engine.worker")
 
@@ -102,13 +106,7 @@ class ModelRunner:
             )
         self.batch_invariant = ops is not None and config.batch_invariant is not False
         phases.mark("kernels")
-        self.model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None))
-        self.model.load_weights(weights)
-        phases.mark("weights")
-        self.model.finalize(self.batch_invariant)
-        if isinstance(self.model, LlamaForCausalLM):
-            self.model.init_rotary(self.max_model_len, torch.device("cpu"))
-        self.model.eval()
+        self.model = self._build_model(weights, phases)
         log_kernel_table(self.model, self.backend, self.dtype)
         phases.mark("packing")
         mc = self.model_config
@@ -141,6 +139,22 @@ class ModelRunner:
             self.num_kv_blocks,
             self.block_size,
         )
+
+    def _build_model(self, weights: Any, phases: StartupPhases | None = None) -> LlamaForCausalLM | BertModel:
+        """The model from the checkpoint's weights, packed for the kernels (at start, and on a level-2 wake)."""
+        model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None))
+        model.load_weights(weights)
+        if phases is not None:
+            phases.mark("weights")
+        model.finalize(self.batch_invariant)
+        if isinstance(model, LlamaForCausalLM):
+            model.init_rotary(self.max_model_len, torch.device("cpu"))
+        return model.eval()
+
+    def reload_model(self) -> LlamaForCausalLM | BertModel:
+        """A second copy of the model, read from the checkpoint again (a level-2 wake copies it in)."""
+        _, weights = load_model_files(self.config.model, self.config.cache_dir)
+        return self._build_model(weights)
 
     def _num_blocks_for(self, num_bytes: int) -> int:
         mc = self.model_config

@@ -144,6 +144,14 @@ class EngineArgs:
     max_cpu_loras: int | None = option(
         None, "adapters the worker keeps loaded, least recently used out first (default: --max-loras)"
     )
+    profiler_dir: str | None = option(
+        None, "where POST /start_profile and /stop_profile write the worker's torch profiler traces"
+    )
+    profiler_config: dict[str, Any] = option(
+        default_factory=dict,
+        help='vLLM\'s spelling of --profiler-dir: JSON {"profiler": "torch", "torch_profiler_dir": DIR}',
+        parse=_json_object,
+    )
     startup_timeout_s: float = option(
         600.0, "seconds the offline API waits for the engine to load", flag="--startup-timeout"
     )
@@ -188,6 +196,12 @@ class EngineArgs:
                 raise ConfigError(flag, f"must be positive, got {value}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError("--max-cpu-loras", f"must be at least --max-loras ({self.max_loras})")
+        unknown = set(self.profiler_config) - {"profiler", "torch_profiler_dir"}
+        if unknown or self.profiler_config.get("profiler", "torch") != "torch":
+            raise ConfigError(
+                "--profiler-config",
+                'takes {"profiler": "torch", "torch_profiler_dir": DIR} (the torch profiler)',
+            )
         names = [module.name for module in self.lora_modules]
         if len(set(names)) < len(names):
             raise ConfigError("--lora-modules", "names an adapter twice")
@@ -271,4 +285,5 @@ class EngineArgs:
             log_level=self.log_level,
             log_format=self.log_format,
             stats_log_interval_s=self.stats_log_interval_s,
+            profiler_dir=self.profiler_dir or self.profiler_config.get("torch_profiler_dir"),
         )

@@ -240,7 +240,7 @@ class AsyncEngineClient:
 
     def _update_stats(self, stats: SchedulerStats) -> None:
         previous = self.last_stats
-        idle = stats.num_running + stats.num_waiting == 0
+        idle = stats.num_running + stats.num_waiting == 0 or bool(stats.paused or stats.sleeping)
         if previous is None or idle or stats.num_steps != previous.num_steps:
             self.last_progress_at = asyncio.get_running_loop().time()
         self.last_stats = stats
@@ -249,8 +249,8 @@ class AsyncEngineClient:
     def stalled_for(self) -> float:
         """Seconds the engine has held open requests without finishing a step (0 when it moves)."""
         stats = self.last_stats
-        if stats is None or stats.num_running + stats.num_waiting == 0:
-            return 0.0
+        if stats is None or stats.num_running + stats.num_waiting == 0 or stats.paused or stats.sleeping:
+            return 0.0  # (paused or asleep on purpose: not a stall)
         return asyncio.get_running_loop().time() - self.last_progress_at
 
     async def abort_all(self, reason: str) -> int:

@@ -40,6 +40,15 @@ async def health(deps: Deps) -> Response:
         return error_response(
             OpenAIError(problem[0], status=503, type="service_unavailable_error", code=problem[1])
         )
+    stats = client.last_stats
+    if stats is not None and (stats.sleeping or stats.paused):  # on purpose: alive, not serving new work
+        status = "asleep" if stats.sleeping else "paused"
+        detail = (
+            f"level {stats.sleep_level}; POST /wake_up"
+            if stats.sleeping
+            else f"mode {stats.paused}; POST /resume"
+        )
+        return json_response({"status": status, "detail": detail})
     notices = deps.serving.model_info.notices
     if notices:  # healthy, but not as fast or as exact as it could be: says why (e.g. no csrc kernels)
         return json_response({"status": "ok", "detail": " ".join(notices)})

@@ -29,6 +29,20 @@ def admit(limits: AdmissionLimits, client: AsyncEngineClient, draining: bool) ->
     refusal = None
     if draining:
         refusal = (503, "service_unavailable_error", "server_shutting_down", "The server is shutting down.")
+    elif stats is not None and stats.sleeping:
+        refusal = (
+            503,
+            "service_unavailable_error",
+            "engine_sleeping",
+            "The engine is asleep; POST /wake_up wakes it.",
+        )
+    elif stats is not None and stats.paused == "abort":
+        refusal = (
+            503,
+            "service_unavailable_error",
+            "engine_paused",
+            "The engine is paused (mode abort); POST /resume resumes it.",
+        )
     elif limits.max_inflight_requests and client.num_open_requests >= limits.max_inflight_requests:
         refusal = (
             429,

@@ -16,7 +16,7 @@ from frontend.pooling import embeddings as pooling_embeddings
 from frontend.pooling import score as pooling_score
 from frontend.pooling.routes import absent_router
 from frontend.responses import serving as responses
-from frontend.server import admin, dev, lora
+from frontend.server import admin, dev, lora, operator
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
 from frontend.server.middleware import EdgeMiddleware
@@ -93,7 +93,7 @@ def build_app(deps: AppDeps) -> FastAPI:
             invocations.router,
         ]
     routers = [*doors, absent_router(deps.serving.model_info), tokenize.router, admin.router]
-    routers += [dev.router] if config.dev_mode else []
+    routers += [dev.router, operator.router] if config.dev_mode else []
     routers += [lora.router] if config.runtime_lora_updating else []
     for router in routers:
         app.include_router(router)

@@ -82,6 +82,8 @@ def to_openai_error(error: BaseException) -> OpenAIError:
             return OpenAIError(
                 error.message, status=404, type="NotFoundError", param=error.param, code=error.code
             )
+        if error.code in ("engine_paused", "engine_sleeping"):
+            return OpenAIError(error.message, status=503, type="service_unavailable_error", code=error.code)
         return OpenAIError(error.message, param=error.param)
     if isinstance(error, RequestAbortedError):
         return OpenAIError(

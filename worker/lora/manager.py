@@ -51,6 +51,13 @@ class LoraManager:
             held = True
         return held
 
+    def clear_slots(self) -> None:
+        """Forget what the slots hold (their memory was dropped): each adapter is written again when used."""
+        for slot, lora_id in enumerate(self.slot_ids):
+            if lora_id is not None:
+                self.slots.write(slot, None)
+                self.slot_ids[slot] = None
+
     def list_ids(self) -> list[int]:
         return list(self.cache)
 
