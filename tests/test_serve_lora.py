@@ -259,3 +259,21 @@ def test_run_batch_with_an_adapter(smollm2_gguf: str, adapters, oracle, tmp_path
     assert records["base"]["response"]["body"]["choices"][0]["text"] == oracle[None]
     assert records["qv"]["response"]["body"]["choices"][0]["text"] == oracle["qv"]
     assert records["nope"]["response"]["status_code"] == 404
+
+
+def test_offline_generate_with_lora_requests(smollm2_gguf: str, adapters, oracle) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's LLM.generate(..., lora_request=LoRARequest(name, id, path)): loaded on first use, one for
+    every prompt or one per prompt (None: the base model)."""
+    from frontend import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(smollm2_gguf, dtype="float32", max_model_len=512, enable_lora=True, max_loras=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        qv, ko = LoRARequest("qv", 1, str(adapters["qv"])), LoRARequest("ko", 2, str(adapters["ko"]))
+        assert llm.generate(PROMPT, params, lora_request=qv)[0].outputs[0].text == oracle["qv"]
+        results = llm.generate([PROMPT] * 3, params, lora_request=[ko, None, qv])
+        assert [r.outputs[0].text for r in results] == [oracle["ko"], oracle[None], oracle["qv"]]
+        with pytest.raises(ValueError, match="lora_int_id 1 is 'qv'"):
+            llm.generate(PROMPT, params, lora_request=LoRARequest("other", 1, str(adapters["all"])))
+    finally:
+        llm.shutdown()
