@@ -173,3 +173,11 @@ def serving(model: str | None, *flags: str, **options: Any) -> Iterator[Served]:
         yield served
     finally:
         stop(served.process)
+
+
+@contextlib.contextmanager
+def attached_frontend(served: Served, env: dict[str, str | None] | None = None) -> Iterator[Served]:
+    """`engine serve --attach` to a served engine (started with engine_address=True), stopped after."""
+    assert served.engine_address is not None, "start the engine with engine_address=True"
+    with serving(None, "--attach", served.engine_address, env=env) as attached:
+        yield attached

@@ -22,7 +22,7 @@ import pytest
 from structured_outputs.tokenizer import load_tokenizer
 from tests.hf_oracle import hf_folder_of_gguf, hf_greedy
 from tests.lora_helpers import make_adapter, peft_model
-from tests.serve_helpers import Served, start_serve, stop
+from tests.serve_helpers import Served, attached_frontend, start_serve, stop
 
 pytestmark = pytest.mark.slow
 
@@ -94,14 +94,8 @@ def server(smollm2_gguf: str, adapters: dict[str, pathlib.Path]) -> Iterator[Ser
 
 @pytest.fixture(scope="module")
 def attached(server: Served) -> Iterator[Served]:
-    assert server.engine_address is not None
-    served = start_serve(
-        None, "--attach", server.engine_address, env={"ENGINE_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-    )
-    try:
+    with attached_frontend(server, env={"ENGINE_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as served:
         yield served
-    finally:
-        stop(served.process)
 
 
 def client(served: Served) -> openai.OpenAI:
@@ -277,3 +271,15 @@ def test_offline_generate_with_lora_requests(smollm2_gguf: str, adapters, oracle
             llm.generate(PROMPT, params, lora_request=LoRARequest("other", 1, str(adapters["all"])))
     finally:
         llm.shutdown()
+
+
+def test_bench_serve_compares_adapters_with_the_base(server: Served, tmp_path: pathlib.Path) -> None:
+    report = tmp_path / "lora.json"
+    command = [sys.executable, "-m", "frontend.cli", "bench", "serve", "--base-url", server.base, "--model", BASE,
+               "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--max-concurrency", "2",
+               "--lora-modules", "qv", "all", "--lora-compare", "--quiet", "--output-json", str(report)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Output throughput, adapters / base:" in done.stdout
+    body = json.loads(report.read_text())
+    assert body["output_throughput_ratio"] > 0 and body["rounds"][0]["adapters"]["failed"] == 0

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_helpers import SHARED_API_KEY, Served, start_serve, stop, wait_until
+from tests.serve_helpers import SHARED_API_KEY, Served, attached_frontend, start_serve, stop, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +44,8 @@ def server(smollm2_gguf: str, profiles: pathlib.Path) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def attached(server: Served) -> Iterator[Served]:
-    assert server.engine_address is not None
-    served = start_serve(None, "--attach", server.engine_address, env=DEV)
-    try:
+    with attached_frontend(server, env=DEV) as served:
         yield served
-    finally:
-        stop(served.process)
 
 
 def post(served: Served, path: str, **kwargs: Any) -> httpx.Response:

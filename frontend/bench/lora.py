@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from frontend.bench.common import alternating_rounds
 from frontend.bench.responses_store import Measure
 
 
@@ -25,11 +26,9 @@ def lora_pass(args: argparse.Namespace, measure: Measure, adapters: bool, seed: 
 
 
 def compare_lora(args: argparse.Namespace, measure: Measure, table: Callable[[dict[str, Any]], str]) -> int:
-    rounds: list[dict[bool, dict[str, Any]]] = []
-    for index in range(args.rounds):
-        seeds = {True: args.seed + 2 * index * 7919, False: args.seed + (2 * index + 1) * 7919}
-        order = [False, True] if index % 2 == 0 else [True, False]
-        rounds.append({adapters: lora_pass(args, measure, adapters, seeds[adapters]) for adapters in order})
+    rounds = alternating_rounds(
+        args.rounds, args.seed, False, lambda on, seed: lora_pass(args, measure, on, seed)
+    )
 
     def ratio(passes: dict[bool, dict[str, Any]], name: str) -> float:
         base = passes[False][name]

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from frontend.bench.common import alternating_rounds
+
 # (args, prompt seed) -> (summary, each request's result): one pass of the load
 Measure = Callable[[argparse.Namespace, int], tuple[dict[str, Any], list[Any]]]
 
@@ -42,11 +44,9 @@ def store_pass(args: argparse.Namespace, measure: Measure, store: bool, seed: in
 
 
 def compare_store(args: argparse.Namespace, measure: Measure, table: Callable[[dict[str, Any]], str]) -> int:
-    rounds: list[dict[bool, dict[str, Any]]] = []
-    for index in range(args.rounds):
-        seeds = {True: args.seed + 2 * index * 7919, False: args.seed + (2 * index + 1) * 7919}
-        order = [True, False] if index % 2 == 0 else [False, True]
-        rounds.append({store: store_pass(args, measure, store, seeds[store]) for store in order})
+    rounds = alternating_rounds(
+        args.rounds, args.seed, True, lambda store, seed: store_pass(args, measure, store, seed)
+    )
     costs = [store_cost(passes[True]["summary"], passes[False]["summary"]) for passes in rounds]
     cost = {name: statistics.median(c[name] for c in costs) for name in costs[0]}
     first = rounds[0]
