@@ -38,15 +38,15 @@ inline float to_float(at::BFloat16 v) {
   return f;
 }
 
-constexpr int64_t kChunk = 8;  // rows of one slot that share each read of its factors
+constexpr int64_t kChunk = 8;   // rows of one slot that share each read of its factors
+constexpr int64_t kBlock = 64;  // output columns summed at once
 
 // One slot's rows (a chunk of them): each factor row is read once for all of them (L1 after the first).
 // Each row's sums run in one fixed order whatever the chunk: over i for its dot products, over k for its
 // outputs; so a row's result does not depend on which rows share its chunk.
 template <typename T>
 void lora_chunk(const T* x, T* y, const T* as, const T* bs, const int64_t* rows, int64_t m, const int64_t* bounds,
-                const int64_t* used, int64_t in, int64_t out, int64_t parts, int64_t rank, float* xin, float* xa,
-                float* acc) {
+                const int64_t* used, int64_t in, int64_t out, int64_t parts, int64_t rank, float* xin, float* xa) {
   const int64_t width = parts * rank;
   for (int64_t j = 0; j < m; ++j) {
     const T* xr = x + rows[j] * in;
@@ -63,23 +63,25 @@ void lora_chunk(const T* x, T* y, const T* as, const T* bs, const int64_t* rows,
       }
     }
   }
+  // y[j, o] += sum over k (ascending) of xa[j, k] * bt[k, o], kBlock columns at a time (a block of sums the
+  // compiler keeps in vector registers)
   for (int64_t p = 0; p < parts; ++p) {
-    const int64_t first = bounds[p], last = bounds[p + 1];
-    if (used[p] == 0) continue;
-    for (int64_t j = 0; j < m; ++j)
-      for (int64_t o = first; o < last; ++o) acc[j * out + o] = 0.f;
-    for (int64_t k = 0; k < used[p]; ++k) {
-      const T* column = bs + (p * rank + k) * out;
+    const int64_t first = bounds[p], last = bounds[p + 1], ranks = used[p];
+    if (ranks == 0) continue;
+    const T* block = bs + p * rank * out;
+    for (int64_t o = first; o < last; o += kBlock) {
+      const int64_t n = std::min<int64_t>(kBlock, last - o);
       for (int64_t j = 0; j < m; ++j) {
-        const float scale = xa[j * width + p * rank + k];
-        float* aj = acc + j * out;
-        for (int64_t o = first; o < last; ++o) aj[o] += scale * to_float(column[o]);
+        const float* coefficients = xa + j * width + p * rank;
+        float sums[kBlock] = {};
+        for (int64_t k = 0; k < ranks; ++k) {
+          const float scale = coefficients[k];
+          const T* column = block + k * out + o;
+          for (int64_t q = 0; q < n; ++q) sums[q] += scale * to_float(column[q]);
+        }
+        T* yr = y + rows[j] * out + o;
+        for (int64_t q = 0; q < n; ++q) yr[q] = static_cast<T>(to_float(yr[q]) + sums[q]);
       }
-    }
-    for (int64_t j = 0; j < m; ++j) {
-      T* yr = y + rows[j] * out;
-      const float* aj = acc + j * out;
-      for (int64_t o = first; o < last; ++o) yr[o] = static_cast<T>(to_float(yr[o]) + aj[o]);
     }
   }
 }
@@ -114,7 +116,7 @@ inline __m512 load_bf16(const at::BFloat16* p) {
 template <>
 void lora_chunk(const at::BFloat16* x, at::BFloat16* y, const at::BFloat16* as, const at::BFloat16* bs,
                 const int64_t* rows, int64_t m, const int64_t* bounds, const int64_t* used, int64_t in, int64_t out,
-                int64_t parts, int64_t rank, float* /*xin*/, float* xa, float* /*acc*/) {
+                int64_t parts, int64_t rank, float* /*xin*/, float* xa) {
   const int64_t width = parts * rank;
   for (int64_t p = 0; p < parts; ++p)
     for (int64_t k = 0; k < used[p]; ++k) {
@@ -170,14 +172,14 @@ void lora_rows(const T* x, T* y, const T* a, const T* bt, const int64_t* row_slo
   for (int64_t s = 0; s < num_slots; ++s)
     for (int64_t first = 0; first < static_cast<int64_t>(by_slot[s].size()); first += kChunk) chunks.emplace_back(s, first);
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-    // float32 copies of the rows and their sums: only the portable path reads them
+    // float32 copies of the rows: only the portable path reads them
     const bool buffers = !kFastBf16 || !std::is_same_v<T, at::BFloat16>;
-    std::vector<float> xin(buffers ? kChunk * in : 0), xa(kChunk * width), acc(buffers ? kChunk * out : 0);
+    std::vector<float> xin(buffers ? kChunk * in : 0), xa(kChunk * width);
     for (int64_t c = begin; c < end; ++c) {
       const auto [s, first] = chunks[c];
       const int64_t m = std::min<int64_t>(kChunk, static_cast<int64_t>(by_slot[s].size()) - first);
       lora_chunk(x, y, a + s * width * in, bt + s * width * out, by_slot[s].data() + first, m, bounds, ranks + s * parts,
-                 in, out, parts, rank, xin.data(), xa.data(), acc.data());
+                 in, out, parts, rank, xin.data(), xa.data());
     }
   });
 }
