@@ -152,7 +152,9 @@ def test_sleep_and_wake_give_the_same_tokens(folder: str, uninterrupted, level: 
 def test_collective_rpc_reaches_only_its_allowlist(folder: str) -> None:
     core = engine(folder)
     report = core.call_utility("collective_rpc", ["report_memory", [], {}, None])
-    assert report["results"][0]["rss_bytes"] > report["results"][0]["kv_cache_bytes"] > 0
+    memory = report["results"][0]
+    assert memory["rss_bytes"] > memory["weights_bytes"] > 0 and memory["kv_cache_bytes"] > 0  # the pool may
+    # not be faulted in yet: RSS need not hold it
     for method in ("sleep", "add_lora", "__init__"):
         with pytest.raises(InvalidParameterError, match="collective_rpc calls only"):
             core.call_utility("collective_rpc", [method, [], {}, None])
