@@ -12,15 +12,18 @@ from engine_core.block_pool import BlockPool
 from engine_core.engine_core import EngineCore
 from engine_core.request import RequestStatus
 from protocol.config import EngineConfig, WorkerConfig
+from protocol.lora import LoraAdapter, LoraConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
 from tests.fake_executor import FakeExecutor
 
 
-def make_core(num_kv_blocks: int = 64, block_size: int = 4, **kwargs) -> tuple[EngineCore, FakeExecutor]:  # type: ignore[no-untyped-def]
+def make_core(
+    num_kv_blocks: int = 64, block_size: int = 4, lora: LoraConfig | None = None, **kwargs
+) -> tuple[EngineCore, FakeExecutor]:  # type: ignore[no-untyped-def]
     executor = FakeExecutor(num_kv_blocks=num_kv_blocks, block_size=block_size)
     kwargs.setdefault("async_scheduling", False)  # these tests follow one step at a time
-    config = EngineConfig(worker=WorkerConfig(model="fake"), **kwargs)
+    config = EngineConfig(worker=WorkerConfig(model="fake", lora=lora), **kwargs)
     return EngineCore(config, executor), executor
 
 
@@ -275,12 +278,18 @@ def test_async_scheduling_gives_each_request_the_outputs_sync_does() -> None:
     caching=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority"]),
     async_scheduling=st.booleans(),
+    loras=st.booleans(),
 )
 def test_random_workload_keeps_invariants_and_leaks_nothing(
-    seed: int, num_blocks: int, budget: int, caching: bool, policy: str, async_scheduling: bool
+    seed: int, num_blocks: int, budget: int, caching: bool, policy: str, async_scheduling: bool, loras: bool
 ) -> None:
+    """With loras: requests on three adapters and the base, at most two adapters a step (check_invariants),
+    adapters unloaded and loaded again while requests use them; the worker drops each once unused."""
     rng = random.Random(seed)
+    names = ["a", "b", "c"] if loras else []
     core, executor = make_core(
+        lora=LoraConfig(max_loras=2) if loras else None,
+        lora_modules=[LoraAdapter(name=name, path=f"/adapters/{name}") for name in names],
         num_kv_blocks=num_blocks,
         block_size=4,
         max_num_batched_tokens=budget,
@@ -306,10 +315,15 @@ def test_random_workload_keeps_invariants_and_leaks_nothing(
                     ),
                     arrival_time=float(step),
                     priority=rng.randint(-2, 2),
+                    lora_name=rng.choice([None, *names]) if names else None,
                 )
             )
             executor.token_for[request_id] = [rng.choice([2, 5, 7]) for _ in range(12)]
             live.append(request_id)
+        if names and rng.random() < 0.03:  # unload one and load it again (a new id) while requests may use it
+            name = rng.choice(names)
+            core.call_utility("unload_lora", [name])
+            core.call_utility("load_lora", [name, f"/adapters/{name}", None, False])
         if live and rng.random() < 0.05:
             core.abort_requests([rng.choice(live)])
         scheduler_output_count = len(executor.steps)
@@ -327,6 +341,10 @@ def test_random_workload_keeps_invariants_and_leaks_nothing(
     assert all(block.ref_cnt == 0 for block in core.scheduler.kv_cache.pool.blocks)
     for request in list(core.scheduler.requests.values()):
         assert request.status.is_finished  # pragma: no cover
+    assert not core.loras.retiring, "every unloaded adapter was freed once its requests ended"
+    loaded = {call.args[0][0] for call in executor.calls if call.method == "add_lora"}  # [id, name, path]
+    removed = {call.args[0] for call in executor.calls if call.method == "remove_lora"}
+    assert removed | {a.lora_id for a in core.loras.listed()} == loaded
 
 
 def test_request_status_order() -> None:

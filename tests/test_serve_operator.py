@@ -171,16 +171,18 @@ def test_sleep_refuses_while_requests_are_open_and_bad_levels(server: Served) ->
     assert post(server, "/pause?wait=1").status_code == 400
 
 
-def test_collective_rpc_allowlist(server: Served) -> None:
-    summary = post(server, "/collective_rpc", json={"method": "model_summary", "timeout": 10}).json()
+def test_collective_rpc_allowlist(server: Served, attached: Served) -> None:
+    summary = post(attached, "/collective_rpc", json={"method": "model_summary", "timeout": 10}).json()
     assert summary["results"][0]["family"] == "llama"
     refused = post(server, "/collective_rpc", json={"method": "sleep", "args": [1]})
     assert refused.status_code == 400 and "collective_rpc calls only" in refused.json()["error"]["message"]
     assert post(server, "/collective_rpc", json={"method": "report_memory", "bogus": 1}).status_code == 400
 
 
-def test_profiler_writes_the_workers_trace(server: Served, profiles: pathlib.Path) -> None:
-    assert post(server, "/start_profile").status_code == 200
+def test_profiler_writes_the_workers_trace(server: Served, attached: Served, profiles: pathlib.Path) -> None:
+    assert (
+        post(attached, "/start_profile").status_code == 200
+    )  # started through one frontend, stopped through another
     assert post(server, "/start_profile").status_code == 400  # one at a time
     complete(server, 4)
     trace = pathlib.Path(post(server, "/stop_profile").json()["trace"])
