@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from frontend.cli.main import build_parser
-from frontend.config.engine_args import EngineArgs
+from frontend.config.engine_args import EngineArgs, lora_module
 from frontend.config.flags import default_of, flag_name, from_namespace, human_bytes
 from frontend.config.server_args import (
     SERVE_DECODE_PREFILL_TOKEN_BUDGET,
@@ -18,6 +18,7 @@ from frontend.config.server_args import (
     origins,
 )
 from protocol.config import EngineConfig, WorkerConfig
+from protocol.lora import LoraAdapter
 
 # Per-command defaults that differ from the field's, on purpose (each is documented where it is set).
 COMMAND_DEFAULTS = {
@@ -107,3 +108,43 @@ def test_bad_values_are_refused_once_at_construction() -> None:
         EngineArgs(max_num_seqs=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         EngineArgs().dtype = "float32"  # type: ignore[misc]
+
+
+def test_lora_flags_as_vllm_spells_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    json_module = '{"name": "chat", "path": "/adapters/chat", "base_model_name": "base"}'
+    argv = ["serve", "m", "--served-model-name", "smol", "--enable-lora", "--max-loras", "3", "--max-cpu-loras", "5",
+            "--lora-modules", "sql=/adapters/sql", json_module, "--profiler-config",
+            '{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}']  # fmt: skip
+    args = from_namespace(EngineArgs, build_parser().parse_args(argv))
+    config = dataclasses.replace(args, model=str(tmp_path)).engine_config()
+    assert config.worker.lora is not None and config.worker.lora.max_loras == 3
+    assert config.worker.lora.num_cpu_loras == 5 and config.worker.lora.max_lora_rank == 16
+    assert [(m.name, m.path, m.base_model_name) for m in config.lora_modules] == [
+        ("sql", "/adapters/sql", "smol"),  # the served model's name by default
+        ("chat", "/adapters/chat", "base"),
+    ]
+    assert config.profiler_dir == "/tmp/traces"
+    assert (
+        dataclasses.replace(args, model=str(tmp_path), enable_lora=False, lora_modules=[])
+        .engine_config()
+        .worker.lora
+        is None
+    )
+    for bad, flag in (
+        (dict(lora_modules=[LoraAdapter(name="x", path="/x")]), "--lora-modules"),  # needs --enable-lora
+        (dict(enable_lora=True, max_loras=0), "--max-loras"),
+        (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "--max-cpu-loras"),
+        (
+            dict(
+                enable_lora=True,
+                lora_modules=[LoraAdapter(name="x", path="/a"), LoraAdapter(name="x", path="/b")],
+            ),
+            "twice",
+        ),
+        (dict(profiler_config={"profiler": "nsys"}), "--profiler-config"),
+    ):
+        with pytest.raises(ValueError, match=flag):
+            EngineArgs(**bad)  # type: ignore[arg-type]
+    for text in ("sql", "=/p", '{"name": "x"}'):
+        with pytest.raises(ValueError):
+            lora_module(text)
