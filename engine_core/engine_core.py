@@ -88,7 +88,7 @@ class EngineCore:
         self.num_steps = 0
         self.max_steps_in_flight = 2 if config.async_scheduling else 1
         self.request_ended = False  # since the last collect: run one step at a time until the next
-        self.loras = LoraTable(config.worker.lora, executor)
+        self.loras = LoraTable(config.worker.lora, executor, self.model_info.served_model_names)
         self.state = RunState()  # paused, asleep (the operator's endpoints)
         self.profiler_dir = config.profiler_dir
         self.pending_outputs: list[tuple[Request, RequestOutput]] = []
@@ -172,7 +172,10 @@ class EngineCore:
             return True
         if self.state.frozen:
             return False
-        return bool(self.scheduler.running) or (len(self.scheduler.waiting) > 0 and self.state.admits)
+        scheduler = self.scheduler
+        if scheduler.running or (len(scheduler.waiting) > 0 and self.state.admits):
+            return True
+        return scheduler.num_preempted_waiting > 0  # paused "wait": the preempted go on too
 
     def step(self) -> list[tuple[Request, RequestOutput]]:
         """Submit the next step if the queue has room, then collect the oldest once the queue is full

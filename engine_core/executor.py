@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections import deque
 from typing import Protocol
@@ -55,6 +56,10 @@ class WorkerDiedError(RuntimeError):
     """A worker process exited or reported an error."""
 
 
+class CallTimeoutError(TimeoutError):
+    """A worker call took longer than its caller would wait (the worker is alive and answers later)."""
+
+
 class MultiprocExecutor:
     """One worker process (rank 0). A step submitted while the worker runs another waits in its socket,
     so the worker starts it as soon as it has sent the other's output."""
@@ -63,6 +68,7 @@ class MultiprocExecutor:
 
     def __init__(self, config: WorkerConfig, load_timeout_s: float = 600.0) -> None:
         self._early: deque[ModelRunnerOutput] = deque()  # step outputs a call read ahead of collect
+        self._abandoned = 0  # calls that timed out: their answers are still to come, and are dropped
         self._input_codec = worker_input_codec()
         self._output_codec = worker_output_codec()
         self._context = zmq.Context()
@@ -85,13 +91,20 @@ class MultiprocExecutor:
             raise WorkerDiedError(f"worker sent {type(message).__name__} instead of WorkerReady")
         self.model_info = message.model_info
 
-    def _receive(self, timeout_s: float | None = None) -> object:
+    def _receive(
+        self, timeout_s: float | None = None, timeout_error: type[Exception] | None = None
+    ) -> object:
         waited_ms = 0
-        while not self._socket.poll(self.POLL_INTERVAL_MS):
-            waited_ms += self.POLL_INTERVAL_MS
+        interval = (
+            self.POLL_INTERVAL_MS
+            if timeout_s is None
+            else max(1, min(self.POLL_INTERVAL_MS, int(timeout_s * 1000)))
+        )
+        while not self._socket.poll(interval):
+            waited_ms += interval
             self.check_health()
-            if timeout_s is not None and waited_ms > timeout_s * 1000:
-                raise WorkerDiedError(f"worker did not answer within {timeout_s} s")
+            if timeout_s is not None and waited_ms >= timeout_s * 1000:
+                raise (timeout_error or WorkerDiedError)(f"worker did not answer within {timeout_s:.1f} s")
         message = self._output_codec.decode(self._socket.recv_multipart(copy=False))
         if isinstance(message, WorkerError):
             raise WorkerDiedError(f"worker failed: {message.message}")
@@ -103,15 +116,30 @@ class MultiprocExecutor:
     def collect(self) -> ModelRunnerOutput:
         if self._early:
             return self._early.popleft()
-        message = self._receive()
-        assert isinstance(message, ModelRunnerOutput)
-        return message
+        while True:
+            message = self._receive()
+            if isinstance(message, WorkerCallResult) and self._abandoned:
+                self._abandoned -= 1  # the late answer of a call that timed out
+                continue
+            assert isinstance(message, ModelRunnerOutput)
+            return message
 
     def call(self, call: WorkerCall, timeout_s: float | None = None) -> WorkerCallResult:
+        """timeout_s: CallTimeoutError past it; the worker's late answer is then dropped when it comes, so
+        the answers that follow stay matched to their calls."""
         self._socket.send_multipart(self._input_codec.encode(call), copy=False)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            message = self._receive(timeout_s)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                message = self._receive(left, CallTimeoutError)
+            except CallTimeoutError:
+                self._abandoned += 1
+                raise
             if isinstance(message, WorkerCallResult):
+                if self._abandoned:
+                    self._abandoned -= 1  # an earlier call's late answer: ours comes after it
+                    continue
                 return message
             assert isinstance(message, ModelRunnerOutput)
             self._early.append(message)  # a step submitted before the call: collect returns it next

@@ -25,9 +25,10 @@ from protocol.worker_messages import WorkerCall
 
 
 class LoraTable:
-    def __init__(self, config: LoraConfig | None, executor: Executor) -> None:
+    def __init__(self, config: LoraConfig | None, executor: Executor, served_names: list[str]) -> None:
         self.config = config
         self.executor = executor
+        self.served_names = served_names  # an adapter may not take one: requests naming it reach the base
         self.adapters: dict[str, LoraAdapter] = {}  # by name: what new requests may name
         self.retiring: dict[int, LoraAdapter] = {}  # by id: unloaded (or replaced) while requests use them
         self.next_id = 1
@@ -49,6 +50,10 @@ class LoraTable:
         self._require_enabled("lora_name")
         if not name:
             raise InvalidParameterError("lora_name", "lora_name must not be empty.")
+        if name in self.served_names:
+            raise InvalidParameterError(
+                "lora_name", f"`{name}` is the served model's name; give the adapter another."
+            )
         if name in self.adapters and not replace:
             raise InvalidParameterError(
                 "lora_name",

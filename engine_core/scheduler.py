@@ -104,7 +104,8 @@ class Scheduler:
         self.num_steps = 0
         self.iteration_tokens_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # SchedulerStats' layout
         self.iteration_tokens_sum = 0
-        self.admit_waiting = True  # False while the engine is paused: running requests go on, no new ones
+        # False while the engine is paused: running requests go on (preempted ones come back), no new ones
+        self.admit_waiting = True
 
     # ---- requests in and out ----
 
@@ -145,6 +146,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        """Waiting requests that ran before (preempted): a pause lets them back, as it lets running ones go on."""
+        return sum(1 for request in self.waiting if request.status == RequestStatus.PREEMPTED)
 
     # ---- one step ----
 
@@ -202,12 +208,14 @@ class Scheduler:
         skipped: list[Request] = []  # waiting requests whose adapter would be one too many for the step
         while (
             not preempted
-            and self.admit_waiting
             and len(self.waiting) > 0
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if not self.admit_waiting and request.status != RequestStatus.PREEMPTED:
+                skipped.append(self.waiting.pop())  # paused: only the preempted go back to running
+                continue
             if request.lora is not None and request.lora.lora_id not in loras:
                 if len(loras) >= self.config.max_loras:
                     skipped.append(self.waiting.pop())  # vLLM's rule: later requests may still go

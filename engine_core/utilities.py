@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from engine_core.executor import CallTimeoutError
 from protocol.errors import InvalidParameterError
 from protocol.worker_messages import WorkerCall
 
@@ -28,7 +29,12 @@ PAUSED_REASON = "paused"  # the stop_reason of requests a pause with mode abort 
 def _worker(
     engine: EngineCore, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any
 ) -> Any:
-    answer = engine.executor.call(WorkerCall(method, list(args), kwargs), timeout_s)
+    try:
+        answer = engine.executor.call(WorkerCall(method, list(args), kwargs), timeout_s)
+    except CallTimeoutError as error:
+        raise InvalidParameterError(
+            "timeout", f"the worker did not answer {method} in time: {error}"
+        ) from error
     if answer.error is not None:
         if answer.param is not None:
             raise InvalidParameterError(answer.param, answer.error)
@@ -64,8 +70,9 @@ def _pause_state(engine: EngineCore) -> dict[str, Any]:
     return {
         "is_paused": bool(engine.state.paused),
         "mode": engine.state.paused or None,
-        "num_running": len(scheduler.running),
-        "num_waiting": len(scheduler.waiting),
+        # a preempted request counts as running: it goes on during a pause "wait"
+        "num_running": len(scheduler.running) + scheduler.num_preempted_waiting,
+        "num_waiting": len(scheduler.waiting) - scheduler.num_preempted_waiting,
     }
 
 

@@ -300,3 +300,39 @@ def test_lora_off_refuses_adapter_names(tiny_loras) -> None:  # type: ignore[no-
         run(core, [(prompts[0], "qv8")])
     with pytest.raises(InvalidParameterError, match="--enable-lora"):
         core.call_utility("load_lora", ["qv8", str(root / "qv8"), None, False])
+
+
+def test_an_adapter_read_again_from_a_changed_folder_fails_its_requests_only(tiny_loras, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One slot, one cached adapter: loading B lets A go from the worker's cache; A's folder is then
+    removed. A request on A ends with an error naming it; the engine serves on (B, the base model)."""
+    root, prompts, oracle = tiny_loras
+    lora = LoraConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1)
+    worker = WorkerConfig(model=str(root / "base"), dtype="float32", block_size=16, lora=lora)
+    core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
+    copy = tmp_path / "qv8-copy"
+    shutil.copytree(root / "qv8", copy)
+    core.call_utility("load_lora", ["a", str(copy), None, False])
+    core.call_utility("load_lora", ["b", str(root / "all16"), None, False])
+    shutil.rmtree(copy)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    core.add_request(
+        AddRequest(
+            request_id="on-a",
+            prompt_token_ids=prompts[0],
+            sampling_params=params,
+            arrival_time=0,
+            lora_name="a",
+        )
+    )
+    ended = []
+    while core.has_unfinished_requests():
+        ended += [output for _, output in core.step() if output.finish_reason]
+    assert [o.finish_reason for o in ended] == ["error"] and not ended[0].new_token_ids
+    assert ended[0].error is not None and "`a` could not be read again" in ended[0].error.message
+    assert core.scheduler.kv_cache.pool.num_free_blocks == core.scheduler.config.num_kv_blocks
+    check([(prompts[0], "all16")], [run(core, [(prompts[0], "b")])[0]], prompts, oracle)
+    check([(prompts[1], None)], run(core, [(prompts[1], None)]), prompts, oracle)
+    with pytest.raises(InvalidParameterError, match="served model's name"):
+        core.call_utility(
+            "load_lora", [core.model_info.served_model_names[0], str(root / "qv8"), None, False]
+        )

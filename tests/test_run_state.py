@@ -172,3 +172,26 @@ def test_the_profiler_writes_a_trace(folder: str, tmp_path) -> None:  # type: ig
     assert trace.startswith(str(tmp_path)) and any(e.get("name", "").startswith("aten::") for e in events)
     with pytest.raises(InvalidParameterError, match="no profile is running"):
         core.call_utility("stop_profile", [])
+
+
+def test_pause_wait_lets_preempted_requests_finish_too(folder: str, uninterrupted) -> None:  # type: ignore[no-untyped-def]
+    """A pool so small that the running requests preempt each other: under pause "wait" the preempted go
+    back to running (they had started), so every request finishes and nothing hangs."""
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, num_kv_blocks=4, max_model_len=64)
+    core = EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=32), InprocExecutor(worker))
+    for i, prompt in enumerate(PROMPTS):
+        add(core, i, prompt)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):
+        for _, output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    core.call_utility("pause", ["wait"])
+    finish: dict[str, str] = {}
+    drain(core, tokens, finish)
+    assert core.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    started = {request_id for request_id in tokens if tokens[request_id]}
+    assert core.call_utility("is_paused", [])["num_running"] == 0
+    core.call_utility("resume", [])
+    drain(core, tokens, finish)
+    assert {k: tokens[k] for k in uninterrupted} == uninterrupted and set(finish) == set(uninterrupted)
+    assert started  # some had begun before the pause

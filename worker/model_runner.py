@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from protocol.config import WorkerConfig
-from protocol.messages import Logprobs, ModelInfo
+from protocol.messages import Logprobs, ModelInfo, RequestError
 from protocol.startup import StartupPhases
 from protocol.version import __version__
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
@@ -196,9 +196,9 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         lora = self._lora_batch(inputs)
         if self.pooling_step is not None:
-            return self.pooling_step.execute(
-                self.model, inputs, self.batch, self.kv_caches, self.backend, lora
-            )
+            step = self.pooling_step
+            pooled = step.execute(self.model, inputs, self.batch, self.kv_caches, self.backend, lora)
+            return self._with_lora_errors(pooled, inputs)
         assert isinstance(self.model, LlamaForCausalLM)  # an encoder only pools
         ends = np.cumsum(inputs.counts)
         sample_pos = [
@@ -249,12 +249,25 @@ class ModelRunner:
                 output.prompt_logprobs[request_id] = Logprobs(ids.tolist(), values.tolist(), ranks.tolist())
         for i, row in enumerate(inputs.rows):
             self.batch.num_computed_tokens[row] = inputs.starts[i] + inputs.counts[i]
-        return output
+        return self._with_lora_errors(output, inputs)
 
     def _lora_batch(self, inputs: StepInputs) -> LoraBatch | None:
         if self.lora is None:
             return None
-        return self.lora.batch([self.batch.requests[r].lora for r in inputs.request_ids], inputs.counts)
+        held = {state.lora.lora_id for state in self.batch.requests.values() if state.lora is not None}
+        loras = [self.batch.requests[r].lora for r in inputs.request_ids]
+        return self.lora.batch(loras, inputs.counts, held)
+
+    def _with_lora_errors(self, output: ModelRunnerOutput, inputs: StepInputs) -> ModelRunnerOutput:
+        """Requests whose adapter could not be read again end with that error (their rows ran on the base
+        model this step, and what they produced is dropped by the engine)."""
+        if self.lora is None or not self.lora.failed:
+            return output
+        for request_id in inputs.request_ids:
+            lora = self.batch.requests[request_id].lora
+            if lora is not None and lora.lora_id in self.lora.failed:
+                output.errors[request_id] = RequestError("model", self.lora.failed[lora.lora_id])
+        return output
 
     def _num_tokens(self, i: int, inputs: StepInputs) -> int:
         return int(self.batch.num_tokens[inputs.rows[i]])

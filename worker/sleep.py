@@ -100,10 +100,15 @@ class Sleeper:
         before, started = rss_bytes(), time.monotonic()
         released = 0
         if level == 1:
-            fd, self.path = tempfile.mkstemp(prefix="engine-weights-", suffix=".bin", dir=self.cache_dir)
-            with os.fdopen(fd, "wb") as f:
-                for storage in storages(weights):
-                    f.write(_bytes_of(storage).numpy().tobytes())
+            fd, path = tempfile.mkstemp(prefix="engine-weights-", suffix=".bin", dir=self.cache_dir)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    for storage in storages(weights):
+                        f.write(_bytes_of(storage).numpy().data)  # no copy of the bytes
+            except BaseException:
+                os.unlink(path)  # (a full disk): nothing kept, the worker awake as it was
+                raise
+            self.path = path
         for storage in storages(weights) + storages(kv_caches):
             released += release_pages(storage)
         self.level, self.asleep = level, {"weights", "kv_cache"}

@@ -2,7 +2,10 @@
 the slots a step's adapters go in (max_loras; the engine never schedules more adapters in one step).
 
 An adapter the cache let go of is read again from its folder when a request needs it (the request names
-its path), as vLLM's LRU cache does.
+its path), as vLLM's LRU cache does. An adapter a request the worker holds uses is never let go (so
+requests finish on the weights they started with, whatever happens to the folder); the cache may then
+hold more than max_cpu_loras until they end. A folder that fails when read again fails the requests on
+it (`failed`), not the step.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from protocol.errors import InvalidParameterError
 from protocol.lora import LoraConfig, LoraRequest
 from worker.lora.adapter import LoraWeights, load_adapter
 from worker.lora.slots import LoraBatch, LoraSlots
@@ -33,6 +37,8 @@ class LoraManager:
         self.cache: OrderedDict[int, LoraWeights] = OrderedDict()  # lora id -> weights, oldest use first
         self.slot_ids: list[int | None] = [None] * config.max_loras  # the adapter in each slot
         self.slot_order: list[int] = list(range(config.max_loras))  # least recently used slot first
+        self.pinned: set[int] = set()  # adapters of the requests the worker holds: never evicted
+        self.failed: dict[int, str] = {}  # this step's adapters that could not be read again, and why
 
     def add(self, lora: LoraRequest) -> dict[str, int]:
         """Load (and check) an adapter into the cache; raises InvalidParameterError and keeps nothing when
@@ -64,19 +70,30 @@ class LoraManager:
     def _keep(self, lora_id: int, weights: LoraWeights) -> None:
         self.cache[lora_id] = weights
         self.cache.move_to_end(lora_id)
-        while len(self.cache) > self.config.num_cpu_loras:
-            self.cache.popitem(last=False)
+        keep = self.pinned | {lora_id}
+        evictable = [held for held in self.cache if held not in keep]  # oldest use first
+        for held in evictable[: max(0, len(self.cache) - self.config.num_cpu_loras)]:
+            del self.cache[held]
 
-    def batch(self, loras: list[LoraRequest | None], counts: np.ndarray) -> LoraBatch | None:
+    def batch(
+        self, loras: list[LoraRequest | None], counts: np.ndarray, pinned: set[int]
+    ) -> LoraBatch | None:
         """The step's LoRA batch for requests in flattened order (their adapters, their token counts);
-        None when no request uses one."""
+        None when no request uses one. pinned: the adapters of every request the worker holds."""
+        self.pinned, self.failed = pinned, {}
         ids = [lora.lora_id if lora is not None else 0 for lora in loras]
         if not any(ids):
             return None
         present = {lora.lora_id: lora for lora in loras if lora is not None}
         if len(present) > self.config.max_loras:
             raise RuntimeError(f"a step mixes {len(present)} adapters; max_loras is {self.config.max_loras}")
-        slot_of = {lora_id: self._slot_for(lora, set(present)) for lora_id, lora in present.items()}
+        slot_of = {}
+        for lora_id, lora in present.items():
+            try:
+                slot_of[lora_id] = self._slot_for(lora, set(present))
+            except (InvalidParameterError, OSError) as error:  # its folder changed since it was loaded
+                self.failed[lora_id] = f"the LoRA adapter `{lora.name}` could not be read again: {error}"
+
         slots = np.array([slot_of.get(lora_id, -1) for lora_id in ids], dtype=np.int64)
         return self.slots.batch(np.repeat(slots, counts))
 
