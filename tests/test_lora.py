@@ -140,6 +140,16 @@ def test_one_batch_mixing_four_adapters_and_the_base_equals_peft(tiny_loras, con
     assert any(len(ids) == 5 for ids in seen), "some step held the base model and all four adapters"
 
 
+def test_the_python_layers_add_the_same_products(tiny_loras) -> None:  # type: ignore[no-untyped-def]
+    """Without the native decoder stack (the layers in Python, as steps it does not take run), the LoRA
+    products go through LoraBatch.add after each fused product: the same tokens as peft."""
+    root, prompts, oracle = tiny_loras
+    core = make_engine(root)
+    core.executor.runner.model.native_layers = None  # type: ignore[attr-defined]
+    jobs = mixed_jobs(prompts)[:10]
+    check(jobs, run(core, jobs), prompts, oracle)
+
+
 def test_fewer_slots_than_adapters(tiny_loras) -> None:  # type: ignore[no-untyped-def]
     """max_loras 2: no step holds more than two adapters (later requests pass one that would be a third),
     slots are reused; max_cpu_loras 2: adapters the cache let go of are read again from their folders."""
