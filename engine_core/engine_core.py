@@ -48,11 +48,12 @@ class EngineCore:
         self.executor = executor
         # The worker reports the model and the pool; only the engine knows its prefix caching and policy.
         info = executor.model_info
+        max_loras = config.worker.lora.max_loras if config.worker.lora is not None else 0
         self.model_info: ModelInfo = msgspec.structs.replace(
             info,
             enable_prefix_caching=config.enable_prefix_caching and prefix_cache_serves(info),
             scheduling_policy=config.scheduling_policy,
-            max_loras=config.worker.lora.max_loras if config.worker.lora is not None else 0,
+            max_loras=max_loras,
         )
         budget = config.max_num_batched_tokens
         if info.runner == "pooling":
@@ -82,7 +83,7 @@ class EngineCore:
             decode_prefill_token_budget=config.decode_prefill_token_budget,
             decode_prefill_tokens_per_decode=config.decode_prefill_tokens_per_decode,
             chunked_prefill=not info.is_encoder,
-            max_loras=config.worker.lora.max_loras if config.worker.lora is not None else 0,
+            max_loras=max_loras,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0

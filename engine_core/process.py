@@ -21,6 +21,7 @@ import zmq
 
 from engine_core.engine_core import EngineCore
 from engine_core.request import Request
+from engine_core.utilities import STATE_CHANGES
 from protocol.codec import decode_value, encode_value, engine_codec, frontend_codec
 from protocol.config import EngineConfig
 from protocol.errors import InvalidParameterError
@@ -283,7 +284,8 @@ class EngineCoreProc:
                 result = self.engine.call_utility(message.method, args)
                 reply = UtilityResult(message.call_id, encode_value(result))
                 self._send(self.engine.take_pending_outputs())  # a pause that ended requests
-                self._broadcast_state()
+                if message.method in STATE_CHANGES:
+                    self._broadcast_state()
             except InvalidParameterError as error:
                 reply = UtilityResult(
                     message.call_id, encode_value(None), error.message, error.param, error.code

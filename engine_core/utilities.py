@@ -144,6 +144,9 @@ def _stop_profile(engine: EngineCore) -> Any:
     return _worker(engine, "stop_profile")
 
 
+# the calls that change the run state: every frontend is told at once (their admission and /health read it)
+STATE_CHANGES = frozenset({"pause", "resume", "sleep", "wake_up"})
+
 UTILITIES: dict[str, Callable[..., Any]] = {
     "reset_prefix_cache": lambda engine: engine.scheduler.kv_cache.reset_prefix_cache(),
     "get_stats": _stats,

@@ -67,17 +67,20 @@ def make_engine(root, max_loras: int = 4, max_cpu_loras: int | None = None, **en
     )
 
 
+def submit(
+    core: EngineCore, request_id: str, prompt: list[int], lora: str | None, max_tokens: int = MAX_NEW_TOKENS
+) -> None:
+    """A greedy request on the adapter `lora` (None: the base model)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    message = AddRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling_params=params, arrival_time=0, lora_name=lora
+    )
+    core.add_request(message)
+
+
 def run(core: EngineCore, jobs: list[tuple[list[int], str | None]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     for i, (prompt, lora) in enumerate(jobs):
-        message = AddRequest(
-            request_id=f"r{i}",
-            prompt_token_ids=prompt,
-            sampling_params=params,
-            arrival_time=i,
-            lora_name=lora,
-        )
-        core.add_request(message)
+        submit(core, f"r{i}", prompt, lora)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(jobs))}
     while core.has_unfinished_requests():
         for _, output in core.step():
@@ -177,16 +180,7 @@ def test_the_prefix_cache_is_keyed_by_adapter(tiny_loras) -> None:  # type: igno
     prompt = prompts[1] + prompts[2]  # long enough for full blocks
     cached = []
     for name in ("qv8", "all16", "qv8", None):
-        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        core.add_request(
-            AddRequest(
-                request_id=f"p{len(cached)}",
-                prompt_token_ids=prompt,
-                sampling_params=params,
-                arrival_time=0,
-                lora_name=name,
-            )
-        )
+        submit(core, f"p{len(cached)}", prompt, name, max_tokens=2)
         hit = 0
         while core.has_unfinished_requests():
             for _, output in core.step():
@@ -261,16 +255,7 @@ def test_unloading_while_requests_run(tiny_loras) -> None:  # type: ignore[no-un
     root, prompts, oracle = tiny_loras
     core = make_engine(root)
     runner = core.executor.runner  # type: ignore[attr-defined]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    core.add_request(
-        AddRequest(
-            request_id="a",
-            prompt_token_ids=prompts[0],
-            sampling_params=params,
-            arrival_time=0,
-            lora_name="qv8",
-        )
-    )
+    submit(core, "a", prompts[0], "qv8")
     tokens: list[int] = []
     for _, output in core.step():
         tokens.extend(output.new_token_ids)
@@ -278,15 +263,7 @@ def test_unloading_while_requests_run(tiny_loras) -> None:  # type: ignore[no-un
     core.call_utility("unload_lora", ["qv8"])
     assert "qv8" not in [a["name"] for a in core.call_utility("list_loras", [])]
     with pytest.raises(InvalidParameterError) as raised:
-        core.add_request(
-            AddRequest(
-                request_id="b",
-                prompt_token_ids=prompts[0],
-                sampling_params=params,
-                arrival_time=0,
-                lora_name="qv8",
-            )
-        )
+        submit(core, "b", prompts[0], "qv8")
     assert raised.value.code == "model_not_found"
     assert old_id in runner.lora.cache, "the running request still uses it"
     while core.has_unfinished_requests():
@@ -324,16 +301,7 @@ def test_an_adapter_read_again_from_a_changed_folder_fails_its_requests_only(tin
     core.call_utility("load_lora", ["a", str(copy), None, False])
     core.call_utility("load_lora", ["b", str(root / "all16"), None, False])
     shutil.rmtree(copy)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    core.add_request(
-        AddRequest(
-            request_id="on-a",
-            prompt_token_ids=prompts[0],
-            sampling_params=params,
-            arrival_time=0,
-            lora_name="a",
-        )
-    )
+    submit(core, "on-a", prompts[0], "a", max_tokens=4)
     ended = []
     while core.has_unfinished_requests():
         ended += [output for _, output in core.step() if output.finish_reason]

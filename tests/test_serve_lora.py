@@ -22,7 +22,7 @@ import pytest
 from structured_outputs.tokenizer import load_tokenizer
 from tests.hf_oracle import hf_folder_of_gguf, hf_greedy
 from tests.lora_helpers import make_adapter, peft_model
-from tests.serve_helpers import Served, attached_frontend, start_serve, stop
+from tests.serve_helpers import Served, attached_frontend, serving
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def oracle(smollm2_gguf: str, adapters: dict[str, pathlib.Path]) -> dict[str | N
 @pytest.fixture(scope="module")
 def server(smollm2_gguf: str, adapters: dict[str, pathlib.Path]) -> Iterator[Served]:
     modules = ["qv=" + str(adapters["qv"]), json.dumps({"name": "all", "path": str(adapters["all"])})]
-    served = start_serve(
+    with serving(
         smollm2_gguf,
         *FLAGS,
         "--api-server-count",
@@ -85,11 +85,8 @@ def server(smollm2_gguf: str, adapters: dict[str, pathlib.Path]) -> Iterator[Ser
         *modules,
         env={"ENGINE_ALLOW_RUNTIME_LORA_UPDATING": "true"},
         engine_address=True,
-    )
-    try:
+    ) as served:
         yield served
-    finally:
-        stop(served.process)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_helpers import SHARED_API_KEY, Served, attached_frontend, start_serve, stop, wait_until
+from tests.serve_helpers import SHARED_API_KEY, Served, attached_frontend, serving, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +30,18 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf: str, profiles: pathlib.Path) -> Iterator[Served]:
-    served = start_serve(
-        smollm2_gguf,
-        "--dtype", "float32", "--max-model-len", "1024", "--api-server-count", "2",
-        "--profiler-dir", str(profiles),
-        env=DEV, engine_address=True,
-    )  # fmt: skip
-    try:
+    flags = [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--api-server-count",
+        "2",
+        "--profiler-dir",
+        str(profiles),
+    ]
+    with serving(smollm2_gguf, *flags, env=DEV, engine_address=True) as served:
         yield served
-    finally:
-        stop(served.process)
 
 
 @pytest.fixture(scope="module")
