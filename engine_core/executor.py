@@ -7,6 +7,7 @@ the in-process executor (worker/executor.py) is handed in by whoever builds the 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,27 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+def start_worker(config: WorkerConfig, address: str) -> subprocess.Popen[bytes]:
+    """A worker process for one rank; address: the engine's socket (rank 0), or "-" (the others)."""
+    # NOTE: a fresh interpreter (not fork) so that torch's threads start clean in the worker.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker.main", address, parent_pid_arg()],
+        stdin=subprocess.PIPE,
+        env=os.environ.copy(),
+    )
+    assert process.stdin is not None
+    process.stdin.write(msgspec.json.encode(config))
+    process.stdin.close()
+    return process
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on host now (the ranks' store binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process exited or reported an error."""
 
@@ -61,8 +83,9 @@ class CallTimeoutError(TimeoutError):
 
 
 class MultiprocExecutor:
-    """One worker process (rank 0). A step submitted while the worker runs another waits in its socket,
-    so the worker starts it as soon as it has sent the other's output."""
+    """One worker process per local rank; the engine speaks to rank 0, which passes each message on to the
+    other ranks (worker/parallel/relay.py) and answers for the group. A step submitted while the worker runs
+    another waits in its socket, so the worker starts it as soon as it has sent the other's output."""
 
     POLL_INTERVAL_MS = 1000
 
@@ -77,15 +100,18 @@ class MultiprocExecutor:
         self._ipc_dir = tempfile.mkdtemp(prefix="engine-worker-")
         address = f"ipc://{self._ipc_dir}/{uuid.uuid4().hex[:8]}"
         self._socket.bind(address)
-        # NOTE: a fresh interpreter (not fork) so that torch's threads start clean in the worker.
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "worker.main", address, parent_pid_arg()],
-            stdin=subprocess.PIPE,
-            env=os.environ.copy(),
-        )
-        assert self._process.stdin is not None
-        self._process.stdin.write(msgspec.json.encode(config))
-        self._process.stdin.close()
+        parallel = config.parallel
+        if parallel.tensor_parallel_size > 1 and parallel.master_port == 0:
+            parallel = msgspec.structs.replace(parallel, master_port=free_port(parallel.master_addr))
+        # rank 0 first: the others' addresses are in its store
+        self._processes = [
+            start_worker(
+                msgspec.structs.replace(config, parallel=parallel, rank=rank),
+                address if rank == 0 else "-",
+            )
+            for rank in parallel.local_ranks
+        ]
+        self._process = self._processes[0]
         message = self._receive(timeout_s=load_timeout_s)
         if not isinstance(message, WorkerReady):
             raise WorkerDiedError(f"worker sent {type(message).__name__} instead of WorkerReady")
@@ -107,7 +133,9 @@ class MultiprocExecutor:
                 raise (timeout_error or WorkerDiedError)(f"worker did not answer within {timeout_s:.1f} s")
         message = self._output_codec.decode(self._socket.recv_multipart(copy=False))
         if isinstance(message, WorkerError):
-            raise WorkerDiedError(f"worker failed: {message.message}")
+            # the worker has logged its traceback; what reaches clients and the engine's log is its last line
+            lines = [line for line in message.message.strip().splitlines() if line.strip()]
+            raise WorkerDiedError(f"worker failed: {lines[-1] if lines else 'no reason given'}")
         return message
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
@@ -145,21 +173,27 @@ class MultiprocExecutor:
             self._early.append(message)  # a step submitted before the call: collect returns it next
 
     def check_health(self) -> None:
-        code = self._process.poll()
-        if code is not None:
-            raise WorkerDiedError(f"worker process exited with code {code}")
+        for rank, process in enumerate(self._processes):
+            code = process.poll()
+            if code is not None:
+                who = "worker" if len(self._processes) == 1 else f"worker rank {rank}"
+                raise WorkerDiedError(f"{who} process exited with code {code}")
 
     def shutdown(self) -> None:
+        """Rank 0 passes the shutdown on; a rank that has not left within 10 s (one stuck in a collective
+        whose peer died) is killed."""
         if self._process.poll() is None:
             try:
                 self._socket.send_multipart(self._input_codec.encode(WorkerShutdown()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        deadline = time.monotonic() + 10
+        for process in self._processes:
             try:
-                self._process.wait(timeout=10)
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+                process.kill()
+                process.wait()
         self._socket.close()
         self._context.term()
         try:

@@ -10,7 +10,7 @@ import sys
 import msgspec
 
 from engine_core.engine_core import EngineCore
-from engine_core.executor import MultiprocExecutor
+from engine_core.executor import MultiprocExecutor, WorkerDiedError
 from engine_core.process import EngineCoreProc, install_signal_handlers
 from protocol.config import EngineConfig
 from protocol.log_format import configure_logging
@@ -28,7 +28,11 @@ def main() -> None:
     if config.executor != "mp":
         raise SystemExit(f"the engine process runs the 'mp' executor only, not {config.executor!r}")
     phases.mark("imports")
-    executor = MultiprocExecutor(config.worker)
+    try:
+        executor = MultiprocExecutor(config.worker)
+    except WorkerDiedError as error:  # the worker has logged why; the engine cannot start without it
+        logger.error("the engine cannot start: %s", error)
+        raise SystemExit(1) from None
     phases.mark("worker")
     proc = EngineCoreProc(config, EngineCore(config, executor))
     install_signal_handlers(proc)

@@ -22,6 +22,28 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "engine")
 
 
+class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How the workers of one engine split the model (docs/parallel.md)."""
+
+    tensor_parallel_size: int = 1  # worker ranks, one per device, joined by torch.distributed
+    nnodes: int = 1  # machines the ranks span; each starts tensor_parallel_size / nnodes of them
+    node_rank: int = 0  # this machine's index (0: the one that runs the engine)
+    master_addr: str = "127.0.0.1"  # where rank 0 listens for the others (torch.distributed's store)
+    master_port: int = 0  # 0: a free port, picked by the engine's executor (one machine only)
+    timeout_s: float = 120.0  # a collective (or a rank's answer) that takes longer fails the engine
+    executor_backend: str = "mp"  # "mp": processes started here; "ray": Ray actors
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this machine starts."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+
 class WorkerConfig(msgspec.Struct, kw_only=True):
     """Everything a worker needs to load the model and size its KV cache."""
 
@@ -49,6 +71,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     convert: str = "auto"  # a pooling runner's conversion: "embed", "classify" or "auto"
     pooler_config: PoolerConfig | None = None  # overrides of the model's pooling
     lora: LoraConfig | None = None  # LoRA's slots and limits (--enable-lora); None: no adapters
+    parallel: ParallelConfig = msgspec.field(default_factory=lambda: ParallelConfig())
+    rank: int = 0  # this worker's tensor-parallel rank (set by whoever starts it)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -82,6 +82,7 @@ class WorkerCallResult(msgspec.Struct, tag="worker_call_result", array_like=True
     result: Any = None
     error: str | None = None  # the exception's message; the engine raises it to the caller
     param: str | None = None  # set when the caller's input was at fault (an InvalidParameterError)
+    per_rank: list[Any] = []  # tensor parallel: ranks 1.. results, beside rank 0's in `result`
 
 
 class WorkerShutdown(msgspec.Struct, tag="shutdown", array_like=True):

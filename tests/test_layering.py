@@ -73,7 +73,12 @@ BENCH_ONLY = {"aiohttp", "httpx", "tqdm"}
 # `engine run-batch` (frontend/batch/) draws its progress bar with tqdm, a core dependency; the API server
 # never loads it (test_the_api_server_does_not_load_the_benchmark_harness)
 BATCH_ONLY = {"tqdm"}
-ZMQ_FILES = {"engine_core/process.py", "engine_core/executor.py", "worker/main.py"}
+ZMQ_FILES = {
+    "engine_core/process.py",
+    "engine_core/executor.py",
+    "worker/main.py",
+    "worker/parallel/relay.py",
+}
 # what frontend/ must not reach into: the engine is a process, spoken to over protocol/
 FRONTEND_FORBIDDEN_PREFIXES = ("engine_core", "worker")
 

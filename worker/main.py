@@ -1,5 +1,9 @@
 """`python -m worker.main ADDRESS PARENT_PID`: a worker process. Reads its WorkerConfig as JSON on stdin,
-connects a PAIR socket to the engine, answers each SchedulerOutput with a ModelRunnerOutput."""
+connects a PAIR socket to the engine, answers each SchedulerOutput with a ModelRunnerOutput.
+
+Tensor parallel: rank 0 is the one the engine speaks to (ADDRESS); it passes every message on to the
+other ranks (worker/parallel/relay.py), which start with ADDRESS "-" and answer only calls.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import os
 import signal
 import sys
 import traceback
+from typing import Any
 
 import msgspec
 import zmq
@@ -20,32 +25,40 @@ from protocol.startup import StartupPhases, exit_with_parent
 from protocol.worker_messages import SchedulerOutput, WorkerCall, WorkerError, WorkerReady, WorkerShutdown
 
 logger = logging.getLogger("engine.worker")
+NO_ENGINE = "-"  # the address of a rank past 0: it hears the engine through rank 0
 
 
 def main() -> None:
     # The engine owns shutdown: a Ctrl-C on the terminal reaches the whole group, and the worker
     # must keep answering until the engine tells it to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    phases = StartupPhases("worker")
     address, parent = sys.argv[1], os.getppid()
     # SIGKILL when the engine dies, even mid-load: a worker has nothing to save
     exit_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else 0, signal.SIGKILL)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerConfig)
     configure_logging(config.log_level, config.log_format)
+    phases = StartupPhases(
+        "worker" if config.parallel.tensor_parallel_size == 1 else f"worker rank {config.rank}"
+    )
+    if address == NO_ENGINE:
+        try:
+            _follow_rank_0(config, phases, parent)
+        except StartupRefused:
+            raise SystemExit(1) from None  # rank 0 says why
+        return
     input_codec, output_codec = worker_input_codec(), worker_output_codec()
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)
     socket.setsockopt(zmq.LINGER, 1000)
     socket.connect(address)
+    relay: Any = None
     try:
-        from worker.calls import WorkerCalls
-        from worker.model_runner import ModelRunner
-
-        phases.mark("imports")
-        runner = ModelRunner(config, phases)
-        calls = WorkerCalls(runner)
-        gc.collect()
-        gc.freeze()  # torch's and the model's objects are never garbage: collections need not walk them
+        try:
+            runner, calls, relay = _load(config, phases)
+        except StartupRefused as error:  # the user's settings, not a fault: one line, no traceback
+            logger.error("%s", error)
+            socket.send_multipart(output_codec.encode(WorkerError(str(error))))
+            raise SystemExit(1) from None
         socket.send_multipart(output_codec.encode(WorkerReady(runner.model_info())))
         phases.mark("ready")
         phases.log(logger)
@@ -54,11 +67,19 @@ def main() -> None:
                 if os.getppid() != parent:  # the engine died without telling us
                     return
                 continue
-            message = input_codec.decode(socket.recv_multipart())
+            frames = socket.recv_multipart()
+            if relay is not None:
+                relay.forward(frames)
+            message = input_codec.decode(frames)
             if isinstance(message, WorkerShutdown):
                 return
             if isinstance(message, WorkerCall):
-                socket.send_multipart(output_codec.encode(calls.handle(message)))
+                answer = calls.handle(message)
+                if relay is not None:
+                    from worker.parallel.relay import combine
+
+                    answer = combine(answer, relay.gather_answers())
+                socket.send_multipart(output_codec.encode(answer))
                 continue
             assert isinstance(message, SchedulerOutput)
             socket.send_multipart(output_codec.encode(runner.execute_model(message)))
@@ -66,8 +87,65 @@ def main() -> None:
         socket.send_multipart(output_codec.encode(WorkerError(traceback.format_exc())))
         raise
     finally:
+        if relay is not None:
+            relay.close()
         socket.close()
         context.term()
+
+
+class StartupRefused(Exception):
+    """The settings do not fit the model (e.g. heads a tensor-parallel size does not divide)."""
+
+
+def _load(config: WorkerConfig, phases: StartupPhases) -> tuple[Any, Any, Any]:
+    """The model runner, its calls and (tensor parallel) the relay between the ranks."""
+    from worker.calls import WorkerCalls
+    from worker.model_runner import ModelRunner
+    from worker.parallel.sharding import ShardingError
+
+    phases.mark("imports")
+    try:
+        runner = ModelRunner(config, phases)
+    except ShardingError as error:
+        raise StartupRefused(str(error)) from None
+    calls = WorkerCalls(runner)
+    relay = None
+    if runner.tp is not None:
+        from worker.parallel.relay import Relay
+
+        parallel = config.parallel
+        relay = Relay(runner.tp.store, config.rank, parallel.tensor_parallel_size, parallel.master_addr,
+                      parallel.timeout_s)  # fmt: skip
+        phases.mark("relay")
+    gc.collect()
+    gc.freeze()  # torch's and the model's objects are never garbage: collections need not walk them
+    return runner, calls, relay
+
+
+def _follow_rank_0(config: WorkerConfig, phases: StartupPhases, parent: int) -> None:
+    """A rank past 0: run what rank 0 passes on; answer calls; step outputs stay here (rank 0 sends its)."""
+    input_codec = worker_input_codec()
+    runner, calls, relay = _load(config, phases)
+    phases.mark("ready")
+    phases.log(logger)
+    try:
+        while True:
+            frames = relay.receive(1000)
+            if frames is None:
+                if os.getppid() != parent:
+                    return
+                continue
+            message = input_codec.decode(frames)
+            if isinstance(message, WorkerShutdown):
+                return
+            if isinstance(message, WorkerCall):
+                relay.answer(calls.handle(message))
+                continue
+            assert isinstance(message, SchedulerOutput)
+            runner.execute_model(message)
+    finally:
+        relay.close()
+        runner.tp.destroy()
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ prompt positions whose logprobs were asked for), sample, and append the sampled 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from protocol.config import WorkerConfig
+from protocol.config import ParallelConfig, WorkerConfig
 from protocol.messages import Logprobs, ModelInfo, RequestError
 from protocol.startup import StartupPhases
 from protocol.version import __version__
@@ -31,6 +32,8 @@ from worker.lora.slots import LoraBatch
 from worker.model_config import ModelConfig
 from worker.models import build_model
 from worker.models.llama import LlamaForCausalLM
+from worker.parallel.group import TensorParallelGroup
+from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
 from worker.pooling import resolve_pooling
 from worker.pooling_runner import PoolingStep
 from worker.sampler import SamplingBatch, gather_logprobs, sample
@@ -75,8 +78,12 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: WorkerConfig, phases: StartupPhases | None = None) -> None:
         phases = phases or StartupPhases("worker")
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        parallel = config.parallel
+        if config.num_threads or parallel.ranks_per_node > 1:
+            # ranks sharing a machine share its cores
+            torch.set_num_threads(
+                config.num_threads or max(1, (os.cpu_count() or 1) // parallel.ranks_per_node)
+            )
         self.config = config
         self.model_config, weights = load_model_files(config.model, config.cache_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
@@ -106,6 +113,11 @@ class ModelRunner:
             )
         self.batch_invariant = ops is not None and config.batch_invariant is not False
         phases.mark("kernels")
+        self.tp: TensorParallelGroup | None = None
+        self.shard: Shard | None = None
+        if parallel.tensor_parallel_size > 1:
+            self._join_group(parallel)
+            phases.mark("group")
         self.model = self._build_model(weights, phases)
         log_kernel_table(self.model, self.backend, self.dtype)
         phases.mark("packing")
@@ -119,6 +131,8 @@ class ModelRunner:
             self.kv_caches: list[torch.Tensor] = []
         else:
             self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
+            if self.tp is not None:
+                self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)  # one pool size for every rank
             shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
             self.kv_caches = zeroed_pool([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
         trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
@@ -140,10 +154,22 @@ class ModelRunner:
             self.block_size,
         )
 
+    def _join_group(self, parallel: ParallelConfig) -> None:
+        """A tensor-parallel rank: refuse what does not shard, join the others, keep this rank's shape."""
+        size = parallel.tensor_parallel_size
+        check_shardable(self.model_config, size)
+        if self.pooling is not None:
+            raise ShardingError(f"--tensor-parallel-size {size}: a pooling runner runs on one worker")
+        if self.config.lora is not None:
+            raise ShardingError(f"--tensor-parallel-size {size}: LoRA adapters run on one worker so far")
+        self.tp = TensorParallelGroup(parallel, self.config.rank, self.batch_invariant)
+        self.shard = Shard(self.model_config, self.config.rank, size)
+        self.model_config = shard_config(self.model_config, size)
+
     def _build_model(self, weights: Any, phases: StartupPhases | None = None) -> LlamaForCausalLM | BertModel:
         """The model from the checkpoint's weights, packed for the kernels (at start, and on a level-2 wake)."""
-        model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None))
-        model.load_weights(weights)
+        model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None), self.tp)
+        model.load_weights(weights if self.shard is None else self.shard.weights(weights))
         if phases is not None:
             phases.mark("weights")
         model.finalize(self.batch_invariant)
@@ -217,6 +243,10 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend, out_rows, lora
         )  # [len(score_rows), hidden]
         logits = self.model.compute_logits(hidden) if score_rows else None  # [n, vocab]
+        if self.tp is not None and logits is not None:
+            logits = self.tp.gather_logits(logits, self.model_config.vocab_size)  # rank 0's alone
+            if logits is None:
+                return self._follow(inputs, sampling_ids)
 
         output = ModelRunnerOutput({})
         if sample_pos:
@@ -224,6 +254,8 @@ class ModelRunner:
             states = [self.batch.requests[request_id] for request_id in sampling_ids]
             grammar_mask, output.errors = self.grammar.apply(bitmask)
             sampled = sample(logits[: len(sample_pos)], self._sampling_batch(states, grammar_mask))
+            if self.tp is not None:
+                self.tp.broadcast_token_ids(sampled.token_ids)
             token_ids = sampled.token_ids.tolist()
             for j, state in enumerate(states):
                 self.batch.append_token(state.row, token_ids[j])
@@ -250,6 +282,18 @@ class ModelRunner:
         for i, row in enumerate(inputs.rows):
             self.batch.num_computed_tokens[row] = inputs.starts[i] + inputs.counts[i]
         return self._with_lora_errors(output, inputs)
+
+    def _follow(self, inputs: StepInputs, sampling_ids: list[str]) -> ModelRunnerOutput:
+        """A rank past 0 after the forward: rank 0's sampled tokens become its next inputs too. Its output
+        goes nowhere (rank 0 answers the engine)."""
+        if sampling_ids:
+            assert self.tp is not None
+            token_ids = self.tp.broadcast_token_ids(torch.empty(len(sampling_ids), dtype=torch.long)).tolist()
+            for request_id, token_id in zip(sampling_ids, token_ids, strict=True):
+                self.batch.append_token(self.batch.requests[request_id].row, token_id)
+        for i, row in enumerate(inputs.rows):
+            self.batch.num_computed_tokens[row] = inputs.starts[i] + inputs.counts[i]
+        return ModelRunnerOutput({})
 
     def _lora_batch(self, inputs: StepInputs) -> LoraBatch | None:
         if self.lora is None:
@@ -280,7 +324,7 @@ class ModelRunner:
                 self.pooling_step.remove(request_id)
         for new in scheduler_output.new_requests:
             self.batch.add(new)
-            if new.sampling_params.structured_outputs is not None:
+            if new.sampling_params.structured_outputs is not None and self.config.rank == 0:  # it samples
                 self.grammar.add(new.request_id, new.sampling_params.structured_outputs, new.output_token_ids)
         for cached in scheduler_output.cached_requests:
             self.batch.update(cached)

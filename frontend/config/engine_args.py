@@ -12,7 +12,7 @@ import msgspec
 
 from frontend.config.flags import ConfigError, human_bytes, naming, option
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
-from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, WorkerConfig
+from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, ParallelConfig, WorkerConfig
 from protocol.lora import LoraAdapter, LoraConfig
 from protocol.pooling import PoolerConfig
 from structured_outputs import resolve_backend_name
@@ -152,6 +152,32 @@ class EngineArgs:
         help='vLLM\'s spelling of --profiler-dir: JSON {"profiler": "torch", "torch_profiler_dir": DIR}',
         parse=_json_object,
     )
+    tensor_parallel_size: int = option(
+        1,
+        "worker ranks the model is split over (Megatron sharding, torch.distributed: gloo on CPU)",
+        aliases=[("-tp", int, "the same as --tensor-parallel-size")],
+    )
+    pipeline_parallel_size: int = option(
+        1,
+        "pipeline stages: only 1 (not implemented)",
+        aliases=[("-pp", int, "the same as --pipeline-parallel-size")],
+    )
+    distributed_executor_backend: str = option(
+        "mp",
+        "how the ranks start: mp (processes, torch.distributed) or ray (Ray actors)",
+        choices=["mp", "ray"],
+    )
+    nnodes: int = option(1, "machines the tensor-parallel ranks span (mp): each starts its share of them")
+    node_rank: int = option(
+        0, "this machine's index among --nnodes (0 runs the engine; the others --headless)"
+    )
+    master_addr: str = option("127.0.0.1", "the address of node 0, where the ranks meet (mp)")
+    master_port: int = option(0, "the port the ranks meet on (0: a free one; set it with --nnodes above 1)")
+    distributed_timeout_s: float = option(
+        120.0,
+        "seconds a collective or a rank's answer may take before the engine fails (a rank that hangs)",
+        flag="--distributed-timeout",
+    )
     startup_timeout_s: float = option(
         600.0, "seconds the offline API waits for the engine to load", flag="--startup-timeout"
     )
@@ -196,6 +222,7 @@ class EngineArgs:
                 raise ConfigError(flag, f"must be positive, got {value}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError("--max-cpu-loras", f"must be at least --max-loras ({self.max_loras})")
+        self._check_parallel()
         unknown = set(self.profiler_config) - {"profiler", "torch_profiler_dir"}
         if unknown or self.profiler_config.get("profiler", "torch") != "torch":
             raise ConfigError(
@@ -215,6 +242,41 @@ class EngineArgs:
         timeout = config.get("grammar_compile_timeout_s", 30.0)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(flag, f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
+
+    def _check_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ConfigError("--tensor-parallel-size", f"must be positive, got {size}")
+        if self.pipeline_parallel_size != 1:
+            raise ConfigError(
+                "--pipeline-parallel-size",
+                "pipeline parallelism is not implemented (only 1); split the model with --tensor-parallel-size",
+            )
+        if self.nnodes < 1 or size % self.nnodes:
+            raise ConfigError("--nnodes", f"must divide --tensor-parallel-size ({size}), got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError("--node-rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ConfigError("--master-port", "is needed with --nnodes above 1 (every node meets on it)")
+        if self.distributed_timeout_s <= 0:
+            raise ConfigError("--distributed-timeout", f"must be positive, got {self.distributed_timeout_s}")
+        if size > 1 and self.enable_lora:
+            raise ConfigError("--enable-lora", "runs on one worker so far: drop --tensor-parallel-size")
+        if size > 1 and (self.runner == "pooling" or self.convert in ("embed", "classify")):
+            raise ConfigError(
+                "--tensor-parallel-size", "serves generate models; a pooling runner runs on one worker"
+            )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            timeout_s=self.distributed_timeout_s,
+            executor_backend=self.distributed_executor_backend,
+        )
 
     def pooler(self) -> PoolerConfig | None:
         if not self.pooler_config:
@@ -266,6 +328,7 @@ class EngineArgs:
             convert=self.convert,
             pooler_config=self.pooler(),
             lora=self.lora_config(),
+            parallel=self.parallel_config(),
         )
         base = worker.served_model_names[0]
         return EngineConfig(

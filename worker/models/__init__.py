@@ -12,18 +12,23 @@ if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
     from worker.models.bert import BertModel
     from worker.models.llama import LlamaForCausalLM
+    from worker.parallel.group import TensorParallelGroup
 
 
 def build_model(
-    config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    ops: CpuOps | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM | BertModel:
-    """ops: the csrc kernels for the fused layers, or None for plain torch. Call finalize() after loading."""
+    """ops: the csrc kernels for the fused layers, or None for plain torch; tp: a tensor-parallel rank's
+    share (config is then the rank's, worker/parallel/sharding.py). Call finalize() after loading."""
     if config.family in ("llama", "qwen2", "qwen3"):
         from worker.models.llama import LlamaForCausalLM
 
         # NOTE: built on the CPU with uninitialized weights (the layers skip reset_parameters), not on the meta
         # device: the meta path's first op imported torch's Python decompositions, 1.9-3.9 s of a start
-        return LlamaForCausalLM(config, dtype, ops)
+        return LlamaForCausalLM(config, dtype, ops, tp)
     if config.family == "bert":
         from worker.models.bert import BertModel
 

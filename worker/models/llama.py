@@ -26,19 +26,29 @@ from worker.models.layers import (
     pairs_onto_huge_pages,
     silu_and_mul,
 )
+from worker.parallel.sharding import vocab_shard
 
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
     from worker.lora.slots import LoraBatch
+    from worker.parallel.group import TensorParallelGroup
 
 
 logger = logging.getLogger("engine.worker")
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None, index: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: CpuOps | None,
+        index: int = 0,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.index = index  # the layer's, for its LoRA slots
+        self.tp = tp  # config holds this rank's heads; o_proj's partial sums are all-reduced
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -84,13 +94,23 @@ class Attention(nn.Module):
         projected: torch.Tensor = self.o_proj(out)  # [num_tokens, hidden]
         if lora is not None:
             (lora if out_rows is None else lora.select(out_rows)).add(self.index, "o", out, projected)
+        if self.tp is not None:
+            projected = self.tp.all_reduce(projected)
         return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None, index: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: CpuOps | None,
+        index: int = 0,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.index = index  # the layer's, for its LoRA slots
+        self.tp = tp  # config holds this rank's share of the intermediate size; down's sums are all-reduced
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False, dtype=dtype)
         self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype)
@@ -100,22 +120,29 @@ class MLP(nn.Module):
         # [num_tokens, hidden]
         if lora is None:
             out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.ops))
-            return out
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter]
-        lora.add(self.index, "gate_up", x, gate_up)
-        hidden = silu_and_mul(gate_up, self.ops)  # [num_tokens, inter]
-        out = self.down_proj(hidden)
-        lora.add(self.index, "down", hidden, out)
-        return out
+        else:
+            gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter]
+            lora.add(self.index, "gate_up", x, gate_up)
+            hidden = silu_and_mul(gate_up, self.ops)  # [num_tokens, inter]
+            out = self.down_proj(hidden)
+            lora.add(self.index, "down", hidden, out)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None, index: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: CpuOps | None,
+        index: int = 0,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(config, dtype, ops, index)
+        self.self_attn = Attention(config, dtype, ops, index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.mlp = MLP(config, dtype, ops, index)
+        self.mlp = MLP(config, dtype, ops, index, tp)
 
     def forward(
         self,
@@ -149,16 +176,31 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), chosen by ModelConfig flags."""
+    """Also Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), chosen by ModelConfig flags.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
+    tp: a tensor-parallel rank's model (worker/parallel/): config then holds the rank's heads and
+    intermediate size, and the embedding and lm_head hold its shard of the vocabulary."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: CpuOps | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops  # the csrc kernels, or None for the plain torch path
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, i) for i in range(config.num_layers))
+        self.tp = tp
+        vocab_rows = config.vocab_size if tp is None else vocab_shard(config.vocab_size, tp.rank, tp.size)[1]
+        self.embed_tokens = (
+            Embedding(vocab_rows, config.hidden_size, dtype=dtype)
+            if tp is None
+            else VocabParallelEmbedding(vocab_rows, config.hidden_size, dtype, tp)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False, dtype=dtype)
         # *ForSequenceClassification: the `score` head over the last token's normed hidden state
         self.score = ScoreHead(config.hidden_size, config.num_labels, dtype) if config.num_labels else None
         self.rotary: RotaryEmbedding | None = None
@@ -263,7 +305,8 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(module, Linear):
                     module.pack(self.ops)  # the tied lm_head packs a copy: the embedding keeps its plain one
             pairs_onto_huge_pages([module for module in self.modules() if isinstance(module, Linear)])
-        if self.ops is not None and hasattr(self.ops, "decoder_layers"):
+        # NOTE: the native stack runs every layer in one C++ call, with no way out for an all-reduce
+        if self.ops is not None and hasattr(self.ops, "decoder_layers") and self.tp is None:
             self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -313,6 +356,24 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.add(name)
         return names
+
+
+class VocabParallelEmbedding(nn.Module):
+    """A rank's rows of the embedding; a token another rank holds reads zeros here, and the all-reduce
+    gives every rank each token's one row (x + 0 is exact, so the sum is the row itself)."""
+
+    def __init__(self, rows: int, hidden_size: int, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype))
+        self.first = tp.rank * rows
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.first  # [num_tokens]
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        x = torch.nn.functional.embedding(torch.where(inside, local, 0), self.weight)  # [num_tokens, hidden]
+        x[~inside] = 0
+        return self.tp.all_reduce(x)
 
 
 class ScoreHead(nn.Module):

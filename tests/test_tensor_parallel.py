@@ -1,0 +1,182 @@
+"""Tensor parallel on CPU ranks (gloo): the sharding's slices and refusals, and float32 greedy through the
+offline API with TP=2 (and TP=4) equal to TP=1 and HF transformers token for token, on tiny models with
+8/4 heads, KV heads replicated (4/1 at TP=2), Qwen2's biases and Qwen3's per-head norms, a vocabulary TP
+does not divide, and SmolLM2 at TP=3 (its 9/3 heads refuse TP=2 in one line); with the batch-invariant
+kernels a TP=2 row's logprobs do not depend on the rest of the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from frontend import LLM, SamplingParams
+from tests.hf_oracle import compare_greedy, hf_greedy, hf_model_of_gguf
+from worker.model_config import ModelConfig
+from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
+
+pytestmark = pytest.mark.slow
+VOCAB = 515  # odd: the last rank's vocabulary shard is padded
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+def build(folder: str, family: str, heads: int, kv_heads: int, vocab_size: int = VOCAB) -> None:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, max_position_embeddings=2048, initializer_range=0.3, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None, tie_word_embeddings=family == "qwen3",
+    )  # fmt: skip
+    torch.manual_seed(heads * 10 + kv_heads)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1e6))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, rope_theta=1e6))
+    with torch.no_grad():  # biases and norms away from their defaults, so a wrong shard of one shows
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.normal_(1, 0.3)
+            attention = layer.self_attn
+            for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+                if proj.bias is not None:
+                    proj.bias.normal_(0, 0.3)
+            if family == "qwen3":
+                attention.q_norm.weight.normal_(1, 0.3)
+                attention.k_norm.weight.normal_(1, 0.3)
+    model.save_pretrained(folder)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    shared = [rng.randrange(VOCAB) for _ in range(70)]
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 90))] for _ in range(4)] + [
+        shared + [1],
+        shared + [2],
+    ]
+
+
+def greedy(folder: str, tp: int, ids: list[list[int]], **options: object) -> list[list[int]]:
+    with LLM(folder, tensor_parallel_size=tp, dtype="float32", num_kv_blocks=64, **options) as llm:
+        results = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY)
+    return [result.outputs[0].token_ids for result in results]
+
+
+@pytest.mark.parametrize(
+    ("family", "heads", "kv_heads", "tp"),
+    [("llama", 8, 4, 2), ("llama", 4, 1, 2), ("qwen2", 8, 2, 4), ("qwen3", 4, 2, 2)],
+    ids=["llama-8-4-tp2", "llama-4-1-tp2-kv-replicated", "qwen2-8-2-tp4-kv-replicated", "qwen3-4-2-tp2"],
+)
+def test_tp_greedy_equals_tp1_and_hf(tmp_path, family: str, heads: int, kv_heads: int, tp: int) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    folder = str(tmp_path)
+    build(folder, family, heads, kv_heads)
+    ids = prompts()
+    # 16-token chunks: prefills cross steps, and the prefix cache serves the shared 70 tokens
+    sharded = greedy(folder, tp, ids, max_num_batched_tokens=16)
+    assert sharded == greedy(folder, 1, ids, max_num_batched_tokens=16)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, ours in zip(ids, sharded, strict=True):
+        compare_greedy(ours, hf_greedy(hf, prompt, GREEDY.max_tokens, eos_token_id=None))
+
+
+def test_tp2_is_batch_invariant(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A row's logprobs at TP=2 are the same alone and among seven others (bf16 where the CPU has it)."""
+    folder = str(tmp_path)
+    build(folder, "llama", 8, 4)
+    ids = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
+    with LLM(folder, tensor_parallel_size=2, dtype="bfloat16", num_kv_blocks=64, batch_invariant=True) as llm:
+        alone = llm.generate([{"prompt_token_ids": ids[0]}], params)[0].outputs[0]
+        crowd = llm.generate([{"prompt_token_ids": p} for p in ids + ids[1:3]], params)[0].outputs[0]
+    assert alone.token_ids == crowd.token_ids
+    assert alone.logprobs == crowd.logprobs
+
+
+def test_smollm2_tp3_equals_hf_and_tp2_is_refused(
+    smollm2_gguf: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from frontend.model_files import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_gguf, None)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 17 + 25?"]
+    ids = [
+        tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        for q in questions
+    ]  # fmt: skip
+    with LLM(
+        smollm2_gguf, tensor_parallel_size=3, dtype="float32", max_model_len=512, num_kv_blocks=32
+    ) as llm:
+        results = llm.generate(
+            [{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=24)
+        )
+    model = hf_model_of_gguf(smollm2_gguf)
+    for prompt, result in zip(ids, results, strict=True):
+        compare_greedy(result.outputs[0].token_ids, hf_greedy(model, prompt, 24, eos_token_id=2))
+    capfd.readouterr()
+    with pytest.raises(Exception, match="exited during startup"):
+        LLM(smollm2_gguf, tensor_parallel_size=2, max_model_len=512, num_kv_blocks=32, startup_timeout_s=120)
+    refusal = "--tensor-parallel-size 2 does not divide the model's 9 attention heads (3 KV heads)"
+    log = capfd.readouterr().err
+    assert refusal in log and "Traceback" not in log, log
+
+
+# ---- the sharding alone (no processes) ----
+
+
+def shape(heads: int, kv_heads: int, inter: int = 1536, family: str = "llama") -> ModelConfig:
+    return ModelConfig(
+        family=family, vocab_size=49152, hidden_size=576, intermediate_size=inter, num_layers=30,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+        max_position_embeddings=2048, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def test_refusals_name_the_sizes() -> None:
+    with pytest.raises(ShardingError, match=r"does not divide the model's 9 attention heads \(3 KV heads\)"):
+        check_shardable(shape(9, 3), 2)
+    with pytest.raises(ShardingError, match="neither divides nor is a multiple of the model's 6 KV heads"):
+        check_shardable(shape(12, 6), 4)
+    with pytest.raises(ShardingError, match="intermediate size 1537"):
+        check_shardable(shape(8, 4, inter=1537), 2)
+    with pytest.raises(ShardingError, match="an encoder"):
+        check_shardable(shape(12, 12, family="bert"), 2)
+    check_shardable(shape(9, 3), 3)  # SmolLM2 at TP=3: 3 heads and 1 KV head a rank
+    check_shardable(shape(8, 2), 8)  # each KV head on 4 ranks
+
+
+def test_slices_cover_each_tensor_once_and_replicate_kv_heads() -> None:
+    config = shape(8, 2)
+    q = torch.arange(8 * 64 * 4, dtype=torch.float32).view(8 * 64, 4)
+    k = torch.arange(2 * 64 * 4, dtype=torch.float32).view(2 * 64, 4)
+    down = torch.arange(4 * 1536, dtype=torch.float32).view(4, 1536)
+    for size in (2, 4, 8):
+        shards = [Shard(config, rank, size) for rank in range(size)]
+        name = "model.layers.0.self_attn.{}.weight"
+        assert torch.equal(torch.cat([s.tensor(name.format("q_proj"), q) for s in shards]), q)
+        assert torch.equal(
+            torch.cat([s.tensor("model.layers.0.mlp.down_proj.weight", down) for s in shards], 1), down
+        )
+        k_parts = [s.tensor(name.format("k_proj"), k) for s in shards]
+        local = shard_config(config, size)
+        for rank, part in enumerate(k_parts):
+            assert part.shape[0] == local.num_kv_heads * 64
+            head = rank * local.num_heads // (8 // 2)  # the KV head this rank's first q head reads
+            assert torch.equal(part[:64], k[head * 64 : (head + 1) * 64])
+    embed = torch.randn(515, 8)
+    small = dataclasses.replace(shape(8, 4), vocab_size=515)
+    parts = [Shard(small, rank, 2).tensor("model.embed_tokens.weight", embed) for rank in range(2)]
+    assert [len(p) for p in parts] == [258, 258] and torch.equal(torch.cat(parts)[:515], embed)
+    assert not parts[1][-1].any()  # the padding row

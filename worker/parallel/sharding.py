@@ -1,0 +1,104 @@
+"""Megatron sharding of a decoder: which slice of each checkpoint tensor a tensor-parallel rank holds.
+
+Column-parallel (split by output rows): q, k, v and gate, up, and the vocabulary of the embedding and the
+lm_head; row-parallel (split by input columns): o and down, each followed by one all-reduce. Norms are
+replicated. When the ranks outnumber the KV heads, each KV head is replicated on size / num_kv_heads
+ranks, as vLLM does; a head count that neither divides nor is divided by the size is refused at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from worker.model_config import ModelConfig
+
+
+class ShardingError(ValueError):
+    """The model's shape cannot be split over this many ranks."""
+
+
+def check_shardable(config: ModelConfig, size: int) -> None:
+    """One line naming the sizes, before anything loads."""
+    if config.is_encoder:
+        raise ShardingError(
+            f"--tensor-parallel-size {size}: tensor parallel serves decoders; an encoder ({config.family}) "
+            "runs with --tensor-parallel-size 1"
+        )
+    heads, kv_heads, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if heads % size:
+        raise ShardingError(
+            f"--tensor-parallel-size {size} does not divide the model's {heads} attention heads "
+            f"({kv_heads} KV heads); sizes that do: {_divisors(heads)}"
+        )
+    if kv_heads % size and size % kv_heads:
+        raise ShardingError(
+            f"--tensor-parallel-size {size} neither divides nor is a multiple of the model's {kv_heads} KV "
+            f"heads ({heads} attention heads)"
+        )
+    if inter % size:
+        raise ShardingError(
+            f"--tensor-parallel-size {size} does not divide the model's intermediate size {inter}"
+        )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The shape one rank's layers have; the vocabulary stays whole (the model pads its shards)."""
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // size,
+        num_kv_heads=max(1, config.num_kv_heads // size),
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+def vocab_shard(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
+    """(first token id, rows) of a rank's vocabulary shard; the last shard is padded to the same rows."""
+    rows = -(-vocab_size // size)
+    return rank * rows, rows
+
+
+class Shard:
+    """One rank's slices of the checkpoint's tensors, by their Hugging Face names."""
+
+    def __init__(self, config: ModelConfig, rank: int, size: int) -> None:
+        self.config, self.rank, self.size = config, rank, size
+        head_dim = config.head_dim
+        q_rows = config.num_heads // size * head_dim
+        kv_heads = max(1, config.num_kv_heads // size)
+        first_kv = rank * config.num_kv_heads // size  # a replicated head: the one this rank's q heads use
+        inter = config.intermediate_size // size
+        # name part -> (dim, start, length)
+        self.slices = {
+            "q_proj": (0, rank * q_rows, q_rows),
+            "k_proj": (0, first_kv * head_dim, kv_heads * head_dim),
+            "v_proj": (0, first_kv * head_dim, kv_heads * head_dim),
+            "o_proj": (1, rank * q_rows, q_rows),
+            "gate_proj": (0, rank * inter, inter),
+            "up_proj": (0, rank * inter, inter),
+            "down_proj": (1, rank * inter, inter),
+        }
+
+    def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight"):
+            start, rows = vocab_shard(self.config.vocab_size, self.rank, self.size)
+            part = tensor[start : start + rows]
+            if len(part) < rows:  # the last shard's padding: rows no token id reaches
+                part = torch.cat([part, part.new_zeros(rows - len(part), *part.shape[1:])])
+            return part
+        for key, (dim, start, length) in self.slices.items():
+            if f".{key}." in name:
+                # NOTE: o and down carry no bias in these families; one would be added size times
+                assert not (dim == 1 and name.endswith(".bias")), name
+                return tensor.narrow(dim, start, length)
+        return tensor  # norms: every rank holds them whole
+
+    def weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            yield name, self.tensor(name, tensor)
