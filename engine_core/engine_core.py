@@ -54,6 +54,8 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching and prefix_cache_serves(info),
             scheduling_policy=config.scheduling_policy,
             max_loras=max_loras,
+            data_parallel_rank=config.data_parallel_rank,
+            data_parallel_addresses=config.data_parallel_addresses,
         )
         budget = config.max_num_batched_tokens
         if info.runner == "pooling":

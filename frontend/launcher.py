@@ -19,7 +19,7 @@ import msgspec
 from frontend.config.engine_args import EngineArgs
 from frontend.config.flags import ConfigError, naming
 from frontend.config.server_args import ServerArgs
-from frontend.engine.process import EngineProcess
+from frontend.engine.process import EngineGroup
 from frontend.server.config import ServerConfig
 from frontend.server.tls import check_tls_files
 from frontend.server.user_middleware import import_middleware
@@ -42,14 +42,14 @@ def engine_addresses(address: str) -> tuple[str, str]:
     raise SystemExit(f"engine addresses are tcp://HOST:PORT or ipc://PATH, got {address!r}")
 
 
-def check_exposure(address: str, allow_remote: bool) -> None:
+def check_exposure(address: str, allow_remote: bool, flag: str = "--engine-address") -> None:
     """The engine's sockets have no authentication: binding beyond loopback takes an explicit flag."""
     if not address.startswith("tcp://") or allow_remote:
         return
     host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
     if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
         raise ConfigError(
-            "--engine-address",
+            flag,
             f"{address} would expose the engine (which has no authentication) beyond this machine; add "
             "--allow-remote-engine if that is intended (and firewall it)",
         )
@@ -75,7 +75,7 @@ class Supervisor:
     DEAD_ENGINE_GRACE_S = 5.0
 
     def __init__(self, shutdown_timeout_s: float = 30.0) -> None:
-        self.engine: EngineProcess | None = None
+        self.engine: EngineGroup | None = None
         self.api_servers: list[subprocess.Popen[bytes]] = []
         self.stopping = False
         self.metrics_dir: str | None = None  # ours to remove at exit
@@ -103,7 +103,7 @@ class Supervisor:
                 engine_died_at = time.monotonic()
                 logger.error(
                     "the engine process exited (code %s); stopping with an error",
-                    self.engine.process.returncode,
+                    self.engine.returncode,
                 )
                 for process in self.api_servers:
                     if process.poll() is None:
@@ -244,9 +244,12 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     phases.mark("config")
     supervisor = Supervisor(args.shutdown_timeout_s)
     if engine_config is not None:
-        supervisor.engine = EngineProcess(engine_config)
+        group = EngineGroup(
+            engine_config, engine_args.data_parallel_size, engine_args.data_parallel_local_ranks
+        )
+        supervisor.engine = group
         phases.mark("engine process")
-        addresses = (engine_config.input_address, engine_config.output_address)
+        addresses = (group.config.input_address, group.config.output_address)
     if sock is None or api_config is None:
         print(f"engine: headless; the engine listens on {addresses[0]} and {addresses[1]}", flush=True)
         return supervisor.run()
@@ -276,12 +279,16 @@ def resolve_engine(
             else ""
         )
         return None, model, engine_args.resolved_tokenizer(), engine_addresses(args.attach)
-    if args.headless and not args.engine_address:
-        raise ConfigError("--headless", "needs --engine-address tcp://HOST:PORT")
+    if args.headless and not (args.engine_address or engine_args.data_parallel_address):
+        raise ConfigError("--headless", "needs --engine-address tcp://HOST:PORT (or --data-parallel-address)")
     config = engine_args.engine_config()
-    if args.engine_address:
-        check_exposure(args.engine_address, args.allow_remote_engine)
-        config.input_address, config.output_address = engine_addresses(args.engine_address)
+    address = args.engine_address
+    if not address and engine_args.data_parallel_address:
+        address = f"tcp://{engine_args.data_parallel_address}:{engine_args.data_parallel_rpc_port}"
+    if address:
+        flag = "--engine-address" if args.engine_address else "--data-parallel-address"
+        check_exposure(address, args.allow_remote_engine, flag)
+        config.input_address, config.output_address = engine_addresses(address)
     return config, config.worker.model, config.worker.tokenizer, (config.input_address, config.output_address)
 
 

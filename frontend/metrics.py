@@ -28,7 +28,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from protocol.messages import ITERATION_TOKENS_BUCKETS, ModelInfo, RequestOutput, SchedulerStats
+from protocol.messages import ITERATION_TOKENS_BUCKETS, ModelInfo, RequestOutput
 
 LATENCY_BUCKETS = (
     0.005,
@@ -224,65 +224,70 @@ class RequestTiming:
 
 
 class EngineStatsCollector:
-    """Exports the engine's latest SchedulerStats, as received by this API server."""
+    """Exports each engine's latest SchedulerStats, as received by this API server, labelled with the
+    engine's data-parallel rank (`engine="0"`, as vLLM labels them)."""
 
     def __init__(self, get_stats: Any, model_name: str, prefix: str = "engine") -> None:
-        self._get_stats = get_stats
+        self._get_stats = get_stats  # () -> [SchedulerStats | None], one per engine in rank order
         self._model_name = model_name
         self._prefix = prefix
 
     def collect(self) -> Any:
-        stats: SchedulerStats | None = self._get_stats()
-        if stats is None:
+        engines = [(str(rank), stats) for rank, stats in enumerate(self._get_stats()) if stats is not None]
+        if not engines:
             return
-        prefix, label = self._prefix, [self._model_name]
-        for name, doc, value in (
-            ("num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_cache_usage),
+        prefix, labels = self._prefix, ["model_name", "engine"]
+        for name, doc, field in (
+            ("num_requests_running", "Requests in the running batch.", "num_running"),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", "kv_cache_usage"),
         ):
-            gauge = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
-            gauge.add_metric(label, value)
+            gauge = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=labels)
+            for engine, stats in engines:
+                gauge.add_metric([self._model_name, engine], getattr(stats, field))
             yield gauge
-        for name, doc, value in (
-            (
-                "prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_cache_queries,
-            ),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            ("num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions),
+        for name, doc, field in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            ("num_preemptions", "Requests preempted by the scheduler.", "num_preemptions"),
             (
                 "engine_prompt_tokens_computed",
                 "Prompt tokens the engine computed for any frontend (cache hits excluded, recomputation included).",
-                stats.num_prompt_tokens,
+                "num_prompt_tokens",
             ),
             (
                 "engine_generation_tokens",
                 "Tokens the engine generated for any frontend, ZMQ clients included.",
-                stats.num_generation_tokens,
+                "num_generation_tokens",
             ),
         ):
-            counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
-            counter.add_metric(label, value)
+            counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
+            for engine, stats in engines:
+                counter.add_metric([self._model_name, engine], getattr(stats, field))
             yield counter
         upper_bounds = [floatToGoString(bound) for bound in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
-        if len(stats.iteration_tokens_buckets) == len(upper_bounds):  # else an engine that does not count
-            cumulative = itertools.accumulate(stats.iteration_tokens_buckets)
-            histogram = HistogramMetricFamily(
-                f"{prefix}:iteration_tokens_total", "Tokens scheduled per engine step.", labels=["model_name"]
-            )
-            buckets = list(zip(upper_bounds, cumulative, strict=True))
-            histogram.add_metric(label, buckets, sum_value=stats.iteration_tokens_sum)
+        histogram = HistogramMetricFamily(
+            f"{prefix}:iteration_tokens_total", "Tokens scheduled per engine step.", labels=labels
+        )
+        for engine, stats in engines:
+            if len(stats.iteration_tokens_buckets) == len(upper_bounds):  # else an engine that does not count
+                cumulative = itertools.accumulate(stats.iteration_tokens_buckets)
+                buckets = list(zip(upper_bounds, cumulative, strict=True))
+                histogram.add_metric(
+                    [self._model_name, engine], buckets, sum_value=stats.iteration_tokens_sum
+                )
+        if histogram.samples:
             yield histogram
-        if stats.max_loras:  # vLLM's: the adapters running and waiting, as labels; the value is the time
-            lora = GaugeMetricFamily(
-                f"{prefix}:lora_requests_info",
-                "LoRA adapters of the running and waiting requests.",
-                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-            )
-            waiting, running = ",".join(stats.waiting_loras), ",".join(stats.running_loras)
-            lora.add_metric([str(stats.max_loras), waiting, running], time.time())
+        lora = GaugeMetricFamily(
+            f"{prefix}:lora_requests_info",
+            "LoRA adapters of the running and waiting requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "engine"],
+        )
+        for engine, stats in engines:
+            if stats.max_loras:  # vLLM's: the adapters running and waiting, as labels; the value is the time
+                waiting, running = ",".join(stats.waiting_loras), ",".join(stats.running_loras)
+                lora.add_metric([str(stats.max_loras), waiting, running, engine], time.time())
+        if lora.samples:
             yield lora
 
 

@@ -95,3 +95,5 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     stats_log_interval_s: float = 10.0  # the periodic one-line engine summary; 0 turns it off
     lora_modules: list[LoraAdapter] = []  # adapters loaded at start (--lora-modules); needs worker.lora
     profiler_dir: str | None = None  # where POST /start_profile's traces go (--profiler-dir); None: off
+    data_parallel_rank: int = 0  # this engine's index among the deployment's engines
+    data_parallel_addresses: list[list[str]] = []  # every engine's [input, output] ([]: the only one)

@@ -10,11 +10,12 @@ import msgspec
 from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 7  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 8  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
 # 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
 # runner and tasks, AddRequest.pooling_params, RequestOutput.pooled); 7: LoRA (RequestError.code,
-# SchedulerStats' adapters, NewRequestData.lora, the worker calls)
+# SchedulerStats' adapters, NewRequestData.lora, the worker calls); 8: data parallel (ModelInfo's
+# data_parallel_rank and data_parallel_addresses)
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -54,6 +55,10 @@ class ModelInfo(msgspec.Struct, array_like=True):
     id2label: dict[str, str] = msgspec.field(default_factory=dict)  # a classifier's labels, by index
     is_encoder: bool = False  # bidirectional attention: no prefix cache, an input in one step
     max_loras: int = 0  # >0: LoRA is on (set by the EngineCore); requests may name an adapter as `model`
+    data_parallel_rank: int = 0  # which of the deployment's engines this is (set by the EngineCore)
+    # every engine's [input, output] addresses in rank order, this one's included ([]: the only engine), so
+    # that a frontend attached to one engine finds the others
+    data_parallel_addresses: list[list[str]] = msgspec.field(default_factory=list)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

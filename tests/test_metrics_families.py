@@ -96,27 +96,32 @@ def test_cache_config_info_has_vllm_s_labels() -> None:
 # ---- engine families (from SchedulerStats) ----
 
 
+def engine_value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    """An engine family's sample: engine 0's (the families carry vLLM's engine label)."""
+    return value(registry, name, engine="0", **labels)
+
+
 def test_iteration_tokens_histogram_from_scheduler_stats() -> None:
     counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
     counts[0], counts[2], counts[-1] = 2, 1, 1  # two 1-token steps, one of 9..16, one above 16384
     stats = SchedulerStats(num_steps=4, iteration_tokens_buckets=counts, iteration_tokens_sum=20_014)
     registry = CollectorRegistry()
-    registry.register(EngineStatsCollector(lambda: stats, "m", prefix="vllm"))
+    registry.register(EngineStatsCollector(lambda: [stats], "m", prefix="vllm"))
     family = "vllm:iteration_tokens_total"
-    assert value(registry, f"{family}_bucket", le="1.0") == 2
-    assert value(registry, f"{family}_bucket", le="8.0") == 2
-    assert value(registry, f"{family}_bucket", le="16.0") == 3
-    assert value(registry, f"{family}_bucket", le="16384.0") == 3
-    assert value(registry, f"{family}_bucket", le="+Inf") == 4
-    assert value(registry, f"{family}_count") == 4
-    assert value(registry, f"{family}_sum") == 20_014
+    assert engine_value(registry, f"{family}_bucket", le="1.0") == 2
+    assert engine_value(registry, f"{family}_bucket", le="8.0") == 2
+    assert engine_value(registry, f"{family}_bucket", le="16.0") == 3
+    assert engine_value(registry, f"{family}_bucket", le="16384.0") == 3
+    assert engine_value(registry, f"{family}_bucket", le="+Inf") == 4
+    assert engine_value(registry, f"{family}_count") == 4
+    assert engine_value(registry, f"{family}_sum") == 20_014
 
 
 def test_iteration_tokens_left_out_for_an_engine_that_does_not_count() -> None:
     registry = CollectorRegistry()
-    registry.register(EngineStatsCollector(lambda: SchedulerStats(iteration_tokens_buckets=[]), "m"))
-    assert value(registry, "engine:iteration_tokens_total_count") is None
-    assert value(registry, "engine:num_requests_running") == 0
+    registry.register(EngineStatsCollector(lambda: [SchedulerStats(iteration_tokens_buckets=[])], "m"))
+    assert engine_value(registry, "engine:iteration_tokens_total_count") is None
+    assert engine_value(registry, "engine:num_requests_running") == 0
 
 
 # ---- the prefix ----
@@ -165,7 +170,7 @@ def sample_names(text: str) -> set[str]:
 def test_every_family_takes_the_prefix(prefix: str) -> None:
     registry = CollectorRegistry()
     observe_everything(Metrics(INFO, prefix, registry=registry))
-    registry.register(EngineStatsCollector(lambda: SchedulerStats(), "m", prefix=prefix))
+    registry.register(EngineStatsCollector(lambda: [SchedulerStats()], "m", prefix=prefix))
     names = {sample.name for family in registry.collect() for sample in family.samples}
     assert names and all(name.startswith(f"{prefix}:") for name in names), names
     assert {name.replace("vllm:", f"{prefix}:", 1) for name in VLLM_DASHBOARD} <= names
@@ -184,10 +189,10 @@ def vllm_metrics(monkeypatch: pytest.MonkeyPatch) -> Iterator[Metrics]:
 
 def test_render_serves_the_vllm_dashboard(vllm_metrics: Metrics) -> None:
     observe_everything(vllm_metrics)
-    text = render(EngineStatsCollector(lambda: SchedulerStats(), "m", prefix="vllm")).decode()
+    text = render(EngineStatsCollector(lambda: [SchedulerStats()], "m", prefix="vllm")).decode()
     assert VLLM_DASHBOARD <= sample_names(text), VLLM_DASHBOARD - sample_names(text)
     assert 'vllm:request_params_max_tokens_sum{model_name="m"} 8.0' in text
-    assert 'vllm:iteration_tokens_total_count{model_name="m"} 0.0' in text
+    assert 'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 0.0' in text
 
 
 # ---- the engine counts its steps ----

@@ -162,6 +162,26 @@ class EngineArgs:
         "pipeline stages: only 1 (not implemented)",
         aliases=[("-pp", int, "the same as --pipeline-parallel-size")],
     )
+    data_parallel_size: int = option(
+        1,
+        "engines, each with its own workers and KV cache, behind the same API servers (routed by load and "
+        "prefix)",
+        aliases=[("-dp", int, "the same as --data-parallel-size")],
+    )
+    data_parallel_size_local: int | None = option(
+        None, "of those, the engines this machine runs (default: all from --data-parallel-start-rank on)"
+    )
+    data_parallel_start_rank: int = option(
+        0, "the first engine this machine runs (a --headless node's share)"
+    )
+    data_parallel_address: str | None = option(
+        None,
+        "the host the engines listen on, each on its own port from --data-parallel-rpc-port (default: local ipc)",
+    )
+    data_parallel_rpc_port: int = option(
+        29550,
+        "with --data-parallel-address: engine r listens on this port + 2r (input) and + 2r + 1 (output)",
+    )
     distributed_executor_backend: str = option(
         "mp",
         "how the ranks start: mp (processes, torch.distributed) or ray (Ray actors)",
@@ -260,12 +280,32 @@ class EngineArgs:
             raise ConfigError("--master-port", "is needed with --nnodes above 1 (every node meets on it)")
         if self.distributed_timeout_s <= 0:
             raise ConfigError("--distributed-timeout", f"must be positive, got {self.distributed_timeout_s}")
+        dp, start = self.data_parallel_size, self.data_parallel_start_rank
+        if dp < 1:
+            raise ConfigError("--data-parallel-size", f"must be positive, got {dp}")
+        if not 0 <= start < dp:
+            raise ConfigError("--data-parallel-start-rank", f"must be in [0, {dp}), got {start}")
+        local = self.data_parallel_size_local
+        if local is not None and not 1 <= local <= dp - start:
+            raise ConfigError("--data-parallel-size-local", f"must be in [1, {dp - start}], got {local}")
+        if dp > 1 and self.nnodes > 1:
+            raise ConfigError(
+                "--data-parallel-size",
+                "with --nnodes above 1 is not supported yet (one engine's ranks span machines)",
+            )
         if size > 1 and self.enable_lora:
             raise ConfigError("--enable-lora", "runs on one worker so far: drop --tensor-parallel-size")
         if size > 1 and (self.runner == "pooling" or self.convert in ("embed", "classify")):
             raise ConfigError(
                 "--tensor-parallel-size", "serves generate models; a pooling runner runs on one worker"
             )
+
+    @property
+    def data_parallel_local_ranks(self) -> range:
+        """The data-parallel engines this machine starts."""
+        start = self.data_parallel_start_rank
+        local = self.data_parallel_size_local or self.data_parallel_size - start
+        return range(start, start + local)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(

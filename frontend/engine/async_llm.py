@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from contextlib import aclosing
 from typing import Any, TypeVar
 
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.data_parallel import EngineClient
 from frontend.engine.output_processor import Delta, OutputProcessor, RequestState
 from frontend.engine.pieces import TextParser
 from frontend.metrics import Metrics
@@ -35,9 +35,7 @@ def new_request_id(prefix: str) -> str:
 
 
 class AsyncLLM:
-    def __init__(
-        self, client: AsyncEngineClient, tokenizer: Any | None, metrics: Metrics | None = None
-    ) -> None:
+    def __init__(self, client: EngineClient, tokenizer: Any | None, metrics: Metrics | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer, metrics)

@@ -1,4 +1,5 @@
-"""Starting and stopping an EngineCore process (`python -m engine_core.main`) from a frontend."""
+"""Starting and stopping EngineCore processes (`python -m engine_core.main`) from a frontend: one, or the
+data-parallel engines this machine hosts."""
 
 from __future__ import annotations
 
@@ -34,14 +35,18 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self.process.poll() is None
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def terminate(self) -> None:
+        """Ask the engine to drain and exit (SIGTERM); `shutdown` waits for it."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        self.terminate()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
@@ -49,3 +54,81 @@ class EngineProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+
+def rank_addresses(input_address: str, output_address: str, rank: int) -> tuple[str, str]:
+    """Data-parallel engine `rank`'s addresses, from engine 0's: tcp ports 2 x rank above, ipc paths with
+    a -dpRANK suffix."""
+    if rank == 0:
+        return input_address, output_address
+
+    def shifted(address: str) -> str:
+        if address.startswith("tcp://"):
+            host, _, port = address.rpartition(":")
+            return f"{host}:{int(port) + 2 * rank}"
+        return f"{address}-dp{rank}"
+
+    return shifted(input_address), shifted(output_address)
+
+
+class EngineGroup:
+    """The engines this machine runs: one, or data-parallel ranks `local_ranks` of `size`, each with its own
+    workers and KV cache. Every engine's config lists every engine's addresses, so that a frontend that
+    registers with any of them finds the rest."""
+
+    def __init__(self, config: EngineConfig, size: int = 1, local_ranks: range | None = None) -> None:
+        self._ipc_dir: str | None = None
+        if size > 1 and (not config.input_address or not config.output_address):
+            self._ipc_dir = tempfile.mkdtemp(prefix="engine-dp-")
+            config.input_address = f"ipc://{self._ipc_dir}/input"
+            config.output_address = f"ipc://{self._ipc_dir}/output"
+        addresses = [
+            list(rank_addresses(config.input_address, config.output_address, r)) for r in range(size)
+        ]
+        self.engines = []
+        try:
+            for rank in local_ranks if local_ranks is not None else range(size):
+                self.engines.append(EngineProcess(_rank_config(config, rank, addresses if size > 1 else [])))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config = self.engines[0].config  # the first local engine's, its addresses filled in
+
+    def is_alive(self) -> bool:
+        """Every engine: one that died makes the deployment unhealthy, as a lone engine's death does."""
+        return all(engine.is_alive() for engine in self.engines)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code of the first engine that exited (None while all run)."""
+        return next((e.process.returncode for e in self.engines if e.process.poll() is not None), None)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        for engine in self.engines:
+            engine.terminate()  # all drain at once
+        for engine in self.engines:
+            engine.shutdown(timeout_s)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
+    @property
+    def pid(self) -> int:
+        return self.engines[0].pid
+
+
+def _rank_config(config: EngineConfig, rank: int, addresses: list[list[str]]) -> EngineConfig:
+    if not addresses:
+        return msgspec.structs.replace(config)
+    parallel = config.worker.parallel
+    if parallel.master_port:  # each engine's ranks meet on a port of their own
+        parallel = msgspec.structs.replace(parallel, master_port=parallel.master_port + rank)
+    input_address, output_address = addresses[rank]
+    return msgspec.structs.replace(
+        config,
+        input_address=input_address,
+        output_address=output_address,
+        data_parallel_rank=rank,
+        data_parallel_addresses=addresses,
+        worker=msgspec.structs.replace(config.worker, parallel=parallel),
+    )

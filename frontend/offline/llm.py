@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from frontend.config.engine_args import EngineArgs
 from frontend.engine.async_llm import AsyncLLM, final_state, gather_all
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.data_parallel import EngineClient, connect_engines
 from frontend.engine.output_processor import RequestState
-from frontend.engine.process import EngineProcess
+from frontend.engine.process import EngineGroup
 from frontend.model_files import load_tokenizer
 from frontend.offline.lora import LoraLoader, LoRARequest
 from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
@@ -43,11 +43,12 @@ class LLM(PoolingMethods):
         self.args = EngineArgs(model=model, **engine_args)
         config = self.args.engine_config()
         self.model = config.worker.model
-        self.engine = EngineProcess(config)
+        self.engine = EngineGroup(config, self.args.data_parallel_size, self.args.data_parallel_local_ranks)
+        config = self.engine.config
         self._loop = asyncio.new_event_loop()
         # Stop the engine even when the caller forgets shutdown() (or the interpreter exits).
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
-        self._client: AsyncEngineClient | None = None
+        self._client: EngineClient | None = None
         try:
             self.tokenizer = load_tokenizer(config.worker.tokenizer or self.model, self.args.cache_dir)
             self.model_info: ModelInfo = self._call(self._start(config.input_address, config.output_address))
@@ -63,9 +64,12 @@ class LLM(PoolingMethods):
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
 
     async def _start(self, input_address: str, output_address: str) -> ModelInfo:
-        self._client = AsyncEngineClient(input_address, output_address)
+        self._client = await connect_engines(
+            input_address, output_address, None, self.args.startup_timeout_s, self.engine.is_alive
+        )
         self.engine_llm = AsyncLLM(self._client, self.tokenizer)
-        return await self._client.register(self.args.startup_timeout_s, self.engine.is_alive)
+        assert self._client.model_info is not None
+        return self._client.model_info
 
     # ---- public API ----
 
@@ -152,7 +156,7 @@ class LLM(PoolingMethods):
     # ---- internals ----
 
     @property
-    def client(self) -> AsyncEngineClient:
+    def client(self) -> EngineClient:
         if self._client is None:
             raise RuntimeError("this LLM is shut down")
         return self._client

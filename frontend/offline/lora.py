@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.data_parallel import EngineClient
 from protocol.errors import InvalidParameterError
 
 
@@ -33,7 +33,7 @@ class LoraLoader:
     def __init__(self) -> None:
         self.names: dict[int, str] = {}
 
-    async def ensure(self, client: AsyncEngineClient, lora: LoRARequest, base: str) -> str:
+    async def ensure(self, client: EngineClient, lora: LoRARequest, base: str) -> str:
         """The adapter's name, loaded (again, in place, where its folder changed)."""
         known = self.names.setdefault(lora.lora_int_id, lora.lora_name)
         if known != lora.lora_name:

@@ -11,7 +11,7 @@ from typing import Any, Protocol, TypeVar, cast
 import numpy as np
 
 from frontend.engine.async_llm import AsyncLLM, gather_all
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.data_parallel import EngineClient
 from protocol.errors import InvalidParameterError
 from protocol.messages import ModelInfo
 from protocol.pooling import PoolingParams
@@ -29,7 +29,7 @@ class Host(Protocol):
     _counter: itertools.count[int]
 
     @property
-    def client(self) -> AsyncEngineClient: ...
+    def client(self) -> EngineClient: ...
 
     def run(self, work: Coroutine[Any, Any, T]) -> T: ...
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.engine.async_llm import AsyncLLM
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.data_parallel import EngineClient
 from frontend.openai.format import TokenText
 from frontend.openai.structured import SpecValidator
 from frontend.parsers.registry import Parsers
@@ -45,7 +45,7 @@ class OpenAIServing:
             self.parsers.reasoning_parser(self.reasoning_parser)
 
     @property
-    def client(self) -> AsyncEngineClient:
+    def client(self) -> EngineClient:
         return self.llm.client
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.data_parallel import EngineClient
 from frontend.server.errors import OpenAIError
 
 
@@ -21,7 +21,7 @@ class AdmissionLimits:
     retry_after_s: int = 1
 
 
-def admit(limits: AdmissionLimits, client: AsyncEngineClient, draining: bool) -> None:
+def admit(limits: AdmissionLimits, client: EngineClient, draining: bool) -> None:
     """Raise the 503 or 429 a new request gets now, if any."""
     stats = client.last_stats
     waiting = (stats.num_waiting if stats else 0) + client.added_since_stats

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from frontend.engine.async_llm import AsyncLLM
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.data_parallel import DataParallelClient, EngineClient
 from frontend.metrics import EngineStatsCollector, Metrics
 from frontend.model_files import load_generation_defaults
 from frontend.openai.fingerprint import output_settings, system_fingerprint
@@ -33,13 +33,13 @@ class AppDeps:
     def __post_init__(self) -> None:
         client = self.serving.client
         self.stats_collector = EngineStatsCollector(
-            lambda: client.last_stats,
+            lambda: client.engine_stats if isinstance(client, DataParallelClient) else [client.last_stats],
             self.serving.model_info.served_model_names[0],
             prefix=self.config.metrics_prefix,
         )
 
     @property
-    def client(self) -> AsyncEngineClient:
+    def client(self) -> EngineClient:
         return self.serving.client
 
 

@@ -19,7 +19,7 @@ import msgspec
 import uvicorn
 
 from frontend.engine.async_llm import AsyncLLM
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.data_parallel import connect_engines
 from frontend.engine.output_processor import SHUTDOWN_REASON
 from frontend.metrics import Metrics
 from frontend.model_files import load_tokenizer
@@ -70,9 +70,6 @@ class DrainingServer(uvicorn.Server):
 
 
 async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases) -> None:
-    client = AsyncEngineClient(
-        config.input_address, config.output_address, f"api{config.server_index}-{os.getpid()}"
-    )
     # The tokenizer (transformers' import, seconds) loads while the engine loads the model; attached
     # without a model name, it waits for the engine's.
     tokenizer_path = config.tokenizer or config.model
@@ -82,12 +79,19 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
         else None
     )
     try:
-        model_info = await client.register(config.register_timeout_s)
+        client = await connect_engines(
+            config.input_address,
+            config.output_address,
+            f"api{config.server_index}-{os.getpid()}",
+            config.register_timeout_s,
+        )
     except TimeoutError as error:
         raise SystemExit(
             f"API server {config.server_index}: no engine answered at {config.input_address} "
             f"within {config.register_timeout_s:.0f} s ({error}). Is the address right, and is the engine up?"
         ) from None
+    assert client.model_info is not None
+    model_info = client.model_info
     phases.mark("engine")
     if tokenizer_load is None:
         tokenizer_load = asyncio.create_task(

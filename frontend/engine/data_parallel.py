@@ -1,0 +1,208 @@
+"""One frontend in front of several data-parallel engines: the engine client's interface over N of them.
+
+Each engine is an AsyncEngineClient of its own (sockets, liveness, its requests' queues); this class
+routes each request to one (frontend/engine/router.py), sends its aborts there, sends operator calls to
+every engine (they act on each, and the first's answer stands for the rest: they agree), and merges the
+engines' stats for admission and /load. Per-engine stats stay available for /metrics' `engine` label.
+
+Invariants: a request id is owned by exactly one engine from add_request until release or abort; one
+dead engine makes the whole deployment dead (its requests fail, the others' new requests are refused
+with 503, as with one engine), so no request is lost silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from frontend.engine.client import AsyncEngineClient
+from frontend.engine.router import Router, load_score
+from protocol.errors import EngineDeadError
+from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
+
+logger = logging.getLogger("engine.frontend")
+
+SUMMED = (
+    "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+    "num_prompt_tokens", "num_generation_tokens", "num_waiting_tokens", "num_steps", "iteration_tokens_sum",
+)  # fmt: skip
+
+
+def merge_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
+    """The deployment's stats: counts summed, KV usage averaged (every engine has the same pool), paused or
+    asleep if any engine is."""
+    merged = msgspec.structs.replace(all_stats[0])
+    for name in SUMMED:
+        setattr(merged, name, sum(getattr(stats, name) for stats in all_stats))
+    merged.kv_cache_usage = sum(stats.kv_cache_usage for stats in all_stats) / len(all_stats)
+    merged.iteration_tokens_buckets = [
+        sum(counts) for counts in zip(*(s.iteration_tokens_buckets for s in all_stats), strict=True)
+    ]
+    merged.running_loras = sorted({name for stats in all_stats for name in stats.running_loras})
+    merged.waiting_loras = sorted({name for stats in all_stats for name in stats.waiting_loras})
+    merged.paused = next((stats.paused for stats in all_stats if stats.paused), "")
+    merged.sleeping = sorted({tag for stats in all_stats for tag in stats.sleeping})
+    return merged
+
+
+async def connect_engines(
+    input_address: str,
+    output_address: str,
+    client_id: str | None,
+    timeout_s: float,
+    is_alive: Callable[[], bool] | None = None,
+) -> AsyncEngineClient | DataParallelClient:
+    """Register with the engine at these addresses and, when it is one of several data-parallel engines
+    (its ModelInfo lists them), with every other one too."""
+    first = AsyncEngineClient(input_address, output_address, client_id)
+    try:
+        info = await first.register(timeout_s, is_alive)
+    except BaseException:
+        first.close()
+        raise
+    if len(info.data_parallel_addresses) <= 1:
+        return first
+    client = DataParallelClient(first, [(i, o) for i, o in info.data_parallel_addresses])
+    try:
+        await client.register(timeout_s, is_alive)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+class DataParallelClient:
+    def __init__(self, first: AsyncEngineClient, addresses: list[tuple[str, str]]) -> None:
+        """first: a client registered with one of the engines; addresses: every engine's, rank order."""
+        assert first.model_info is not None, "register the first client before"
+        self.client_id = first.client_id
+        rank = first.model_info.data_parallel_rank
+        self.engines = [
+            first if index == rank else AsyncEngineClient(i, o, first.client_id)
+            for index, (i, o) in enumerate(addresses)
+        ]
+        self.model_info: ModelInfo | None = None
+        self.router: Router | None = None
+        self.owner: dict[str, int] = {}  # request id -> engine index
+
+    @property
+    def dead_reason(self) -> str | None:
+        return next((engine.dead_reason for engine in self.engines if engine.dead_reason is not None), None)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def num_open_requests(self) -> int:
+        return sum(engine.num_open_requests for engine in self.engines)
+
+    @property
+    def last_stats(self) -> SchedulerStats | None:
+        all_stats = [engine.last_stats for engine in self.engines]
+        present = [stats for stats in all_stats if stats is not None]
+        return merge_stats(present) if present else None
+
+    @property
+    def engine_stats(self) -> list[SchedulerStats | None]:
+        """Each engine's latest stats, in rank order (/metrics labels them engine="0", "1"...)."""
+        return [engine.last_stats for engine in self.engines]
+
+    @property
+    def added_since_stats(self) -> int:
+        return sum(engine.added_since_stats for engine in self.engines)
+
+    async def register(self, timeout_s: float, is_alive: Callable[[], bool] | None = None) -> ModelInfo:
+        async def registered(engine: AsyncEngineClient) -> ModelInfo:
+            return engine.model_info or await engine.register(timeout_s, is_alive)
+
+        infos = await asyncio.gather(*(registered(engine) for engine in self.engines))
+        for rank, info in enumerate(infos):
+            if (info.model, info.served_model_names, info.max_model_len) != (
+                infos[0].model, infos[0].served_model_names, infos[0].max_model_len,
+            ):  # fmt: skip
+                raise EngineDeadError(f"engine {rank} serves {info.model}, engine 0 {infos[0].model}")
+        self.model_info = infos[0]
+        self.router = Router(len(self.engines), infos[0].block_size)
+        return infos[0]
+
+    def loads(self) -> list[int]:
+        return [
+            load_score(
+                (stats.num_waiting if stats is not None else 0) + engine.added_since_stats,
+                stats.num_running if stats is not None else 0,
+            )
+            for engine, stats in ((engine, engine.last_stats) for engine in self.engines)
+        ]
+
+    async def add_request(
+        self, request: AddRequest, queue: asyncio.Queue[RequestOutput | Exception] | None = None
+    ) -> asyncio.Queue[RequestOutput | Exception]:
+        if (reason := self.dead_reason) is not None:
+            raise EngineDeadError(reason)
+        assert self.router is not None, "register first"
+        index = self.router.choose(request.prompt_token_ids, self.loads())
+        self.owner[request.request_id] = index
+        return await self.engines[index].add_request(request, queue)
+
+    def release(self, request_id: str) -> None:
+        index = self.owner.pop(request_id, None)
+        if index is not None:
+            self.engines[index].release(request_id)
+
+    async def abort(self, request_ids: list[str], reason: str | None = None) -> None:
+        """Ours go to their engine; another frontend's (a cancel by id) to every engine (one owns it)."""
+        by_engine: dict[int, list[str]] = {}
+        unknown = []
+        for request_id in request_ids:
+            index = self.owner.pop(request_id, None)
+            if index is None:
+                unknown.append(request_id)
+            else:
+                by_engine.setdefault(index, []).append(request_id)
+        for index, ids in by_engine.items():
+            await self.engines[index].abort(ids, reason)
+        if unknown:
+            for engine in self.engines:
+                await engine.abort(unknown, reason)
+
+    async def cancel(self, request_ids: list[str], reason: str) -> None:
+        ours = {request_id: self.owner.get(request_id) for request_id in request_ids}
+        for index, engine in enumerate(self.engines):
+            await engine.cancel([r for r, owner in ours.items() if owner in (index, None)], reason)
+        for request_id in request_ids:
+            self.owner.pop(request_id, None)
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        """Every engine runs the call; engine 0's answer stands for all (collective_rpc: every rank's)."""
+        results = await asyncio.gather(
+            *(engine.call_utility(method, *args, timeout_s=timeout_s) for engine in self.engines)
+        )
+        if method == "collective_rpc":
+            return {"results": [item for result in results for item in result["results"]]}
+        return results[0]
+
+    def mark_dead(self, reason: str) -> None:
+        for engine in self.engines:
+            engine.mark_dead(reason)
+
+    def stalled_for(self) -> float:
+        return max(engine.stalled_for() for engine in self.engines)
+
+    async def abort_all(self, reason: str) -> int:
+        self.owner.clear()
+        return sum([await engine.abort_all(reason) for engine in self.engines])
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(engine.aclose() for engine in self.engines))
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+
+EngineClient = AsyncEngineClient | DataParallelClient  # what a frontend speaks to: one engine, or several
