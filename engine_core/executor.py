@@ -14,7 +14,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -97,25 +97,34 @@ class MultiprocExecutor:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PAIR)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._ipc_dir: str | None = None
+        address = self._bind()
+        self._processes: list[Any] = self._start_ranks(config, address)  # poll(), wait(timeout), kill()
+        self._process = self._processes[0]
+        message = self._receive(timeout_s=load_timeout_s)
+        if not isinstance(message, WorkerReady):
+            raise WorkerDiedError(f"worker sent {type(message).__name__} instead of WorkerReady")
+        self.model_info = message.model_info
+
+    def _bind(self) -> str:
+        """The engine's end of rank 0's socket: an ipc path (the workers run on this machine)."""
         self._ipc_dir = tempfile.mkdtemp(prefix="engine-worker-")
         address = f"ipc://{self._ipc_dir}/{uuid.uuid4().hex[:8]}"
         self._socket.bind(address)
+        return address
+
+    def _start_ranks(self, config: WorkerConfig, address: str) -> list[Any]:
         parallel = config.parallel
         if parallel.tensor_parallel_size > 1 and parallel.master_port == 0:
             parallel = msgspec.structs.replace(parallel, master_port=free_port(parallel.master_addr))
         # rank 0 first: the others' addresses are in its store
-        self._processes = [
+        return [
             start_worker(
                 msgspec.structs.replace(config, parallel=parallel, rank=rank),
                 address if rank == 0 else "-",
             )
             for rank in parallel.local_ranks
         ]
-        self._process = self._processes[0]
-        message = self._receive(timeout_s=load_timeout_s)
-        if not isinstance(message, WorkerReady):
-            raise WorkerDiedError(f"worker sent {type(message).__name__} instead of WorkerReady")
-        self.model_info = message.model_info
 
     def _receive(
         self, timeout_s: float | None = None, timeout_error: type[Exception] | None = None
@@ -196,6 +205,8 @@ class MultiprocExecutor:
                 process.wait()
         self._socket.close()
         self._context.term()
+        if self._ipc_dir is None:
+            return
         try:
             for name in os.listdir(self._ipc_dir):
                 os.unlink(os.path.join(self._ipc_dir, name))

@@ -29,7 +29,12 @@ def main() -> None:
         raise SystemExit(f"the engine process runs the 'mp' executor only, not {config.executor!r}")
     phases.mark("imports")
     try:
-        executor = MultiprocExecutor(config.worker)
+        if config.worker.parallel.executor_backend == "ray":
+            from engine_core.ray_executor import RayExecutor
+
+            executor: MultiprocExecutor = RayExecutor(config.worker)
+        else:
+            executor = MultiprocExecutor(config.worker)
     except WorkerDiedError as error:  # the worker has logged why; the engine cannot start without it
         logger.error("the engine cannot start: %s", error)
         raise SystemExit(1) from None

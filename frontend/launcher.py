@@ -19,7 +19,7 @@ import msgspec
 from frontend.config.engine_args import EngineArgs
 from frontend.config.flags import ConfigError, naming
 from frontend.config.server_args import ServerArgs
-from frontend.engine.process import EngineGroup
+from frontend.engine.process import EngineGroup, WorkerNode
 from frontend.server.config import ServerConfig
 from frontend.server.tls import check_tls_files
 from frontend.server.user_middleware import import_middleware
@@ -75,7 +75,7 @@ class Supervisor:
     DEAD_ENGINE_GRACE_S = 5.0
 
     def __init__(self, shutdown_timeout_s: float = 30.0) -> None:
-        self.engine: EngineGroup | None = None
+        self.engine: EngineGroup | WorkerNode | None = None  # what runs the model here
         self.api_servers: list[subprocess.Popen[bytes]] = []
         self.stopping = False
         self.metrics_dir: str | None = None  # ours to remove at exit
@@ -99,6 +99,13 @@ class Supervisor:
         engine_died_at: float | None = None
         while not self.stopping:
             time.sleep(0.2)
+            if isinstance(self.engine, WorkerNode) and not self.engine.is_alive():
+                code = self.engine.returncode  # 0: rank 0 passed the engine's shutdown on
+                logger.log(
+                    logging.INFO if code == 0 else logging.ERROR, "a rank exited (code %s); stopping", code
+                )
+                self.shutdown()
+                return 0 if code == 0 else 1
             if self.engine is not None and not self.engine.is_alive() and engine_died_at is None:
                 engine_died_at = time.monotonic()
                 logger.error(
@@ -228,6 +235,8 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     configure_logging(engine_args.log_level, engine_args.log_format)
     phases = StartupPhases("launcher")
     phases.mark("imports")
+    if engine_args.node_rank > 0:
+        return _serve_worker_node(engine_args, args)
     if not args.headless:
         check_parsers(args)
     phases.mark("parsers")
@@ -261,6 +270,25 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     except BaseException:
         supervisor.shutdown()
         raise
+
+
+def _serve_worker_node(engine_args: EngineArgs, args: ServerArgs) -> int:
+    """--node-rank above 0: this machine's tensor-parallel ranks only; the engine runs on node 0."""
+    if not args.headless:
+        raise ConfigError(
+            "--node-rank", "above 0 runs ranks only: add --headless (the API servers run on node 0)"
+        )
+    config = engine_args.engine_config()
+    supervisor = Supervisor(args.shutdown_timeout_s)
+    supervisor.engine = WorkerNode(config)
+    parallel = config.worker.parallel
+    ranks = parallel.local_ranks
+    print(
+        f"engine: worker node {parallel.node_rank} of {parallel.nnodes}, ranks {ranks.start}-{ranks.stop - 1} "
+        f"of {parallel.tensor_parallel_size}, joining {parallel.master_addr}:{parallel.master_port}",
+        flush=True,
+    )
+    return supervisor.run()
 
 
 def resolve_engine(

@@ -171,7 +171,16 @@ def test_lockstep_runs_every_variant_to_the_end(smollm2_gguf: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["burst_ttft", "cpu_kernels", "lockstep", "offline_throughput", "parallel_overhead", "peers", "profile_step"]
+    "module",
+    [
+        "burst_ttft",
+        "cpu_kernels",
+        "lockstep",
+        "offline_throughput",
+        "parallel_overhead",
+        "peers",
+        "profile_step",
+    ],
 )
 def test_every_benchmark_prints_its_help(module: str) -> None:
     """argparse formats each help string with `%` at `--help` time only, so a stray `%` (lockstep's

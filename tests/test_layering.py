@@ -27,7 +27,8 @@ ALLOWED = {
     "protocol": {"protocol", "msgspec"},
     # msgspec is the wire format protocol's structs are made of; zmq only where the process wrapper and
     # the executor own their sockets (see ZMQ_FILES)
-    "engine_core": {"engine_core", "protocol", "numpy", "msgspec", "zmq"},
+    # ray: the optional executor (engine_core/ray_executor.py; the [ray] extra)
+    "engine_core": {"engine_core", "protocol", "numpy", "msgspec", "zmq", "ray"},
     "worker": {
         "worker",
         "psutil",

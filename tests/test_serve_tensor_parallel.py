@@ -6,9 +6,12 @@ non-zero, and no process is left."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -123,3 +126,80 @@ def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_engine_cleanly(tiny_chat
     finally:
         if engine.poll() is None:
             stop(engine)
+
+
+def test_two_nodes_on_loopback(tiny_chat: str) -> None:
+    """--nnodes 2: node 0 runs the engine, the API server and rank 0; node 1 (--headless) runs rank 1, which
+    joins at --master-addr. Node 0 stopping stops node 1's rank (it passes the shutdown on), and node 1's
+    launcher exits 0; rank 1 killed instead would fail the engine as above."""
+    from transformers import AutoModelForCausalLM
+
+    common = [
+        "-tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_engine_port()),
+    ]
+    node_1 = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_chat, "--node-rank", "1",
+                               "--headless", *common, *ENGINE_ARGS])  # fmt: skip
+    try:
+        with serving(tiny_chat, "--node-rank", "0", *common, *ENGINE_ARGS) as served:
+            assert len(ranks(served.process)) == 1  # rank 1 is node 1's
+            client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none")
+            prompt = list(range(100, 140))
+            completion = client.completions.create(
+                model=tiny_chat, prompt=prompt, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            ours = completion.choices[0].model_extra["token_ids"]  # type: ignore[index]
+        assert node_1.wait(timeout=60) == 0
+    finally:
+        if node_1.poll() is None:
+            stop(node_1)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat, dtype=torch.float32).eval()
+    compare_greedy(ours, hf_greedy(hf, prompt, 12, eos_token_id=None))
+
+
+@pytest.fixture
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A local Ray cluster (`ray start --head` on 127.0.0.1, two CPUs), stopped after: its address."""
+    pytest.importorskip("ray")
+    port = free_engine_port()
+    temp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's sockets live under it
+    command = ["ray", "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+               f"--temp-dir={temp}", "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_ray_ranks_on_a_local_cluster(tiny_chat: str, ray_cluster: str) -> None:
+    """--distributed-executor-backend ray: the two ranks are Ray actors' workers in a placement group; the
+    tokens equal HF's, and stopping the server leaves no worker behind."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(200, 230))
+    with serving(tiny_chat, "-tp", "2", "--distributed-executor-backend", "ray", *ENGINE_ARGS,
+                 env={"RAY_ADDRESS": ray_cluster}) as served:  # fmt: skip
+        client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none")
+        completion = client.completions.create(
+            model=tiny_chat, prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        ours = completion.choices[0].model_extra["token_ids"]  # type: ignore[index]
+        workers = [
+            p for p in psutil.process_iter(["cmdline"]) if "worker.main" in " ".join(p.info["cmdline"] or [])
+        ]
+        assert len(workers) == 2, workers  # under the actors, not the launcher
+        assert not ranks(served.process)
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"workers outlived the server: {alive}"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat, dtype=torch.float32).eval()
+    compare_greedy(ours, hf_greedy(hf, prompt, 12, eos_token_id=None))

@@ -41,10 +41,15 @@ def main() -> None:
         "worker" if config.parallel.tensor_parallel_size == 1 else f"worker rank {config.rank}"
     )
     if address == NO_ENGINE:
+        from worker.parallel.relay import RelayError
+
         try:
             _follow_rank_0(config, phases, parent)
         except StartupRefused:
             raise SystemExit(1) from None  # rank 0 says why
+        except RelayError as error:
+            logger.error("rank %d: %s", config.rank, error)
+            raise SystemExit(1) from None
         return
     input_codec, output_codec = worker_input_codec(), worker_output_codec()
     context = zmq.Context()
@@ -66,6 +71,8 @@ def main() -> None:
             if not socket.poll(1000):
                 if os.getppid() != parent:  # the engine died without telling us
                     return
+                if relay is not None:
+                    relay.ping()
                 continue
             frames = socket.recv_multipart()
             if relay is not None:

@@ -132,3 +132,46 @@ def _rank_config(config: EngineConfig, rank: int, addresses: list[list[str]]) ->
         data_parallel_addresses=addresses,
         worker=msgspec.structs.replace(config.worker, parallel=parallel),
     )
+
+
+class WorkerNode:
+    """A machine past the first of an engine's tensor-parallel ranks (--nnodes, --node-rank above 0): it runs
+    its share of the ranks (`python -m worker.main -`), which join rank 0's store at --master-addr and hear
+    the engine through rank 0. No engine and no HTTP here."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        worker = config.worker
+        self.processes: list[subprocess.Popen[bytes]] = []
+        for rank in worker.parallel.local_ranks:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "worker.main", "-", parent_pid_arg()], stdin=subprocess.PIPE
+            )
+            assert process.stdin is not None
+            process.stdin.write(msgspec.json.encode(msgspec.structs.replace(worker, rank=rank)))
+            process.stdin.close()
+            self.processes.append(process)
+        self.config = config
+
+    def is_alive(self) -> bool:
+        """Every rank: one that exits (its engine gone, or its own fault) ends the node."""
+        return all(process.poll() is None for process in self.processes)
+
+    @property
+    def returncode(self) -> int | None:
+        return next((p.returncode for p in self.processes if p.poll() is not None), None)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """The ranks have nothing to drain (the engine owns the requests): SIGTERM, then SIGKILL."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    @property
+    def pid(self) -> int:
+        return self.processes[0].pid

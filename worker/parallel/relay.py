@@ -19,6 +19,7 @@ from protocol.codec import worker_output_codec
 from protocol.worker_messages import WorkerCallResult
 
 RELAY_KEY = "engine/relay"
+PING = b"ping"  # a frame no encoded message equals (they start with their tag)
 
 
 class RelayError(RuntimeError):
@@ -45,6 +46,7 @@ class Relay:
         else:
             self.socket.connect(store.get(RELAY_KEY).decode())
             self.socket.send(b"hello")
+            self.last_heard = time.monotonic()
 
     def _wait_for_hellos(self) -> list[bytes]:
         joined: set[bytes] = set()
@@ -61,6 +63,11 @@ class Relay:
     def forward(self, frames: list[bytes]) -> None:
         for peer in self.peers:
             self.socket.send_multipart([peer, *frames], copy=False)
+
+    def ping(self) -> None:
+        """While the engine is idle: tell the other ranks rank 0 is alive (one on another machine has no
+        other way to learn that it died)."""
+        self.forward([PING])
 
     def gather_answers(self) -> list[WorkerCallResult]:
         """The other ranks' answers to the call just forwarded, in rank order."""
@@ -79,9 +86,15 @@ class Relay:
     # ---- the other ranks ----
 
     def receive(self, timeout_ms: int) -> list[bytes] | None:
+        """The next message from rank 0 (None: none within timeout_ms, or a ping); RelayError when rank 0
+        has been silent for timeout_s (it pings every second while idle)."""
         if not self.socket.poll(timeout_ms):
+            if time.monotonic() - self.last_heard > self.timeout_s:
+                raise RelayError(f"rank 0 has been silent for {self.timeout_s:.0f} s: it is gone")
             return None
-        return self.socket.recv_multipart()
+        frames = self.socket.recv_multipart()
+        self.last_heard = time.monotonic()
+        return None if frames == [PING] else frames
 
     def answer(self, answer: WorkerCallResult) -> None:
         self.socket.send_multipart(self.codec.encode(answer))
