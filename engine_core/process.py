@@ -29,6 +29,7 @@ from protocol.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
     AddRequest,
+    EngineAnnounce,
     EngineDead,
     EngineOutputs,
     Ready,
@@ -82,6 +83,19 @@ class EngineCoreProc:
         self.output_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.input_socket.bind(config.input_address)
         self.output_socket.bind(config.output_address)
+        # data parallel: every engine's addresses (engine 0 learns those on other machines as they
+        # announce themselves) and the registrations waiting for them
+        self.addresses = [list(pair) for pair in config.data_parallel_addresses]
+        self.pending: list[str] = []
+        self.announcer = None
+        if config.data_parallel_head:
+            self.announcer = self.context.socket(zmq.DEALER)
+            self.announcer.setsockopt(zmq.LINGER, 0)
+            self.announcer.connect(config.data_parallel_head)
+            announce = EngineAnnounce(
+                PROTOCOL_VERSION, config.data_parallel_rank, config.input_address, config.output_address
+            )
+            self.announcer.send_multipart(frontend_codec().encode(announce))  # queued until it connects
         self.input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
         self.output_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
 
@@ -101,6 +115,8 @@ class EngineCoreProc:
                 continue
             if isinstance(message, Register):
                 self._register(client_id, message)
+            elif isinstance(message, EngineAnnounce):
+                self._announced(message)
             else:
                 self.input_queue.put((client_id, message))
 
@@ -109,9 +125,33 @@ class EngineCoreProc:
             reason = f"protocol version {message.protocol_version} != engine's {PROTOCOL_VERSION}"
             self.output_queue.put((client_id, Rejected(reason)))
             return
+        if any(not address for pair in self.addresses for address in pair):
+            missing = [rank for rank, pair in enumerate(self.addresses) if not all(pair)]
+            logger.info(
+                "frontend %s waits for data-parallel engines %s to announce themselves", client_id, missing
+            )
+            self.pending.append(client_id)
+            return
         self.clients.add(client_id)
         logger.info("frontend %s registered", client_id)
-        self.output_queue.put((client_id, Ready(PROTOCOL_VERSION, self.engine.model_info)))
+        info = self.engine.model_info
+        if self.addresses:
+            info = msgspec.structs.replace(info, data_parallel_addresses=self.addresses)
+        self.output_queue.put((client_id, Ready(PROTOCOL_VERSION, info)))
+
+    def _announced(self, message: EngineAnnounce) -> None:
+        """An engine on another machine listens now: record where, and let waiting frontends in."""
+        rank = message.data_parallel_rank
+        if message.protocol_version != PROTOCOL_VERSION or not 0 <= rank < len(self.addresses):
+            logger.warning(
+                "ignoring an announcement from engine %d (protocol %d)", rank, message.protocol_version
+            )
+            return
+        self.addresses[rank] = [message.input_address, message.output_address]
+        logger.info("data-parallel engine %d is at %s", rank, message.input_address)
+        pending, self.pending = self.pending, []
+        for client_id in pending:
+            self._register(client_id, Register(PROTOCOL_VERSION, client_id))
 
     def _output_loop(self) -> None:
         codec = engine_codec()
@@ -211,6 +251,8 @@ class EngineCoreProc:
             self.engine.shutdown()
             self.input_socket.close()
             self.output_socket.close()
+            if self.announcer is not None:
+                self.announcer.close()
             self.context.term()
 
     def _maybe_log_stats(self) -> None:

@@ -311,13 +311,23 @@ def resolve_engine(
         raise ConfigError("--headless", "needs --engine-address tcp://HOST:PORT (or --data-parallel-address)")
     config = engine_args.engine_config()
     address = args.engine_address
-    if not address and engine_args.data_parallel_address:
-        address = f"tcp://{engine_args.data_parallel_address}:{engine_args.data_parallel_rpc_port}"
+    dp_host, dp_port = engine_args.data_parallel_address, engine_args.data_parallel_rpc_port
+    if not address and dp_host:
+        # a machine past the first listens on its own address (towards the head) and announces it there
+        host = dp_host if engine_args.data_parallel_start_rank == 0 else local_address_towards(dp_host)
+        address = f"tcp://{host}:{dp_port}"
     if address:
         flag = "--engine-address" if args.engine_address else "--data-parallel-address"
         check_exposure(address, args.allow_remote_engine, flag)
         config.input_address, config.output_address = engine_addresses(address)
     return config, config.worker.model, config.worker.tokenizer, (config.input_address, config.output_address)
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the interface that reaches host (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
 
 
 def _start_api_servers(

@@ -96,4 +96,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     lora_modules: list[LoraAdapter] = []  # adapters loaded at start (--lora-modules); needs worker.lora
     profiler_dir: str | None = None  # where POST /start_profile's traces go (--profiler-dir); None: off
     data_parallel_rank: int = 0  # this engine's index among the deployment's engines
-    data_parallel_addresses: list[list[str]] = []  # every engine's [input, output] ([]: the only one)
+    data_parallel_addresses: list[list[str]] = []  # every engine's [input, output] ([]: the only one); an
+    # engine on another machine is ["", ""] here until it announces itself to engine 0
+    data_parallel_head: str = ""  # an engine on another machine than engine 0: engine 0's input address

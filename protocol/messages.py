@@ -186,5 +186,15 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     reason: str
 
 
-FrontendMessage = Register | AddRequest | AbortRequests | UtilityCall
+class EngineAnnounce(msgspec.Struct, tag="announce", array_like=True):
+    """data-parallel engine -> engine 0, once it listens: where it is (engine 0 lists every engine's
+    addresses in its ModelInfo, and answers frontends' registrations once it knows them all)."""
+
+    protocol_version: int
+    data_parallel_rank: int
+    input_address: str
+    output_address: str
+
+
+FrontendMessage = Register | AddRequest | AbortRequests | UtilityCall | EngineAnnounce
 EngineMessage = Ready | Rejected | EngineOutputs | UtilityResult | EngineDead

@@ -148,3 +148,32 @@ def test_lora_flags_as_vllm_spells_them(tmp_path) -> None:  # type: ignore[no-un
     for text in ("sql", "=/p", '{"name": "x"}'):
         with pytest.raises(ValueError):
             lora_module(text)
+
+
+def test_parallel_flags_as_vllm_spells_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    argv = ["serve", "m", "-tp", "2", "-dp", "3", "--nnodes", "1", "--distributed-executor-backend", "ray",
+            "--distributed-timeout", "30"]  # fmt: skip
+    args = from_namespace(EngineArgs, build_parser().parse_args(argv))
+    assert (args.tensor_parallel_size, args.data_parallel_size) == (2, 3)
+    parallel = dataclasses.replace(args, model=str(tmp_path)).engine_config().worker.parallel
+    assert (parallel.tensor_parallel_size, parallel.executor_backend, parallel.timeout_s) == (2, "ray", 30.0)
+    assert list(
+        EngineArgs(
+            data_parallel_size=4, data_parallel_start_rank=2, data_parallel_address="10.0.0.1"
+        ).data_parallel_local_ranks
+    ) == [
+        2,
+        3,
+    ]
+    for bad, flag in (
+        (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
+        (dict(tensor_parallel_size=2, nnodes=3, master_port=29501), "--nnodes"),
+        (dict(tensor_parallel_size=2, nnodes=2), "--master-port"),
+        (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=29501), "--node-rank"),
+        (dict(tensor_parallel_size=2, enable_lora=True), "--enable-lora"),
+        (dict(tensor_parallel_size=2, convert="embed"), "--tensor-parallel-size"),
+        (dict(data_parallel_size=2, data_parallel_size_local=1), "--data-parallel-size-local"),
+        (dict(data_parallel_size=2, data_parallel_start_rank=2), "--data-parallel-start-rank"),
+    ):
+        with pytest.raises(ValueError, match=flag):
+            EngineArgs(**bad)  # type: ignore[arg-type]

@@ -288,6 +288,12 @@ class EngineArgs:
         local = self.data_parallel_size_local
         if local is not None and not 1 <= local <= dp - start:
             raise ConfigError("--data-parallel-size-local", f"must be in [1, {dp - start}], got {local}")
+        if len(self.data_parallel_local_ranks) < dp and not self.data_parallel_address:
+            raise ConfigError(
+                "--data-parallel-size-local",
+                "below --data-parallel-size puts engines on other machines: give --data-parallel-address "
+                "(the first machine's address, where they announce themselves)",
+            )
         if dp > 1 and self.nnodes > 1:
             raise ConfigError(
                 "--data-parallel-size",

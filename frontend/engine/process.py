@@ -76,7 +76,11 @@ class EngineGroup:
     workers and KV cache. Every engine's config lists every engine's addresses, so that a frontend that
     registers with any of them finds the rest."""
 
-    def __init__(self, config: EngineConfig, size: int = 1, local_ranks: range | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, size: int = 1, local_ranks: range | None = None, head: str = ""
+    ) -> None:
+        """head: engine 0's input address, when it runs on another machine (ours announce themselves to it);
+        without one, engines of `size` this machine does not run are on other machines, to be announced."""
         self._ipc_dir: str | None = None
         if size > 1 and (not config.input_address or not config.output_address):
             self._ipc_dir = tempfile.mkdtemp(prefix="engine-dp-")
