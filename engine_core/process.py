@@ -91,6 +91,7 @@ class EngineCoreProc:
         if config.data_parallel_head:
             self.announcer = self.context.socket(zmq.DEALER)
             self.announcer.setsockopt(zmq.LINGER, 0)
+            self.announcer.setsockopt(zmq.IDENTITY, f"engine-{config.data_parallel_rank}".encode())
             self.announcer.connect(config.data_parallel_head)
             announce = EngineAnnounce(
                 PROTOCOL_VERSION, config.data_parallel_rank, config.input_address, config.output_address
@@ -142,7 +143,8 @@ class EngineCoreProc:
     def _announced(self, message: EngineAnnounce) -> None:
         """An engine on another machine listens now: record where, and let waiting frontends in."""
         rank = message.data_parallel_rank
-        if message.protocol_version != PROTOCOL_VERSION or not 0 <= rank < len(self.addresses):
+        known = 0 <= rank < len(self.addresses) and all(self.addresses[rank])
+        if message.protocol_version != PROTOCOL_VERSION or not 0 <= rank < len(self.addresses) or known:
             logger.warning(
                 "ignoring an announcement from engine %d (protocol %d)", rank, message.protocol_version
             )

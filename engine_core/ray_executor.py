@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -36,6 +37,10 @@ class RankHost:
         import ray
 
         return ray.util.get_node_ip_address(), os.cpu_count() or 1  # type: ignore[no-untyped-call]
+
+    def free_port(self) -> int:
+        """A port free on this node: rank 0's store listens on it."""
+        return free_port("0.0.0.0")
 
     def start(self, address: str, config_json: bytes) -> int:
         self.process = subprocess.Popen(
@@ -61,21 +66,15 @@ class RankHost:
 
 
 class RayRank:
-    """An actor's rank as the executor sees a process: poll(), wait(timeout), kill()."""
+    """An actor's rank as the executor sees a process: poll(), wait(timeout), kill(). poll() is the answer
+    of the executor's last health check (RayExecutor.check_health asks every actor at once)."""
 
     def __init__(self, actor: Any, rank: int) -> None:
         self.actor, self.rank = actor, rank
+        self.code: int | None = None
 
     def poll(self) -> int | None:
-        import ray
-
-        try:
-            code: int | None = ray.get(self.actor.poll.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
-            return (
-                -1 if isinstance(error, ray.exceptions.RayActorError) else None
-            )  # the actor (its node) is gone
-        return code
+        return self.code
 
     def wait(self, timeout: float) -> int | None:
         import ray
@@ -93,6 +92,9 @@ class RayRank:
 
 
 class RayExecutor(MultiprocExecutor):
+    HEALTH_INTERVAL_S = 1.0  # the busy loop checks health often when idle; the actors are asked this often
+    HEALTH_TIMEOUT_S = 10.0  # actors that do not answer a health check for this long count as gone
+
     def __init__(self, config: WorkerConfig, load_timeout_s: float = 600.0) -> None:
         try:
             import ray
@@ -104,7 +106,35 @@ class RayExecutor(MultiprocExecutor):
         ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING, log_to_driver=False)
         self._ray = ray
         self._placement: Any = None
+        self._checked_at = 0.0
+        self._unanswered_since: float | None = None
         super().__init__(config, load_timeout_s)
+
+    def check_health(self) -> None:
+        """Every actor's worker at once, at most once a second; an actor that is gone (its node lost) or
+        that has not answered for HEALTH_TIMEOUT_S is a dead rank."""
+        now = time.monotonic()
+        if now - self._checked_at >= self.HEALTH_INTERVAL_S:
+            self._checked_at = now
+            ray = self._ray
+            ranks: list[RayRank] = self._processes
+            try:
+                codes = ray.get(
+                    [rank.actor.poll.remote() for rank in ranks], timeout=self.HEALTH_TIMEOUT_S / 4
+                )
+                self._unanswered_since = None
+                for rank, code in zip(ranks, codes, strict=True):
+                    rank.code = code
+            except ray.exceptions.RayActorError:
+                for rank in ranks:  # which one does not matter: the engine fails either way
+                    rank.code = -1
+            except ray.exceptions.GetTimeoutError:
+                self._unanswered_since = self._unanswered_since or now
+                if now - self._unanswered_since > self.HEALTH_TIMEOUT_S:
+                    raise WorkerDiedError(
+                        f"the Ray actors have not answered for {self.HEALTH_TIMEOUT_S:.0f} s"
+                    ) from None
+        super().check_health()
 
     def _bind(self) -> str:
         """tcp on this node's address: rank 0 may run on another node of the cluster."""
@@ -135,9 +165,9 @@ class RayExecutor(MultiprocExecutor):
             for r in range(size)
         ]
         nodes = ray.get([actor.node.remote() for actor in actors])
-        master = nodes[0][0]
+        master, port = nodes[0][0], ray.get(actors[0].free_port.remote())  # rank 0's node may be another
         parallel = msgspec.structs.replace(
-            config.parallel, nnodes=1, node_rank=0, master_addr=master, master_port=free_port(master)
+            config.parallel, nnodes=1, node_rank=0, master_addr=master, master_port=port
         )
         ranks_here = {host: sum(1 for h, _ in nodes if h == host) for host, _ in nodes}
         logger.info("Ray placed the %d ranks on %s", size, ", ".join(host for host, _ in nodes))

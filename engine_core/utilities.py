@@ -29,6 +29,14 @@ PAUSED_REASON = "paused"  # the stop_reason of requests a pause with mode abort 
 def _worker(
     engine: EngineCore, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any
 ) -> Any:
+    """Rank 0's result (every rank ran it; see _ranks for all of theirs)."""
+    return _ranks(engine, method, *args, timeout_s=timeout_s, **kwargs)[0]
+
+
+def _ranks(
+    engine: EngineCore, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any
+) -> list[Any]:
+    """Every tensor-parallel rank's result, rank 0 first (one rank: a list of one)."""
     try:
         answer = engine.executor.call(WorkerCall(method, list(args), kwargs), timeout_s)
     except CallTimeoutError as error:
@@ -39,7 +47,7 @@ def _worker(
         if answer.param is not None:
             raise InvalidParameterError(answer.param, answer.error)
         raise RuntimeError(answer.error)
-    return answer.result
+    return [answer.result, *answer.per_rank]
 
 
 def _stats(engine: EngineCore) -> dict[str, Any]:
@@ -129,7 +137,7 @@ def _collective_rpc(
         )
     if timeout_s is not None and timeout_s <= 0:
         raise InvalidParameterError("timeout", "timeout must be a positive number of seconds.")
-    return {"results": [_worker(engine, method, *args, timeout_s=timeout_s, **kwargs)]}  # one worker (rank 0)
+    return {"results": _ranks(engine, method, *args, timeout_s=timeout_s, **kwargs)}  # rank 0 first
 
 
 def _start_profile(engine: EngineCore) -> Any:

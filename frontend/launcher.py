@@ -253,8 +253,11 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
     phases.mark("config")
     supervisor = Supervisor(args.shutdown_timeout_s)
     if engine_config is not None:
+        head = ""  # engine 0's input address, where this machine's engines announce themselves
+        if engine_args.data_parallel_start_rank > 0 and engine_args.data_parallel_address:
+            head = f"tcp://{engine_args.data_parallel_address}:{engine_args.data_parallel_rpc_port}"
         group = EngineGroup(
-            engine_config, engine_args.data_parallel_size, engine_args.data_parallel_local_ranks
+            engine_config, engine_args.data_parallel_size, engine_args.data_parallel_local_ranks, head
         )
         supervisor.engine = group
         phases.mark("engine process")

@@ -17,6 +17,7 @@ TYPE_BYTES: dict[str, bytes] = {
     "add": b"\x01",
     "abort": b"\x02",
     "utility": b"\x03",
+    "announce": b"\x04",
     "ready": b"\x10",
     "rejected": b"\x11",
     "outputs": b"\x12",

@@ -31,11 +31,18 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):
     master_addr: str = "127.0.0.1"  # where rank 0 listens for the others (torch.distributed's store)
     master_port: int = 0  # 0: a free port, picked by the engine's executor (one machine only)
     timeout_s: float = 120.0  # a collective (or a rank's answer) that takes longer fails the engine
+    startup_timeout_s: float = 600.0  # how long the ranks wait for each other to join and to load
     executor_backend: str = "mp"  # "mp": processes started here; "ray": Ray actors
+    engines_per_node: int = 1  # data-parallel engines on this machine: they and their ranks share its cores
 
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def workers_per_node(self) -> int:
+        """Worker processes on this machine, every engine's ranks together."""
+        return self.ranks_per_node * self.engines_per_node
 
     @property
     def local_ranks(self) -> range:

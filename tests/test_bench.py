@@ -178,6 +178,7 @@ def test_lockstep_runs_every_variant_to_the_end(smollm2_gguf: str) -> None:
         "lockstep",
         "offline_throughput",
         "parallel_overhead",
+        "parallel_serve",
         "peers",
         "profile_step",
     ],

@@ -122,7 +122,7 @@ def _load(config: WorkerConfig, phases: StartupPhases) -> tuple[Any, Any, Any]:
 
         parallel = config.parallel
         relay = Relay(runner.tp.store, config.rank, parallel.tensor_parallel_size, parallel.master_addr,
-                      parallel.timeout_s)  # fmt: skip
+                      parallel.timeout_s, runner.tp.startup_timeout_s)  # fmt: skip
         phases.mark("relay")
     gc.collect()
     gc.freeze()  # torch's and the model's objects are never garbage: collections need not walk them

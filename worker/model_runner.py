@@ -79,11 +79,10 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig, phases: StartupPhases | None = None) -> None:
         phases = phases or StartupPhases("worker")
         parallel = config.parallel
-        if config.num_threads or parallel.ranks_per_node > 1:
-            # ranks sharing a machine share its cores
-            torch.set_num_threads(
-                config.num_threads or max(1, (os.cpu_count() or 1) // parallel.ranks_per_node)
-            )
+        if config.num_threads or parallel.workers_per_node > 1:
+            # workers sharing a machine (ranks, data-parallel engines) share its cores
+            cores = len(os.sched_getaffinity(0))
+            torch.set_num_threads(config.num_threads or max(1, cores // parallel.workers_per_node))
         self.config = config
         self.model_config, weights = load_model_files(config.model, config.cache_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)

@@ -321,6 +321,7 @@ class EngineArgs:
             master_addr=self.master_addr,
             master_port=self.master_port,
             timeout_s=self.distributed_timeout_s,
+            startup_timeout_s=self.startup_timeout_s,
             executor_backend=self.distributed_executor_backend,
         )
 

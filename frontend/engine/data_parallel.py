@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -21,10 +23,11 @@ import msgspec
 
 from frontend.engine.client import AsyncEngineClient
 from frontend.engine.router import Router, load_score
-from protocol.errors import EngineDeadError
+from protocol.errors import EngineDeadError, InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
 
 logger = logging.getLogger("engine.frontend")
+MAX_RELEASED = 4096  # released requests whose engine is remembered for a late abort
 
 SUMMED = (
     "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
@@ -75,6 +78,33 @@ async def connect_engines(
     return client
 
 
+def merge_results(method: str, results: list[Any]) -> Any:
+    """The deployment's answer from each engine's: collective_rpc's ranks one after another; in a state
+    (pause, sleep, stats), counts summed, flags true only when true of every engine, tags united, and each
+    engine's own answer under "engines"; a bool (reset_prefix_cache) true only when true everywhere; any
+    other answer (the LoRA table, which every engine shares) engine 0's."""
+    if method == "collective_rpc":
+        return {"results": [item for result in results for item in result["results"]]}
+    first = results[0]
+    if isinstance(first, bool):
+        return all(results)
+    if not isinstance(first, dict):
+        return first
+    merged: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [result.get(key) for result in results]
+        if isinstance(value, bool):
+            merged[key] = all(values)
+        elif isinstance(value, int) and (key.startswith("num_") or key in SUMMED):  # counts, not a level
+            merged[key] = sum(v for v in values if isinstance(v, int))
+        elif isinstance(value, list) and all(isinstance(item, str) for v in values for item in v or []):
+            merged[key] = sorted({item for v in values for item in v or []})
+        else:
+            merged[key] = value
+    merged["engines"] = results
+    return merged
+
+
 class DataParallelClient:
     def __init__(self, first: AsyncEngineClient, addresses: list[tuple[str, str]]) -> None:
         """first: a client registered with one of the engines; addresses: every engine's, rank order."""
@@ -88,6 +118,10 @@ class DataParallelClient:
         self.model_info: ModelInfo | None = None
         self.router: Router | None = None
         self.owner: dict[str, int] = {}  # request id -> engine index
+        # released requests' engines, most recent last: an abort right after a release (a stop string
+        # matched) still goes to the one engine, not to all
+        self.released: OrderedDict[str, int] = OrderedDict()
+        self.queue_engine: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     @property
     def dead_reason(self) -> str | None:
@@ -145,7 +179,11 @@ class DataParallelClient:
         if (reason := self.dead_reason) is not None:
             raise EngineDeadError(reason)
         assert self.router is not None, "register first"
-        index = self.router.choose(request.prompt_token_ids, self.loads())
+        index = self.queue_engine.get(queue) if queue is not None else None
+        if index is None:  # n > 1: the choices share one queue, and one engine (their prompt's blocks)
+            index = self.router.choose(request.prompt_token_ids, self.loads())
+        if queue is not None:
+            self.queue_engine[queue] = index
         self.owner[request.request_id] = index
         return await self.engines[index].add_request(request, queue)
 
@@ -153,6 +191,9 @@ class DataParallelClient:
         index = self.owner.pop(request_id, None)
         if index is not None:
             self.engines[index].release(request_id)
+            self.released[request_id] = index
+            if len(self.released) > MAX_RELEASED:
+                self.released.popitem(last=False)
 
     async def abort(self, request_ids: list[str], reason: str | None = None) -> None:
         """Ours go to their engine; another frontend's (a cancel by id) to every engine (one owns it)."""
@@ -160,6 +201,8 @@ class DataParallelClient:
         unknown = []
         for request_id in request_ids:
             index = self.owner.pop(request_id, None)
+            if index is None:
+                index = self.released.pop(request_id, None)
             if index is None:
                 unknown.append(request_id)
             else:
@@ -178,13 +221,21 @@ class DataParallelClient:
             self.owner.pop(request_id, None)
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
-        """Every engine runs the call; engine 0's answer stands for all (collective_rpc: every rank's)."""
+        """Every engine runs the call, and the answers merge (merge_results). An engine's failure is the
+        call's, named by the engine; the engines that succeeded keep what they did (a pause, a load)."""
         results = await asyncio.gather(
-            *(engine.call_utility(method, *args, timeout_s=timeout_s) for engine in self.engines)
+            *(engine.call_utility(method, *args, timeout_s=timeout_s) for engine in self.engines),
+            return_exceptions=True,
         )
-        if method == "collective_rpc":
-            return {"results": [item for result in results for item in result["results"]]}
-        return results[0]
+        for rank, result in enumerate(results):
+            if isinstance(result, InvalidParameterError):
+                others = "" if len(results) == 1 else " (the other engines did it)"
+                raise InvalidParameterError(
+                    result.param, f"engine {rank}: {result.message}{others}", result.code
+                )
+            if isinstance(result, BaseException):
+                raise result
+        return merge_results(method, results)
 
     def mark_dead(self, reason: str) -> None:
         for engine in self.engines:

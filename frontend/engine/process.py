@@ -86,12 +86,20 @@ class EngineGroup:
             self._ipc_dir = tempfile.mkdtemp(prefix="engine-dp-")
             config.input_address = f"ipc://{self._ipc_dir}/input"
             config.output_address = f"ipc://{self._ipc_dir}/output"
+        local = local_ranks if local_ranks is not None else range(size)
         addresses = [
-            list(rank_addresses(config.input_address, config.output_address, r)) for r in range(size)
+            list(rank_addresses(config.input_address, config.output_address, r))
+            if r in local or head
+            else ["", ""]
+            for r in range(size)
         ]
+        config.data_parallel_head = head
+        if len(local) > 1:  # their workers share this machine's cores
+            parallel = msgspec.structs.replace(config.worker.parallel, engines_per_node=len(local))
+            config.worker = msgspec.structs.replace(config.worker, parallel=parallel)
         self.engines = []
         try:
-            for rank in local_ranks if local_ranks is not None else range(size):
+            for rank in local:
                 self.engines.append(EngineProcess(_rank_config(config, rank, addresses if size > 1 else [])))
         except BaseException:
             self.shutdown()

@@ -30,9 +30,15 @@ class TensorParallelGroup:
         if config.master_addr.startswith("127.") or config.master_addr == "localhost":
             # gloo otherwise resolves the host's name to pick an interface, which may not reach the others
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.startup_timeout_s = max(config.startup_timeout_s, config.timeout_s)
         timeout = datetime.timedelta(seconds=config.timeout_s)
+        # joining waits for the slowest rank to start (another machine's may come minutes later)
         self.store = dist.TCPStore(  # type: ignore[attr-defined]
-            config.master_addr, config.master_port, self.size, is_master=rank == 0, timeout=timeout
+            config.master_addr,
+            config.master_port,
+            self.size,
+            is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=self.startup_timeout_s),
         )
         # NOTE: gloo, as the CPU worker's tensors live in host memory; the GPU worker's ranks take NCCL
         backend = "gloo"
@@ -71,7 +77,11 @@ class TensorParallelGroup:
         return token_ids
 
     def min_int(self, value: int) -> int:
-        """The smallest of every rank's value (the KV cache size every rank can hold)."""
+        """The smallest of every rank's value (the KV cache size every rank can hold). At start: it first
+        waits (up to the startup timeout, not the collectives') for every rank to have loaded its shard."""
+        dist.monitored_barrier(
+            timeout=datetime.timedelta(seconds=self.startup_timeout_s), wait_all_ranks=True
+        )
         tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())

@@ -27,8 +27,18 @@ class RelayError(RuntimeError):
 
 
 class Relay:
-    def __init__(self, store: Any, rank: int, size: int, host: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        host: str,
+        timeout_s: float,
+        startup_timeout_s: float | None = None,
+    ) -> None:
+        """timeout_s: a call's answer, and rank 0's silence; startup_timeout_s: the other ranks' hellos."""
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.startup_timeout_s = startup_timeout_s or timeout_s
         self.context = zmq.Context()
         self.codec = worker_output_codec()
         if rank == 0:
@@ -50,7 +60,7 @@ class Relay:
 
     def _wait_for_hellos(self) -> list[bytes]:
         joined: set[bytes] = set()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.startup_timeout_s
         while len(joined) < self.size - 1:
             if not self.socket.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                 raise RelayError(f"{self.size - 1 - len(joined)} ranks did not reach rank 0's relay in time")
@@ -100,7 +110,7 @@ class Relay:
         self.socket.send_multipart(self.codec.encode(answer))
 
     def close(self) -> None:
-        self.socket.close()
+        self.socket.close(linger=1000)  # a shutdown just passed on still goes out
         self.context.term()
 
 
