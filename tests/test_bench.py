@@ -174,6 +174,7 @@ def test_lockstep_runs_every_variant_to_the_end(smollm2_gguf: str) -> None:
     "module",
     [
         "burst_ttft",
+        "dp_routing",
         "cpu_kernels",
         "lockstep",
         "offline_throughput",
