@@ -96,8 +96,11 @@ def test_a_rank_killed_while_the_model_loads_stops_the_launcher(tiny_chat: str) 
             stop(launcher)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("fault", ["killed", "hung"])
-def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_engine_cleanly(tiny_chat: str, fault: str) -> None:
+def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_engine_cleanly(
+    tiny_chat: str, fault: str, rank: int
+) -> None:
     """Headless engine, attached frontend: the frontend outlives the engine, so its 503 can be read."""
     address = f"tcp://127.0.0.1:{free_engine_port()}"
     timeout = ["--distributed-timeout", "5"] if fault == "hung" else []
@@ -110,11 +113,11 @@ def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_engine_cleanly(tiny_chat
             for stream in streams[1:]:
                 stream.start()
             tree = psutil.Process(engine.pid).children(recursive=True)
-            rank_1 = ranks(engine)[1]
+            victim = ranks(engine)[rank]
             if fault == "killed":
-                rank_1.send_signal(signal.SIGKILL)
+                victim.send_signal(signal.SIGKILL)
             else:
-                rank_1.suspend()  # rank 0 waits in its next all-reduce until the timeout
+                victim.suspend()  # the other rank waits in its next collective until the timeout
             for stream in streams:
                 stream.join(60)
                 assert not stream.is_alive() and stream.error is not None, stream.__dict__
