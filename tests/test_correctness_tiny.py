@@ -146,8 +146,8 @@ def test_the_last_layer_runs_on_the_scored_rows_only(tiny_model, native: bool, m
         steps.append((len(input_ids), None if out_rows is None else len(out_rows), hidden.shape[0]))
         return hidden
 
-    def finalize_and_hook(self, *args):  # type: ignore[no-untyped-def]
-        finalize(self, *args)
+    def finalize_and_hook(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        finalize(self, *args, **kwargs)
         if not native:
             self.native_layers = None
         self.layers[-1].mlp.register_forward_hook(lambda _m, args, _out: mlp_rows.append(args[0].shape[0]))

@@ -80,6 +80,9 @@ ZMQ_FILES = {
     "worker/main.py",
     "worker/parallel/relay.py",
 }
+# CUDA-only packages (the [cuda] extra), each imported by its one backend only, inside it (the CPU worker
+# never loads them: tests/test_gpu_planning.py)
+CUDA_ONLY_FILES = {"flashinfer": "worker/attention/flashinfer.py", "xformers": "worker/attention/xformers.py"}
 # what frontend/ must not reach into: the engine is a process, spoken to over protocol/
 FRONTEND_FORBIDDEN_PREFIXES = ("engine_core", "worker")
 
@@ -125,6 +128,8 @@ def test_each_part_imports_only_what_it_may(part: str) -> None:
             if top in STDLIB or (
                 top in allowed and (top != "zmq" or part == "frontend" or relative in ZMQ_FILES)
             ):
+                continue
+            if CUDA_ONLY_FILES.get(top) == relative:
                 continue
             violations.append(f"{relative}:{line} imports {module}")
     assert not violations, "\n".join(violations)

@@ -167,6 +167,15 @@ def test_two_nodes_on_loopback(tiny_chat: str) -> None:
     compare_greedy(ours, hf_greedy(hf, prompt, 12, eos_token_id=None))
 
 
+def under_a_ray_actor(process: psutil.Process) -> bool:
+    """Whether the process's parent is a Ray worker (its command line reads ray::RankHost...)."""
+    try:
+        parent = process.parent()
+        return parent is not None and "ray::" in " ".join(parent.cmdline())
+    except psutil.Error:
+        return False
+
+
 @pytest.fixture
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A local Ray cluster (`ray start --head` on 127.0.0.1, two CPUs), stopped after: its address."""
@@ -197,9 +206,8 @@ def test_ray_ranks_on_a_local_cluster(tiny_chat: str, ray_cluster: str) -> None:
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )  # fmt: skip
         ours = completion.choices[0].model_extra["token_ids"]  # type: ignore[index]
-        workers = [
-            p for p in psutil.process_iter(["cmdline"]) if "worker.main" in " ".join(p.info["cmdline"] or [])
-        ]
+        workers = [p for p in psutil.process_iter(["cmdline"]) if "worker.main" in " ".join(p.info["cmdline"] or [])
+                   and under_a_ray_actor(p)]  # fmt: skip
         assert len(workers) == 2, workers  # under the actors, not the launcher
         assert not ranks(served.process)
     _, alive = psutil.wait_procs(workers, timeout=30)

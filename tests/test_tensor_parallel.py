@@ -94,14 +94,18 @@ def test_tp_greedy_equals_tp1_and_hf(tmp_path, family: str, heads: int, kv_heads
         compare_greedy(ours, hf_greedy(hf, prompt, GREEDY.max_tokens, eos_token_id=None))
 
 
-def test_tp4_is_batch_invariant(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A row's logprobs at TP=4 are the same alone and among seven others (bf16 where the CPU has it): with
-    more than two ranks, a plain ring all-reduce's order of addition moves with the step's size."""
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_is_batch_invariant(tmp_path, tp: int) -> None:  # type: ignore[no-untyped-def]
+    """A row's logprobs at TP=2 and TP=4 are the same alone and among seven others (bf16 where the CPU has
+    it): with more than two ranks, a plain ring all-reduce's order of addition moves with the step's size
+    (TP=4 fails without the ordered sum)."""
     folder = str(tmp_path)
     build(folder, "llama", 8, 4)
     ids = prompts()
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
-    with LLM(folder, tensor_parallel_size=4, dtype="bfloat16", num_kv_blocks=64, batch_invariant=True) as llm:
+    with LLM(
+        folder, tensor_parallel_size=tp, dtype="bfloat16", num_kv_blocks=64, batch_invariant=True
+    ) as llm:
         alone = llm.generate([{"prompt_token_ids": ids[0]}], params)[0].outputs[0]
         crowd = llm.generate([{"prompt_token_ids": p} for p in ids + ids[1:3]], params)[0].outputs[0]
     assert alone.token_ids == crowd.token_ids

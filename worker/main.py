@@ -107,13 +107,14 @@ class StartupRefused(Exception):
 def _load(config: WorkerConfig, phases: StartupPhases) -> tuple[Any, Any, Any]:
     """The model runner, its calls and (tensor parallel) the relay between the ranks."""
     from worker.calls import WorkerCalls
+    from worker.gpu.device import DeviceError
     from worker.model_runner import ModelRunner
     from worker.parallel.sharding import ShardingError
 
     phases.mark("imports")
     try:
         runner = ModelRunner(config, phases)
-    except ShardingError as error:
+    except (ShardingError, DeviceError) as error:
         raise StartupRefused(str(error)) from None
     calls = WorkerCalls(runner)
     relay = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,11 +20,14 @@ from protocol.startup import StartupPhases
 from protocol.version import __version__
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from structured_outputs import resolve_backend_name
-from worker.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from worker.attention import AttentionBackend, AttentionMetadata, PrefillChunk, get_attention_backend
+from worker.attention.torch_ref import TorchAttentionBackend
 from worker.gguf_cache import load_model_files
+from worker.gpu.device import check_device_options, resolve_device
+from worker.gpu.setup import cuda_backend, kv_cache_plan, to_device
 from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
-from worker.input_batch import InputBatch, RequestState, StepInputs
+from worker.input_batch import InputBatch, StepInputs
 from worker.kernel_table import log_kernel_table
 from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
@@ -36,7 +38,8 @@ from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
 from worker.pooling import resolve_pooling
 from worker.pooling_runner import PoolingStep
-from worker.sampler import SamplingBatch, gather_logprobs, sample
+from worker.sampler import gather_logprobs, sample
+from worker.sampling_batch import sampling_batch
 
 if TYPE_CHECKING:
     from worker.models.bert import BertModel
@@ -95,11 +98,19 @@ class ModelRunner:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.block_size = config.block_size
         phases.mark("config")
-        self.backend = get_attention_backend(
-            config.attention_backend, self.dtype, config.batch_invariant is not False
+        self.device = torch.device(resolve_device(config.device, torch.cuda.is_available()))
+        check_device_options(config, self.device.type, self.pooling is not None)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", config.rank % torch.cuda.device_count())  # a GPU a local rank
+            torch.cuda.set_device(self.device)
+        # the CUDA backend is chosen once the rank's shape is known (below)
+        self.backend: AttentionBackend = (
+            get_attention_backend(config.attention_backend, self.dtype, config.batch_invariant is not False)
+            if self.device.type == "cpu"
+            else TorchAttentionBackend()
         )
         ops = getattr(self.backend, "ops", None)
-        self.notices = [] if ops is not None else [NO_KERNELS]
+        self.notices = [] if ops is not None or self.device.type == "cuda" else [NO_KERNELS]
         if config.batch_invariant and ops is None:
             raise ValueError(
                 "--batch-invariant needs the csrc CPU kernels, and this worker serves without them ("
@@ -117,6 +128,9 @@ class ModelRunner:
         if parallel.tensor_parallel_size > 1:
             self._join_group(parallel)
             phases.mark("group")
+        if self.device.type == "cuda":
+            self.backend = cuda_backend(config.attention_backend, self.model_config, self.dtype, self.device,
+                                        self.block_size)  # fmt: skip
         self.model = self._build_model(weights, phases)
         log_kernel_table(self.model, self.backend, self.dtype)
         phases.mark("packing")
@@ -130,10 +144,18 @@ class ModelRunner:
             self.kv_caches: list[torch.Tensor] = []
         else:
             self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
+            if self.device.type == "cuda" and not config.num_kv_blocks:  # from the device's free memory
+                self.num_kv_blocks = kv_cache_plan(self.model, mc, self.dtype, self.device, self.block_size,
+                    min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs, self.max_model_len,
+                    config.gpu_memory_utilization, self.backend).num_blocks  # fmt: skip
             if self.tp is not None:
                 self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)  # one pool size for every rank
             shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
-            self.kv_caches = zeroed_pool([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
+            self.kv_caches = (
+                zeroed_pool([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
+                if self.device.type == "cpu"
+                else [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+            )
         trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
         keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
         phases.mark("kv cache")
@@ -161,7 +183,7 @@ class ModelRunner:
             raise ShardingError(f"--tensor-parallel-size {size}: a pooling runner runs on one worker")
         if self.config.lora is not None:
             raise ShardingError(f"--tensor-parallel-size {size}: LoRA adapters run on one worker so far")
-        self.tp = TensorParallelGroup(parallel, self.config.rank, self.batch_invariant)
+        self.tp = TensorParallelGroup(parallel, self.config.rank, self.batch_invariant, self.device)
         self.shard = Shard(self.model_config, self.config.rank, size)
         self.model_config = shard_config(self.model_config, size)
 
@@ -171,9 +193,10 @@ class ModelRunner:
         model.load_weights(weights if self.shard is None else self.shard.weights(weights))
         if phases is not None:
             phases.mark("weights")
-        model.finalize(self.batch_invariant)
+        model.finalize(self.batch_invariant, pack=self.device.type == "cpu")
+        model = model.to(self.device)
         if isinstance(model, LlamaForCausalLM):
-            model.init_rotary(self.max_model_len, torch.device("cpu"))
+            model.init_rotary(self.max_model_len, self.device)
         return model.eval()
 
     def reload_model(self) -> LlamaForCausalLM | BertModel:
@@ -235,7 +258,7 @@ class ModelRunner:
         score_rows = [int(ends[i]) - 1 for i in sample_pos] + [r for _, rows, _ in prompt_rows for r in rows]
         # The model returns the scored rows only (a decode step scores every row, in order).
         every_row = len(score_rows) == len(inputs.input_ids) and score_rows == list(range(len(score_rows)))
-        out_rows = None if every_row else torch.tensor(score_rows, dtype=torch.long)
+        out_rows = None if every_row else torch.tensor(score_rows, dtype=torch.long, device=self.device)
         sampling_ids = [inputs.request_ids[i] for i in sample_pos]
         bitmask = self.grammar.start_bitmask(sampling_ids)  # filled while the forward runs
         hidden = self.model(
@@ -246,13 +269,26 @@ class ModelRunner:
             logits = self.tp.gather_logits(logits, self.model_config.vocab_size)  # rank 0's alone
             if logits is None:
                 return self._follow(inputs, sampling_ids)
+        if logits is not None and self.device.type == "cuda":
+            # NOTE: the sampler (its generators, masks, penalties) runs on the host
+            logits = logits.float().cpu()
 
         output = ModelRunnerOutput({})
         if sample_pos:
             assert logits is not None
             states = [self.batch.requests[request_id] for request_id in sampling_ids]
             grammar_mask, output.errors = self.grammar.apply(bitmask)
-            sampled = sample(logits[: len(sample_pos)], self._sampling_batch(states, grammar_mask))
+            ops = getattr(self.backend, "ops", None)
+            sampling = sampling_batch(
+                self.batch,
+                states,
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+                self.generator,
+                ops,
+                grammar_mask,
+            )
+            sampled = sample(logits[: len(sample_pos)], sampling)
             if self.tp is not None:
                 self.tp.broadcast_token_ids(sampled.token_ids)
             token_ids = sampled.token_ids.tolist()
@@ -360,7 +396,7 @@ class ModelRunner:
             seq_len = context + n
             block_ids = torch.from_numpy(self.batch.block_table[rows[i], : -(-seq_len // bs)].copy())
             metadata.prefills.append(PrefillChunk(start, start + n, context, block_ids))
-        return StepInputs(
+        inputs = StepInputs(
             request_ids,
             rows,
             counts,
@@ -369,6 +405,7 @@ class ModelRunner:
             torch.from_numpy(positions),
             metadata,
         )
+        return inputs if self.device.type == "cpu" else to_device(inputs, self.device)
 
     def _prompt_logprob_rows(
         self, inputs: StepInputs, ends: np.ndarray
@@ -388,87 +425,3 @@ class ModelRunner:
             next_ids = self.batch.token_ids[state.row, start + 1 : last + 1].tolist()
             result.append((request_id, rows, next_ids))
         return result
-
-    def _sampling_batch(
-        self, states: list[RequestState], grammar_mask: torch.Tensor | None = None
-    ) -> SamplingBatch:
-        """grammar_mask: [B, vocab] bool, the tokens each row's grammar allows (structured outputs)."""
-        params = [s.sampling_params for s in states]
-        vocab_size = self.model_config.vocab_size
-        outputs = [self.batch.output_token_ids(s) for s in states]
-        batch = SamplingBatch(
-            temperature=torch.tensor([0.0 if p.is_greedy else p.temperature for p in params]),
-            top_k=_optional([p.top_k for p in params], lambda v: v > 0, torch.long),
-            top_p=_optional([p.top_p for p in params], lambda v: v < 1.0, torch.float32),
-            min_p=_optional([p.min_p for p in params], lambda v: v > 0.0, torch.float32),
-            seeds=[p.seed for p in params],
-            num_output_tokens=[len(o) for o in outputs],
-            generator=self.generator,
-            ops=getattr(self.backend, "ops", None),
-        )
-        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-        batch.max_num_logprobs = max(logprob_counts) if logprob_counts else None
-        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
-            batch.output_token_ids = _pad(outputs, vocab_size)
-            batch.prompt_token_ids = _pad([self.batch.prompt_token_ids(s) for s in states], vocab_size)
-            batch.presence_penalty = torch.tensor([p.presence_penalty for p in params])
-            batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
-            batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
-        bias = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
-        if bias:
-            batch.bias_rows = torch.tensor([e[0] for e in bias])
-            batch.bias_tokens = torch.tensor([e[1] for e in bias])
-            batch.bias_values = torch.tensor([e[2] for e in bias], dtype=torch.float32)
-        banned = [
-            (row, t)
-            for row, p in enumerate(params)
-            if len(outputs[row]) < p.min_tokens
-            for t in {*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)}
-        ]
-        banned += [
-            (row, t)
-            for row, p in enumerate(params)
-            if p.bad_words_token_ids
-            for t in _bad_word_bans(p.bad_words_token_ids, outputs[row])
-        ]
-        if any(p.allowed_token_ids is not None for p in params):
-            allowed = torch.ones(len(params), vocab_size, dtype=torch.bool)  # [B, vocab]
-            for row, p in enumerate(params):
-                if p.allowed_token_ids is not None:
-                    allowed[row] = False
-                    allowed[row, p.allowed_token_ids] = True
-            batch.allowed_mask = allowed
-        if grammar_mask is not None:
-            batch.allowed_mask = (
-                grammar_mask if batch.allowed_mask is None else batch.allowed_mask & grammar_mask
-            )
-        if banned:
-            batch.banned_rows = torch.tensor([e[0] for e in banned])
-            batch.banned_tokens = torch.tensor([e[1] for e in banned])
-        return batch
-
-
-def _bad_word_bans(words: list[list[int]], output: np.ndarray) -> set[int]:
-    """The last token of each bad word whose other tokens end the output so far (one-token words always)."""
-    banned = set()
-    for word in words:
-        prefix = word[:-1]
-        if len(prefix) <= len(output) and (
-            not prefix or output[len(output) - len(prefix) :].tolist() == prefix
-        ):
-            banned.add(word[-1])
-    return banned
-
-
-def _optional(
-    values: Sequence[float], active: Callable[[float], bool], dtype: torch.dtype
-) -> torch.Tensor | None:
-    return torch.tensor(values, dtype=dtype) if any(active(v) for v in values) else None
-
-
-def _pad(sequences: list[np.ndarray], pad: int) -> torch.Tensor:
-    width = max(1, max(len(s) for s in sequences))
-    out = np.full((len(sequences), width), pad, dtype=np.int64)
-    for i, s in enumerate(sequences):
-        out[i, : len(s)] = s
-    return torch.from_numpy(out)

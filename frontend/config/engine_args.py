@@ -102,8 +102,19 @@ class EngineArgs:
     )
     attention_backend: str = option(
         "auto",
-        "cpu: the csrc kernels; torch: the plain reference; auto: cpu if built",
-        choices=["auto", "torch", "cpu"],
+        "cpu: the csrc kernels; torch: the plain reference; flashinfer, xformers: CUDA; auto: cpu if built, "
+        "flashinfer on CUDA",
+        choices=["auto", "torch", "cpu", "flashinfer", "xformers"],
+    )
+    device: str = option("auto", "where the worker runs: auto (CUDA where torch sees a GPU), cpu, cuda",
+                         choices=["auto", "cpu", "cuda"])  # fmt: skip
+    gpu_memory_utilization: float | None = option(
+        None,
+        "CUDA: the share of the GPU's memory this worker may take; the KV cache gets what the model and a step leave (default 0.9)",
+    )
+    enforce_eager: bool = option(False, "CUDA: no CUDA graphs (every decode step eager)")
+    max_cudagraph_capture_size: int | None = option(
+        None, "CUDA: the largest decode batch that gets a CUDA graph (default: --max-num-seqs, at most 512)"
     )
     cache_dir: str | None = option(
         default_factory=default_cache_dir,
@@ -243,6 +254,7 @@ class EngineArgs:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError("--max-cpu-loras", f"must be at least --max-loras ({self.max_loras})")
         self._check_parallel()
+        self._check_device()
         unknown = set(self.profiler_config) - {"profiler", "torch_profiler_dir"}
         if unknown or self.profiler_config.get("profiler", "torch") != "torch":
             raise ConfigError(
@@ -262,6 +274,21 @@ class EngineArgs:
         timeout = config.get("grammar_compile_timeout_s", 30.0)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(flag, f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
+
+    def _check_device(self) -> None:
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0 < utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization", f"must be in (0, 1], got {utilization}")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 0:
+            raise ConfigError(
+                "--max-cudagraph-capture-size", f"must be 0 or more, got {self.max_cudagraph_capture_size}"
+            )
+        cuda_only = [flag for flag, set_ in (
+            ("--gpu-memory-utilization", utilization is not None), ("--enforce-eager", self.enforce_eager),
+            ("--max-cudagraph-capture-size", self.max_cudagraph_capture_size is not None),
+            ("--attention-backend", self.attention_backend in ("flashinfer", "xformers"))) if set_]  # fmt: skip
+        if self.device == "cpu" and cuda_only:
+            raise ConfigError(cuda_only[0], "applies to the CUDA worker, not --device cpu")
 
     def _check_parallel(self) -> None:
         size = self.tensor_parallel_size
@@ -358,9 +385,14 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_kv_blocks=self.num_kv_blocks,
             max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             # vLLM's default: the model as the user named it; the bundled model by its own name.
             served_model_names=self.served_model_name or [self.model or DEFAULT_MODEL_NAME],
             attention_backend=self.attention_backend,
+            device=self.device,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
+            max_cudagraph_capture_size=self.max_cudagraph_capture_size,
             batch_invariant=self.batch_invariant,
             seed=self.seed,
             num_threads=self.num_threads,

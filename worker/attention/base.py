@@ -28,8 +28,9 @@ class PrefillChunk:
         position 0. Built on first use (only SDPA paths need it), then shared by the step's layers."""
         if self.context_len == 0:
             return None
-        n = self.token_end - self.token_start
-        return torch.arange(self.context_len + n)[None, :] <= (self.context_len + torch.arange(n))[:, None]
+        n, device = self.token_end - self.token_start, self.block_ids.device  # the cache's device
+        keys = torch.arange(self.context_len + n, device=device)
+        return keys[None, :] <= (self.context_len + torch.arange(n, device=device))[:, None]
 
 
 @dataclass

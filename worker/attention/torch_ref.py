@@ -59,7 +59,8 @@ class TorchAttentionBackend:
         v = kv_cache[:, 1][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
         mask = metadata.scratch.get("decode_mask")
         if mask is None:  # the first layer builds it; [B, 1, 1, L]: the keys each sequence has
-            mask = torch.arange(length)[None, :] < metadata.decode_seq_lens[:, None]
+            seq_lens = metadata.decode_seq_lens
+            mask = torch.arange(length, device=seq_lens.device)[None, :] < seq_lens[:, None]
             mask = metadata.scratch["decode_mask"] = mask[:, None, None, :]
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True

@@ -114,8 +114,11 @@ class BertModel(nn.Module):
         logits: torch.Tensor = self.classifier(torch.tanh(self.pooler(first_rows)))
         return logits
 
-    def finalize(self, batch_invariant: bool = False) -> None:
-        """Pack the products: for the one kernel every row count takes (batch-invariant), else for oneDNN."""
+    def finalize(self, batch_invariant: bool = False, pack: bool = True) -> None:
+        """Pack the products: for the one kernel every row count takes (batch-invariant), else for oneDNN.
+        pack False: as loaded (unused: pooling runs on the CPU worker)."""
+        if not pack:
+            return
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         self.batch_invariant = batch_invariant and self.ops is not None
         for linear in linears:

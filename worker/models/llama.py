@@ -271,11 +271,14 @@ class LlamaForCausalLM(nn.Module):
         logits: torch.Tensor = self.score(rows)
         return logits
 
-    def finalize(self, batch_invariant: bool = False) -> None:
+    def finalize(self, batch_invariant: bool = False, pack: bool = True) -> None:
         """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays,
-        or, batch-invariant, for the one product kernel every row count takes (docs/batch-invariance.md)."""
+        or, batch-invariant, for the one product kernel every row count takes (docs/batch-invariance.md).
+        pack False: the weights stay as loaded (the CUDA worker moves them to the GPU)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if not pack:
+            return
         self.batch_invariant = batch_invariant and self.ops is not None
         if batch_invariant and self.ops is None:
             logger.warning("batch-invariant products need the csrc kernels; this model runs torch's")

@@ -22,7 +22,15 @@ logger = logging.getLogger("engine.worker")
 
 
 class TensorParallelGroup:
-    def __init__(self, config: ParallelConfig, rank: int, batch_invariant: bool = False) -> None:
+    def __init__(
+        self,
+        config: ParallelConfig,
+        rank: int,
+        batch_invariant: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
+        """device: the rank's (CUDA: NCCL, and its tensors there; else gloo)."""
+        self.device = device or torch.device("cpu")
         self.rank = rank
         self.size = config.tensor_parallel_size
         self.batch_invariant = batch_invariant
@@ -40,8 +48,7 @@ class TensorParallelGroup:
             is_master=rank == 0,
             timeout=datetime.timedelta(seconds=self.startup_timeout_s),
         )
-        # NOTE: gloo, as the CPU worker's tensors live in host memory; the GPU worker's ranks take NCCL
-        backend = "gloo"
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=self.store, rank=rank, world_size=self.size, timeout=timeout)
         logger.info("rank %d of %d joined (%s at %s)", rank, self.size, backend, config.master_addr)
 
@@ -72,17 +79,19 @@ class TensorParallelGroup:
         return None
 
     def broadcast_token_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Rank 0's sampled ids reach the others, whose next step reads them as its inputs."""
-        dist.broadcast(token_ids, src=0)
-        return token_ids
+        """Rank 0's sampled ids reach the others, whose next step reads them as its inputs (host tensors in
+        and out: the sampler runs on the host)."""
+        on_device = token_ids.to(self.device)
+        dist.broadcast(on_device, src=0)
+        return on_device.cpu()
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's value (the KV cache size every rank can hold). At start: it first
         waits (up to the startup timeout, not the collectives') for every rank to have loaded its shard."""
-        dist.monitored_barrier(
-            timeout=datetime.timedelta(seconds=self.startup_timeout_s), wait_all_ranks=True
-        )
-        tensor = torch.tensor([value], dtype=torch.int64)
+        if self.device.type == "cpu":  # gloo only; NCCL's barrier waits the group's own timeout
+            wait = datetime.timedelta(seconds=self.startup_timeout_s)
+            dist.monitored_barrier(timeout=wait, wait_all_ranks=True)
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())
 
