@@ -189,17 +189,19 @@ class MultiprocExecutor:
                 raise WorkerDiedError(f"{who} process exited with code {code}")
 
     def shutdown(self) -> None:
-        """Rank 0 passes the shutdown on; a rank that has not left within 10 s (one stuck in a collective
-        whose peer died) is killed."""
+        """Rank 0 passes the shutdown on and gets 5 s to leave (a step it is in finishes first); the other ranks, which leave as soon as
+        they hear it, 3 s after that (one stuck in a collective whose peer died, or stopped, never will);
+        then they are killed."""
         if self._process.poll() is None:
             try:
                 self._socket.send_multipart(self._input_codec.encode(WorkerShutdown()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        deadline = time.monotonic() + 10
-        for process in self._processes:
+        for index, process in enumerate(self._processes):
+            if index == 1:
+                deadline = time.monotonic() + 3
             try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                process.wait(timeout=5 if index == 0 else max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

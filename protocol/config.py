@@ -34,6 +34,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True):
     startup_timeout_s: float = 600.0  # how long the ranks wait for each other to join and to load
     executor_backend: str = "mp"  # "mp": processes started here; "ray": Ray actors
     engines_per_node: int = 1  # data-parallel engines on this machine: they and their ranks share its cores
+    engine_index: int = 0  # this engine's place among them (CUDA: which GPUs its ranks take)
 
     @property
     def ranks_per_node(self) -> int:

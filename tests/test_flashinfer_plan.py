@@ -92,7 +92,7 @@ def test_the_plan_read_as_flashinfer_reads_it_equals_our_attention(tiny: str, bl
     max_model_len = 4 * block_size
     num_blocks = max_model_len // block_size + 2
     worker = WorkerConfig(model=tiny, dtype="float32", block_size=block_size, num_kv_blocks=num_blocks,
-                          max_model_len=max_model_len)  # fmt: skip
+                          max_model_len=max_model_len, device="cpu")  # fmt: skip
     config = EngineConfig(worker=worker, max_num_batched_tokens=16 if block_size == 16 else 96)
     executor = InprocExecutor(worker)
     backend = CheckingBackend(executor.runner.backend)

@@ -64,6 +64,8 @@ def test_backend_choice_and_its_fallbacks() -> None:
     backend, reasons = choose_cuda_backend("auto", 64, "bfloat16", set())
     assert backend == "torch" and all("not installed" in reason for reason in reasons)
     assert choose_cuda_backend("torch", 80, "float32", set()) == ("torch", [])
+    backend, reasons = choose_cuda_backend("auto", 128, "bfloat16", both, nvcc=False)
+    assert backend == "xformers" and "finds no nvcc" in reasons[0]
     with pytest.raises(ValueError, match="--attention-backend flashinfer: FlashInfer takes head sizes"):
         choose_cuda_backend("flashinfer", 80, "bfloat16", both)
 

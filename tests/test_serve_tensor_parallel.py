@@ -103,7 +103,7 @@ def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_engine_cleanly(
 ) -> None:
     """Headless engine, attached frontend: the frontend outlives the engine, so its 503 can be read."""
     address = f"tcp://127.0.0.1:{free_engine_port()}"
-    timeout = ["--distributed-timeout", "5"] if fault == "hung" else []
+    timeout = ["--distributed-timeout", "3"] if fault == "hung" else []
     engine = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_chat, "--headless",
                                "--engine-address", address, "-tp", "2", *ENGINE_ARGS, *timeout])  # fmt: skip
     try:

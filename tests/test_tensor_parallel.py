@@ -22,7 +22,9 @@ VOCAB = 515  # odd: the last rank's vocabulary shard is padded
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
-def build(folder: str, family: str, heads: int, kv_heads: int, vocab_size: int = VOCAB) -> None:
+def build(
+    folder: str, family: str, heads: int, kv_heads: int, vocab_size: int = VOCAB, hidden_size: int = 64
+) -> None:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -33,7 +35,7 @@ def build(folder: str, family: str, heads: int, kv_heads: int, vocab_size: int =
     )
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
         num_key_value_heads=kv_heads, max_position_embeddings=2048, initializer_range=0.3, eos_token_id=None,
         bos_token_id=None, pad_token_id=None, tie_word_embeddings=family == "qwen3",
     )  # fmt: skip

@@ -72,6 +72,8 @@ class WorkerCalls:
         return model_tensors(runner.model, extra)
 
     def call_sleep(self, level: int) -> dict[str, Any]:
+        if self.runner.device.type != "cpu":
+            raise InvalidParameterError("level", "sleep runs on the CPU worker so far, not on CUDA")
         return self.sleeper.sleep(level, self._weights(), self.runner.kv_caches)
 
     def call_wake_up(self, tags: list[str]) -> dict[str, Any]:

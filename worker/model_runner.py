@@ -23,7 +23,7 @@ from structured_outputs import resolve_backend_name
 from worker.attention import AttentionBackend, AttentionMetadata, PrefillChunk, get_attention_backend
 from worker.attention.torch_ref import TorchAttentionBackend
 from worker.gguf_cache import load_model_files
-from worker.gpu.device import check_device_options, resolve_device
+from worker.gpu.device import cuda_dtype, worker_device
 from worker.gpu.setup import cuda_backend, kv_cache_plan, to_device
 from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
@@ -88,8 +88,13 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or max(1, cores // parallel.workers_per_node))
         self.config = config
         self.model_config, weights = load_model_files(config.model, config.cache_dir)
-        self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.pooling = resolve_pooling(config, self.model_config)  # None: the model generates
+        self.device = worker_device(config, self.pooling is not None)  # worker/gpu/device.py
+        self.dtype = (
+            resolve_dtype(config.dtype, self.model_config)
+            if self.device.type == "cpu"
+            else cuda_dtype(config.dtype, self.model_config.torch_dtype)
+        )
         limit = self.model_config.max_position_embeddings
         # a sentence-transformers folder's max_seq_length is its longest input, as vLLM takes it
         longest = self.pooling.max_seq_length if self.pooling is not None else None
@@ -98,18 +103,15 @@ class ModelRunner:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.block_size = config.block_size
         phases.mark("config")
-        self.device = torch.device(resolve_device(config.device, torch.cuda.is_available()))
-        check_device_options(config, self.device.type, self.pooling is not None)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", config.rank % torch.cuda.device_count())  # a GPU a local rank
-            torch.cuda.set_device(self.device)
         # the CUDA backend is chosen once the rank's shape is known (below)
         self.backend: AttentionBackend = (
             get_attention_backend(config.attention_backend, self.dtype, config.batch_invariant is not False)
             if self.device.type == "cpu"
             else TorchAttentionBackend()
         )
-        ops = getattr(self.backend, "ops", None)
+        ops = self.ops = getattr(
+            self.backend, "ops", None
+        )  # the csrc kernels (None on CUDA and without them)
         self.notices = [] if ops is not None or self.device.type == "cuda" else [NO_KERNELS]
         if config.batch_invariant and ops is None:
             raise ValueError(
@@ -143,6 +145,8 @@ class ModelRunner:
             self.num_kv_blocks = config.max_num_seqs * -(-self.max_model_len // self.block_size)
             self.kv_caches: list[torch.Tensor] = []
         else:
+            if self.tp is not None:
+                self.tp.wait_for_all()  # the collectives below run once every rank has loaded
             self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
             if self.device.type == "cuda" and not config.num_kv_blocks:  # from the device's free memory
                 self.num_kv_blocks = kv_cache_plan(self.model, mc, self.dtype, self.device, self.block_size,
@@ -189,7 +193,7 @@ class ModelRunner:
 
     def _build_model(self, weights: Any, phases: StartupPhases | None = None) -> LlamaForCausalLM | BertModel:
         """The model from the checkpoint's weights, packed for the kernels (at start, and on a level-2 wake)."""
-        model = build_model(self.model_config, self.dtype, getattr(self.backend, "ops", None), self.tp)
+        model = build_model(self.model_config, self.dtype, self.ops, self.tp)
         model.load_weights(weights if self.shard is None else self.shard.weights(weights))
         if phases is not None:
             phases.mark("weights")
@@ -278,7 +282,7 @@ class ModelRunner:
             assert logits is not None
             states = [self.batch.requests[request_id] for request_id in sampling_ids]
             grammar_mask, output.errors = self.grammar.apply(bitmask)
-            ops = getattr(self.backend, "ops", None)
+            ops = self.ops
             sampling = sampling_batch(
                 self.batch,
                 states,

@@ -99,8 +99,9 @@ class EngineGroup:
             config.worker = msgspec.structs.replace(config.worker, parallel=parallel)
         self.engines = []
         try:
-            for rank in local:
-                self.engines.append(EngineProcess(_rank_config(config, rank, addresses if size > 1 else [])))
+            for index, rank in enumerate(local):
+                rank_config = _rank_config(config, rank, addresses if size > 1 else [], index)
+                self.engines.append(EngineProcess(rank_config))
         except BaseException:
             self.shutdown()
             raise
@@ -129,10 +130,11 @@ class EngineGroup:
         return self.engines[0].pid
 
 
-def _rank_config(config: EngineConfig, rank: int, addresses: list[list[str]]) -> EngineConfig:
+def _rank_config(config: EngineConfig, rank: int, addresses: list[list[str]], index: int = 0) -> EngineConfig:
+    """Engine `rank`'s config; index: its place among this machine's engines."""
     if not addresses:
         return msgspec.structs.replace(config)
-    parallel = config.worker.parallel
+    parallel = msgspec.structs.replace(config.worker.parallel, engine_index=index)
     if parallel.master_port:  # each engine's ranks meet on a port of their own
         parallel = msgspec.structs.replace(parallel, master_port=parallel.master_port + rank)
     input_address, output_address = addresses[rank]

@@ -16,7 +16,7 @@ class XformersBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         from xformers import ops  # type: ignore[import-not-found]
 
-        self.ops = ops
+        self.xops = ops  # NOTE: not `ops`, which names the csrc kernels the model and sampler look for
 
     def prefill_chunk(
         self,
@@ -40,6 +40,6 @@ class XformersBackend(TorchAttentionBackend):
         q5 = q.view(1, end - start, num_kv_heads, group, head_dim)
         k5 = k[None, :, :, None, :].expand(1, seq_len, num_kv_heads, group, head_dim)
         v5 = v[None, :, :, None, :].expand(1, seq_len, num_kv_heads, group, head_dim)
-        bias = self.ops.fmha.attn_bias.LowerTriangularFromBottomRightMask()
-        out = self.ops.memory_efficient_attention_forward(q5, k5, v5, attn_bias=bias, scale=scale)
+        bias = self.xops.fmha.attn_bias.LowerTriangularFromBottomRightMask()
+        out = self.xops.memory_efficient_attention_forward(q5, k5, v5, attn_bias=bias, scale=scale)
         output[start:end] = out.view(end - start, num_kv_heads * group, head_dim)

@@ -14,12 +14,15 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 HALF = ("float16", "bfloat16")
 
 
-def why_not(backend: str, head_dim: int, dtype: str, installed: set[str]) -> str | None:
-    """None if `backend` can serve this head size and dtype on CUDA, else the reason it cannot."""
+def why_not(backend: str, head_dim: int, dtype: str, installed: set[str], nvcc: bool = True) -> str | None:
+    """None if `backend` can serve this head size and dtype on CUDA, else the reason it cannot. nvcc:
+    whether the CUDA compiler is here (FlashInfer 0.7.4 compiles its kernels at first use)."""
     if backend == "torch":
         return None
     if backend not in installed:
         return f"{backend} is not installed (pip install '.[cuda]')"
+    if backend == "flashinfer" and not nvcc:
+        return "FlashInfer compiles its kernels at first use and finds no nvcc (CUDA_HOME, PATH, /usr/local/cuda)"
     if backend == "flashinfer":
         if dtype not in HALF:
             return f"FlashInfer has no {dtype} kernels (fp16 and bf16 only)"
@@ -34,18 +37,18 @@ def why_not(backend: str, head_dim: int, dtype: str, installed: set[str]) -> str
 
 
 def choose_cuda_backend(
-    requested: str, head_dim: int, dtype: str, installed: set[str]
+    requested: str, head_dim: int, dtype: str, installed: set[str], nvcc: bool = True
 ) -> tuple[str, list[str]]:
     """(the backend, the reasons the ones before it in the order could not serve); ValueError when the one
     asked for by name cannot."""
     if requested != "auto":
-        reason = why_not(requested, head_dim, dtype, installed)
+        reason = why_not(requested, head_dim, dtype, installed, nvcc)
         if reason is not None:
             raise ValueError(f"--attention-backend {requested}: {reason}")
         return requested, []
     reasons: list[str] = []
     for backend in ("flashinfer", "xformers", "torch"):
-        reason = why_not(backend, head_dim, dtype, installed)
+        reason = why_not(backend, head_dim, dtype, installed, nvcc)
         if reason is None:
             return backend, reasons
         reasons.append(reason)

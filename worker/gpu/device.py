@@ -51,3 +51,40 @@ def check_device_options(config: Any, device: str, pooling: bool) -> None:
         raise DeviceError("pooling models run on the CPU worker so far (--device cpu)")
     if config.lora is not None:
         raise DeviceError("--enable-lora: LoRA runs on the CPU worker so far (--device cpu)")
+
+
+def worker_device(config: Any, pooling: bool) -> Any:
+    """The torch.device this worker runs on, its options checked. auto keeps the CPU worker for what only it
+    serves (pooling, LoRA); a CUDA worker's GPU is its place among this machine's workers (every local
+    engine's ranks, in order)."""
+    import logging
+
+    import torch
+
+    name = config.device
+    if name == "auto" and torch.cuda.is_available() and (pooling or config.lora is not None):
+        logging.getLogger("engine.worker").info(
+            "--device auto: the CPU worker (pooling and LoRA run there so far)"
+        )
+        name = "cpu"
+    device = resolve_device(name, torch.cuda.is_available())
+    check_device_options(config, device, pooling)
+    if device == "cpu":
+        return torch.device("cpu")
+    parallel = config.parallel
+    local_rank = config.rank - parallel.node_rank * parallel.ranks_per_node
+    index = (parallel.engine_index * parallel.ranks_per_node + local_rank) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def cuda_dtype(name: str, checkpoint_dtype: str) -> Any:
+    """--dtype on CUDA: auto serves a half-precision checkpoint in its own dtype and a float32 one in bf16, as
+    vLLM does; an explicit dtype stands."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name != "auto":
+        return dtypes[name]
+    checkpoint = checkpoint_dtype.removeprefix("torch.")
+    return dtypes[checkpoint] if checkpoint in ("bfloat16", "float16") else torch.bfloat16

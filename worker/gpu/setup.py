@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import shutil
 from typing import Any
 
 import torch
@@ -28,7 +30,11 @@ def cuda_backend(requested: str, config: ModelConfig, dtype: torch.dtype, device
     installed = {name for name in ("flashinfer", "xformers") if importlib.util.find_spec(name) is not None}
     dtype_name = str(dtype).removeprefix("torch.")
     name, reasons = choose_cuda_backend(
-        "auto" if requested in ("auto", "cpu") else requested, config.head_dim, dtype_name, installed
+        "auto" if requested in ("auto", "cpu") else requested,
+        config.head_dim,
+        dtype_name,
+        installed,
+        nvcc_found(),
     )
     if reasons:
         logger.info("attention on CUDA: %s (%s)", name, "; ".join(reasons))
@@ -47,6 +53,12 @@ def cuda_backend(requested: str, config: ModelConfig, dtype: torch.dtype, device
     return TorchAttentionBackend()
 
 
+def nvcc_found() -> bool:
+    """Where FlashInfer's JIT looks for the CUDA compiler (flashinfer/jit/cpp_ext.py, 0.7.4)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    return shutil.which("nvcc") is not None or os.path.exists(os.path.join(home, "bin", "nvcc"))
+
+
 def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     """The step's tensors on the device (built on the host from the batch state's numpy arrays)."""
 
@@ -61,7 +73,7 @@ def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     if metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None:
         metadata.decode_block_tables = move(metadata.decode_block_tables)
         metadata.decode_seq_lens = move(metadata.decode_seq_lens)
-    # NOTE: the FlashInfer backend plans from these on the host side; they move once, shared by the layers
+    # NOTE: moved once a step, shared by the layers (the FlashInfer plan reads them on the device)
     for chunk in metadata.prefills:
         chunk.block_ids = move(chunk.block_ids)
     inputs.input_ids, inputs.positions = move(inputs.input_ids), move(inputs.positions)

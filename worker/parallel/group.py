@@ -50,6 +50,9 @@ class TensorParallelGroup:
         )
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=self.store, rank=rank, world_size=self.size, timeout=timeout)
+        # the waits at start (loads, kernel compiles) take the startup timeout, on gloo (monitored_barrier's)
+        startup = datetime.timedelta(seconds=self.startup_timeout_s)
+        self.startup_group = dist.new_group(backend="gloo", timeout=startup) if backend != "gloo" else None
         logger.info("rank %d of %d joined (%s at %s)", rank, self.size, backend, config.master_addr)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,12 +88,13 @@ class TensorParallelGroup:
         dist.broadcast(on_device, src=0)
         return on_device.cpu()
 
+    def wait_for_all(self) -> None:
+        """At start: every rank has loaded its shard (up to the startup timeout, not the collectives')."""
+        wait = datetime.timedelta(seconds=self.startup_timeout_s)
+        dist.monitored_barrier(group=self.startup_group, timeout=wait, wait_all_ranks=True)
+
     def min_int(self, value: int) -> int:
-        """The smallest of every rank's value (the KV cache size every rank can hold). At start: it first
-        waits (up to the startup timeout, not the collectives') for every rank to have loaded its shard."""
-        if self.device.type == "cpu":  # gloo only; NCCL's barrier waits the group's own timeout
-            wait = datetime.timedelta(seconds=self.startup_timeout_s)
-            dist.monitored_barrier(timeout=wait, wait_all_ranks=True)
+        """The smallest of every rank's value (the KV cache size every rank can hold)."""
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())
