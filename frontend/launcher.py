@@ -115,7 +115,9 @@ class Supervisor:
                 for process in self.api_servers:
                     if process.poll() is None:
                         process.send_signal(signal.SIGUSR1)  # fail open requests now, /health 503
-            if engine_died_at is not None and time.monotonic() - engine_died_at > self.DEAD_ENGINE_GRACE_S:
+            # headless: no API server to keep answering 503 meanwhile
+            grace = self.DEAD_ENGINE_GRACE_S if self.api_servers else 0.0
+            if engine_died_at is not None and time.monotonic() - engine_died_at > grace:
                 self.shutdown()
                 return 1
             if self.api_servers and all(p.poll() is not None for p in self.api_servers):
