@@ -91,17 +91,13 @@ class TorchAttentionBackend:
         scale: float,
         output: torch.Tensor,
     ) -> None:
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
         start, end = chunk.token_start, chunk.token_end
         q = query[start:end].transpose(0, 1)  # [num_heads, n, head_dim]
         if chunk.context_len == 0:
             k = key[start:end].transpose(0, 1)  # [kv_heads, n, head_dim]
             v = value[start:end].transpose(0, 1)
         else:
-            seq_len = chunk.context_len + end - start
-            blocks = kv_cache[chunk.block_ids]  # [num_blocks, 2, block_size, kv_heads, head_dim]
-            k = blocks[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [kvh, S, d]
-            v = blocks[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+            k, v = (part.transpose(0, 1) for part in chunk_keys_values(kv_cache, chunk))  # [kvh, S, d]
         # NOTE: 4-d inputs: CPU SDPA takes its flash kernel only for [batch, heads, seq, dim].
         out = F.scaled_dot_product_attention(
             q[None],
@@ -113,3 +109,13 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )[0]  # [num_heads, n, head_dim]
         output[start:end] = out.transpose(0, 1)
+
+
+def chunk_keys_values(kv_cache: torch.Tensor, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's keys and values from the cache, its context and itself: [seq_len, kv_heads, head_dim]
+    each (the chunk's own are written before attention reads them)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    seq_len = chunk.context_len + chunk.token_end - chunk.token_start
+    blocks = kv_cache[chunk.block_ids]  # [num_blocks, 2, block_size, kv_heads, head_dim]
+    keys = blocks[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    return keys, blocks[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from worker.attention.base import PrefillChunk
-from worker.attention.torch_ref import TorchAttentionBackend
+from worker.attention.torch_ref import TorchAttentionBackend, chunk_keys_values
 
 
 class XformersBackend(TorchAttentionBackend):
@@ -30,10 +30,8 @@ class XformersBackend(TorchAttentionBackend):
     ) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         start, end = chunk.token_start, chunk.token_end
-        seq_len = chunk.context_len + end - start
-        blocks = kv_cache[chunk.block_ids]  # [num_blocks, 2, block_size, kv_heads, head_dim]
-        k = blocks[:, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, kvh, d]
-        v = blocks[:, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k, v = chunk_keys_values(kv_cache, chunk)  # [S, kvh, d]
+        seq_len = k.shape[0]
         q = query[start:end]  # [n, heads, d]
         group = q.shape[1] // num_kv_heads
         # [batch 1, seq, kv heads, group, d]: xformers' grouped-query layout
