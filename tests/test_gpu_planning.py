@@ -91,3 +91,14 @@ def test_the_cpu_worker_imports_no_cuda_only_package() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_graph_size_bound_is_refused_on_cuda_while_no_graph_is_captured() -> None:
+    from protocol.config import WorkerConfig
+    from worker.gpu.device import DeviceError, check_device_options
+
+    with pytest.raises(DeviceError, match="--max-cudagraph-capture-size"):
+        check_device_options(WorkerConfig(model="m", max_cudagraph_capture_size=64), "cuda", pooling=False)
+    check_device_options(
+        WorkerConfig(model="m", enforce_eager=True), "cuda", pooling=False
+    )  # eager: what runs
