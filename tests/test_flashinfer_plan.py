@@ -6,6 +6,7 @@ preempted and resumed, at block sizes 16 and 64. No GPU: this is what the GPU ba
 from __future__ import annotations
 
 import random
+import sys
 from collections import Counter
 from typing import Any
 
@@ -16,37 +17,14 @@ from engine_core.engine_core import EngineCore
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
+from tests.flashinfer_reference import flashinfer_reference, reference_module
 from tests.test_tensor_parallel import build
-from worker.attention.flashinfer_meta import PagedPlan, decode_plan, step_plans
+from worker.attention.flashinfer_meta import decode_plan, step_plans
 from worker.executor import InprocExecutor
+from worker.gpu.graph_runner import DecodeGraphs
+from worker.gpu.graphs import capture_sizes
 
 VOCAB = 515
-
-
-def flashinfer_reference(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan, scale: float, causal: bool
-) -> torch.Tensor:
-    """query: [rows, heads, head_dim] (decode: one row a request; prefill: qo_indptr's rows); kv_cache NHD
-    [pages, 2, page_size, kv_heads, head_dim]. Request i's keys are its pages in kv_indices order, the last
-    one cut at kv_last_page_len; a causal row j of n sees keys up to kv_len - n + j."""
-    page_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    group = query.shape[1] // num_kv_heads
-    out = torch.empty_like(query)
-    for i in range(plan.batch_size):
-        pages = plan.kv_indices[plan.kv_indptr[i] : plan.kv_indptr[i + 1]].long()
-        kv_len = (len(pages) - 1) * page_size + int(plan.kv_last_page_len[i])
-        k = kv_cache[pages, 0].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()  # [L, kvh, d]
-        v = kv_cache[pages, 1].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
-        rows = range(i, i + 1) if plan.qo_indptr is None else range(plan.qo_indptr[i], plan.qo_indptr[i + 1])
-        q = query[rows.start : rows.stop].float()  # [n, heads, d]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, heads, d]
-        scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
-        if causal:
-            n = len(rows)
-            visible = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]  # [n, L]
-            scores = scores.masked_fill(~visible[None], float("-inf"))
-        out[rows.start : rows.stop] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).to(query.dtype)
-    return out
 
 
 class CheckingBackend:
@@ -117,3 +95,76 @@ def test_decode_plan_by_hand() -> None:
     assert plan.kv_indices.tolist() == [7, 2, 5]
     assert plan.kv_last_page_len.tolist() == [2, 4]
     assert plan.kv_indptr.dtype == plan.kv_indices.dtype == plan.kv_last_page_len.dtype == torch.int32
+
+
+class EagerGraphs(DecodeGraphs):
+    """The CUDA-graph staging with each replay run eagerly over the staged buffers (what the graph captured):
+    the static inputs, the padding rows, the scratch block and the graph-mode wrappers' plans are ours, only
+    the capture is not (that needs a GPU: tests/gpu/)."""
+
+    padded_steps = 0
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.padded_steps += int(self.slot_block_ids[size - 1]) == self.scratch_block
+        return self.forward(size)
+
+
+def serve(folder: str, block_size: int, setup: Any = None) -> tuple[dict[str, list[int]], Any]:
+    """Greedy tokens of a mixed workload (prefill chunks, decode batches of 1 to 7, a shared prefix, a pool
+    small enough to preempt) through the real scheduler; setup(runner) swaps in the backend under test."""
+    rng = random.Random(3)
+    shared = [rng.randrange(VOCAB) for _ in range(block_size + 5)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 2 * block_size))] for _ in range(5)]
+    prompts += [shared + [1, 2], shared + [3]]
+    num_blocks = 6
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=block_size, num_kv_blocks=num_blocks,
+                          max_model_len=4 * block_size, max_num_seqs=8, device="cpu")  # fmt: skip
+    executor = InprocExecutor(worker)
+    if setup is not None:
+        setup(executor.runner)
+    core = EngineCore(EngineConfig(worker=worker, max_num_seqs=8, max_num_batched_tokens=24), executor)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params,
+                                    arrival_time=i))  # fmt: skip
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for _, output in core.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert core.scheduler.kv_cache.pool.num_free_blocks == num_blocks
+    assert core.scheduler.num_preemptions > 0, "the pool was meant to preempt"
+    return tokens, executor.runner
+
+
+@pytest.mark.parametrize("block_size", [16])
+def test_flashinfer_backend_and_graph_staging_serve_the_cpu_backend_s_tokens(
+    tiny: str, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our FlashInferBackend (its host-side plans, its decode/prefill split) over the reference wrappers, then
+    with every decode step staged as a CUDA graph's (padded to 1, 2, 4 or 8 rows, the padding in a scratch
+    block past the engine's pool): the same greedy tokens as the CPU backend."""
+    monkeypatch.setitem(sys.modules, "flashinfer", reference_module())
+    from worker.attention.flashinfer import FlashInferBackend
+
+    def flashinfer(runner: Any) -> None:
+        mc = runner.model_config
+        runner.backend = FlashInferBackend(torch.device("cpu"), runner.dtype, mc.num_heads, mc.num_kv_heads,
+                                           mc.head_dim, runner.block_size)  # fmt: skip
+
+    def graphs(runner: Any) -> None:
+        flashinfer(runner)
+        scratch = runner.num_kv_blocks  # one block past the engine's pool, as a CUDA worker allocates it
+        runner.kv_caches = [torch.cat([cache, torch.zeros_like(cache[:1])]) for cache in runner.kv_caches]
+        runner.graphs = EagerGraphs(runner.model, runner.kv_caches, runner.backend, capture_sizes(8),
+                                    runner.max_model_len, runner.block_size, scratch, torch.device("cpu"))  # fmt: skip
+
+    expected, _ = serve(tiny, block_size)
+    eager, runner = serve(tiny, block_size, flashinfer)
+    assert eager == expected
+    assert runner.backend.decode_wrapper.runs and runner.backend.prefill_wrapper.runs
+    staged, runner = serve(tiny, block_size, graphs)
+    assert staged == expected
+    graphed = runner.graphs
+    assert graphed.padded_steps > 0, "some decode steps were meant to be padded"
+    assert sum(wrapper.runs for wrapper in graphed.wrappers.values()) > 0
+    assert set(graphed.wrappers) == {1, 2, 4, 8}

@@ -4,10 +4,12 @@ CPU, and no CUDA-only package imported by the CPU worker."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from frontend.config.engine_args import EngineArgs
 from worker.gpu.backends import choose_cuda_backend
@@ -93,12 +95,47 @@ def test_the_cpu_worker_imports_no_cuda_only_package() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_a_graph_size_bound_is_refused_on_cuda_while_no_graph_is_captured() -> None:
-    from protocol.config import WorkerConfig
-    from worker.gpu.device import DeviceError, check_device_options
+def test_which_cuda_workers_capture_graphs(caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
 
-    with pytest.raises(DeviceError, match="--max-cudagraph-capture-size"):
-        check_device_options(WorkerConfig(model="m", max_cudagraph_capture_size=64), "cuda", pooling=False)
-    check_device_options(
-        WorkerConfig(model="m", enforce_eager=True), "cuda", pooling=False
-    )  # eager: what runs
+    from protocol.config import WorkerConfig
+    from worker.gpu.device import check_device_options
+    from worker.gpu.graph_runner import decode_graph_sizes
+
+    flashinfer, xformers = SimpleNamespace(name="flashinfer"), SimpleNamespace(name="xformers")
+    for config in (
+        WorkerConfig(model="m", max_cudagraph_capture_size=64),
+        WorkerConfig(model="m", enforce_eager=True),
+    ):
+        check_device_options(config, "cuda", pooling=False)  # both taken on CUDA
+    config = WorkerConfig(model="m", max_num_seqs=64)
+    assert decode_graph_sizes(config, flashinfer, 1) == capture_sizes(64)
+    bounded = WorkerConfig(model="m", max_num_seqs=64, max_cudagraph_capture_size=20)
+    assert decode_graph_sizes(bounded, flashinfer, 1) == [1, 2, 4, 8, 16, 20]
+    with caplog.at_level(logging.INFO, logger="engine.worker"):
+        for off, backend, ranks in (
+            (WorkerConfig(model="m", enforce_eager=True), flashinfer, 1),
+            (WorkerConfig(model="m", max_cudagraph_capture_size=0), flashinfer, 1),
+            (config, xformers, 1),
+            (config, flashinfer, 2),
+        ):
+            assert decode_graph_sizes(off, backend, ranks) == []
+    reasons = [record.getMessage() for record in caplog.records if "CUDA graphs off" in record.getMessage()]
+    assert len(reasons) == 4, reasons
+    assert "--enforce-eager" in reasons[0] and "xformers" in reasons[2] and "NCCL" in reasons[3]
+
+
+def test_a_padded_decode_plan_keeps_the_rows_and_parks_the_padding_in_the_scratch_block() -> None:
+    from worker.attention.flashinfer_meta import decode_plan, empty_plan, pad_decode_plan
+
+    plan = decode_plan(torch.tensor([[7, 2, 0], [5, 0, 0]]), torch.tensor([6, 4]), page_size=4)
+    padded = pad_decode_plan(plan, 4, scratch_block=9)
+    assert padded.kv_indptr.tolist() == [0, 2, 3, 4, 5]
+    assert padded.kv_indices.tolist() == [7, 2, 5, 9, 9]
+    assert padded.kv_last_page_len.tolist() == [2, 4, 1, 1]
+    assert {padded.kv_indptr.dtype, padded.kv_indices.dtype, padded.kv_last_page_len.dtype} == {torch.int32}
+    assert pad_decode_plan(plan, 2, 9).kv_indices.tolist() == [7, 2, 5]  # a full batch: unchanged
+    alone = pad_decode_plan(empty_plan(), 3, 9)
+    assert (alone.kv_indptr.tolist(), alone.kv_indices.tolist()) == ([0, 1, 2, 3], [9, 9, 9])
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_decode_plan(plan, 1, 9)

@@ -24,6 +24,7 @@ from worker.attention import AttentionBackend, AttentionMetadata, PrefillChunk, 
 from worker.attention.torch_ref import TorchAttentionBackend
 from worker.gguf_cache import load_model_files
 from worker.gpu.device import cuda_dtype, worker_device
+from worker.gpu.graph_runner import DecodeGraphs, decode_graph_sizes
 from worker.gpu.setup import cuda_backend, kv_cache_plan, to_device
 from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
@@ -140,6 +141,11 @@ class ModelRunner:
         self.pooling_step = (
             PoolingStep(self.pooling.pooler, mc.num_labels) if self.pooling is not None else None
         )
+        graph_sizes = (
+            decode_graph_sizes(config, self.backend, parallel.tensor_parallel_size)
+            if self.device.type == "cuda" and not mc.is_encoder
+            else []
+        )
         if mc.is_encoder:
             # no cache (worker/models/bert.py): the engine's blocks only count the inputs in flight
             self.num_kv_blocks = config.max_num_seqs * -(-self.max_model_len // self.block_size)
@@ -154,7 +160,8 @@ class ModelRunner:
                     config.gpu_memory_utilization, self.backend).num_blocks  # fmt: skip
             if self.tp is not None:
                 self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)  # one pool size for every rank
-            shape = (self.num_kv_blocks, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+            # a CUDA graph's padding rows write into one block past the engine's pool (worker/gpu/graph_runner.py)
+            shape = (self.num_kv_blocks + bool(graph_sizes), 2, self.block_size, mc.num_kv_heads, mc.head_dim)
             self.kv_caches = (
                 zeroed_pool([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
                 if self.device.type == "cpu"
@@ -163,6 +170,12 @@ class ModelRunner:
         trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
         keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
         phases.mark("kv cache")
+        self.graphs: DecodeGraphs | None = None
+        if graph_sizes:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, graph_sizes, self.max_model_len,
+                                       self.block_size, self.num_kv_blocks, self.device)  # fmt: skip
+            self.graphs.capture()
+            phases.mark("cuda graphs")
         self.lora = LoraManager(config.lora, mc, self.dtype, ops) if config.lora is not None else None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -265,10 +278,22 @@ class ModelRunner:
         out_rows = None if every_row else torch.tensor(score_rows, dtype=torch.long, device=self.device)
         sampling_ids = [inputs.request_ids[i] for i in sample_pos]
         bitmask = self.grammar.start_bitmask(sampling_ids)  # filled while the forward runs
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend, out_rows, lora
-        )  # [len(score_rows), hidden]
-        logits = self.model.compute_logits(hidden) if score_rows else None  # [n, vocab]
+        # a decode step whose every row samples runs its batch size's CUDA graph, where there is one
+        graphs = self.graphs if out_rows is None and lora is None else None
+        logits = graphs.run(inputs) if graphs is not None else None
+        if logits is None:
+            if self.device.type == "cuda":
+                inputs = to_device(inputs, self.device, self.backend)
+            hidden = self.model(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.metadata,
+                self.backend,
+                out_rows,
+                lora,
+            )  # [len(score_rows), hidden]
+            logits = self.model.compute_logits(hidden) if score_rows else None  # [n, vocab]
         if self.tp is not None and logits is not None:
             logits = self.tp.gather_logits(logits, self.model_config.vocab_size)  # rank 0's alone
             if logits is None:
@@ -409,7 +434,7 @@ class ModelRunner:
             torch.from_numpy(positions),
             metadata,
         )
-        return inputs if self.device.type == "cpu" else to_device(inputs, self.device)
+        return inputs  # host tensors: a CUDA worker moves them (an eager step) or stages them (a graph's)
 
     def _prompt_logprob_rows(
         self, inputs: StepInputs, ends: np.ndarray

@@ -1,12 +1,15 @@
 """FlashInfer paged attention on CUDA (flashinfer-python, the [cuda] extra; imported only when chosen).
 
-One step: the first layer plans both wrappers from our block tables (worker/attention/flashinfer_meta.py:
-`kv_indptr`, `kv_indices`, `kv_last_page_len`, and `qo_indptr` for prefill, int32), every layer writes its
-new keys and values into the cache by slot and runs BatchDecodeWithPagedKVCacheWrapper on the decode rows
-and BatchPrefillWithPagedKVCacheWrapper (causal, aligned to the end of each request's keys) on the
-prefill rows. Our cache, [num_blocks, 2, block_size, num_kv_heads, head_dim] per layer, is FlashInfer's
-NHD paged cache as it is. Signatures: flashinfer-python 0.7.4 (decode.py, prefill.py). Verified only on
-a GPU (tests/gpu/, `make gpu-check`); the plan's arithmetic is verified on the CPU.
+One step: prepare() plans both wrappers on the host from our block tables (worker/attention/flashinfer_meta.py:
+`kv_indptr`, `kv_indices`, `kv_last_page_len`, and `qo_indptr` for prefill, int32 host tensors, which the
+wrappers copy to the GPU themselves), before the step's tensors move (worker/gpu/setup.py, to_device); every
+layer then writes its new keys and values into the cache by slot and runs BatchDecodeWithPagedKVCacheWrapper
+on the decode rows and BatchPrefillWithPagedKVCacheWrapper (causal, aligned to the end of each request's keys)
+on the prefill rows. Our cache, [num_blocks, 2, block_size, num_kv_heads, head_dim] per layer, is
+FlashInfer's NHD paged cache as it is. A CUDA graph's step (worker/gpu/graph_runner.py) runs a decode wrapper
+of its own, made by graph_decode_wrapper and planned before each replay. Signatures: flashinfer-python 0.7.4
+(decode.py, prefill.py). The kernels are verified on a GPU only (tests/gpu/, `make gpu-check`); the plans and
+this module's use of them on the CPU, against a reference of the wrappers' documented semantics.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from worker.attention.base import AttentionMetadata
 from worker.attention.flashinfer_meta import PagedPlan, step_plans
 
-WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommendation; one buffer, the two wrappers in turn
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommendation; one buffer, the wrappers in turn
 
 
 class FlashInferBackend:
@@ -28,13 +31,10 @@ class FlashInferBackend:
                  head_dim: int, block_size: int) -> None:  # fmt: skip
         import flashinfer  # type: ignore[import-not-found]
 
-        self.device, self.dtype = device, dtype
-        self.num_heads, self.num_kv_heads, self.head_dim, self.block_size = (
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-        )
+        self.flashinfer = flashinfer
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.shape = (num_heads, num_kv_heads, head_dim, block_size)  # what every plan() takes after the plan
+        self.scale = head_dim**-0.5  # every layer's (worker/models/llama.py), planned with the wrappers
         self.workspace = torch.zeros(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device
         )  # zeroed: its first use
@@ -45,30 +45,39 @@ class FlashInferBackend:
             self.workspace, kv_layout="NHD"
         )
 
-    def _device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
+    def graph_decode_wrapper(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                             kv_last_page_len: torch.Tensor) -> Any:  # fmt: skip
+        """A decode wrapper in FlashInfer's CUDA-graph mode: its batch is len(kv_last_page_len), fixed, and its
+        plans land in these device buffers, which a captured graph reads."""
+        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, kv_layout="NHD", use_cuda_graph=True, paged_kv_indptr_buffer=kv_indptr,
+            paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=kv_last_page_len,
+        )  # fmt: skip
 
-    def plan(self, metadata: AttentionMetadata, scale: float) -> tuple[PagedPlan | None, PagedPlan | None]:
-        """Once a step (the first layer's call), shared by every layer through metadata.scratch."""
-        plans = metadata.scratch.get("flashinfer")
-        if plans is not None:
-            return plans  # type: ignore[no-any-return]
+    def plan_decode(self, wrapper: Any, plan: PagedPlan) -> None:
+        wrapper.plan(
+            plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, *self.shape, pos_encoding_mode="NONE",
+            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+        )  # fmt: skip
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Plan the step's wrappers (on the host, before the step's tensors move to the device), for every
+        layer to run; metadata.scratch["flashinfer"] holds (the decode wrapper, the prefill wrapper), None for
+        a part the step lacks."""
         decode, prefill = step_plans(metadata, self.block_size)
-        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
         if decode is not None:
-            self.decode_wrapper.plan(
-                self._device(decode.kv_indptr), self._device(decode.kv_indices), self._device(decode.kv_last_page_len),
-                *shape, pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale,
-            )  # fmt: skip
+            self.plan_decode(self.decode_wrapper, decode)
         if prefill is not None:
             assert prefill.qo_indptr is not None
             self.prefill_wrapper.plan(
-                self._device(prefill.qo_indptr), self._device(prefill.kv_indptr), self._device(prefill.kv_indices),
-                self._device(prefill.kv_last_page_len), *shape, causal=True, pos_encoding_mode="NONE",
-                q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale,
+                prefill.qo_indptr, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len, *self.shape,
+                causal=True, pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
+                sm_scale=self.scale,
             )  # fmt: skip
-        metadata.scratch["flashinfer"] = (decode, prefill)
-        return decode, prefill
+        metadata.scratch["flashinfer"] = (
+            self.decode_wrapper if decode is not None else None,
+            self.prefill_wrapper if prefill is not None else None,
+        )
 
     def forward(
         self,
@@ -79,16 +88,24 @@ class FlashInferBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if scale != self.scale:
+            raise ValueError(
+                f"FlashInfer was planned with softmax scale {self.scale}, and a layer asks {scale}"
+            )
         kv_cache[metadata.slot_block_ids, 0, metadata.slot_offsets] = key
         kv_cache[metadata.slot_block_ids, 1, metadata.slot_offsets] = value
-        decode, prefill = self.plan(metadata, scale)
+        if "flashinfer" not in metadata.scratch:
+            self.prepare(
+                metadata
+            )  # a caller that did not plan the step (the memory profile, a test): once, here
+        decode, prefill = metadata.scratch["flashinfer"]
         split = metadata.num_decode_tokens
         if prefill is None:
-            return self.decode_wrapper.run(query, kv_cache)  # type: ignore[no-any-return]
+            return decode.run(query, kv_cache)  # type: ignore[no-any-return]
         output = torch.empty_like(query)
         if decode is not None:
-            output[:split] = self.decode_wrapper.run(query[:split], kv_cache)
-        output[split:] = self.prefill_wrapper.run(query[split:], kv_cache)
+            output[:split] = decode.run(query[:split], kv_cache)
+        output[split:] = prefill.run(query[split:], kv_cache)
         return output
 
     def paged_rows(self, metadata: AttentionMetadata, num_tokens: int, block_size: int) -> None:

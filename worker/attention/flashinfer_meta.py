@@ -73,3 +73,27 @@ def step_plans(metadata: AttentionMetadata, page_size: int) -> tuple[PagedPlan |
         decode = decode_plan(metadata.decode_block_tables, metadata.decode_seq_lens, page_size)
     prefill = prefill_plan(metadata.prefills, page_size) if metadata.prefills else None
     return decode, prefill
+
+
+def pad_decode_plan(plan: PagedPlan, size: int, scratch_block: int) -> PagedPlan:
+    """A decode plan of n <= size requests as one of `size` (a CUDA graph's fixed batch): each padding row is a
+    request of one token in the scratch block, which the engine never hands out."""
+    pad = size - plan.batch_size
+    if pad < 0:
+        raise ValueError(f"a decode step of {plan.batch_size} rows does not fit a batch of {size}")
+    ones = torch.ones(pad, dtype=torch.int32)
+    last = plan.kv_indptr[-1:].to(torch.int32)
+    return PagedPlan(
+        torch.cat([plan.kv_indptr, last + torch.arange(1, pad + 1, dtype=torch.int32)]),
+        torch.cat([plan.kv_indices, torch.full((pad,), scratch_block, dtype=torch.int32)]),
+        torch.cat([plan.kv_last_page_len, ones]),
+    )
+
+
+def empty_plan() -> PagedPlan:
+    """No request: what pad_decode_plan makes a batch of padding rows alone from (a graph's capture)."""
+    return PagedPlan(
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32),
+    )

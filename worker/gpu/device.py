@@ -41,10 +41,6 @@ def check_device_options(config: Any, device: str, pooling: bool) -> None:
         if cuda_only:
             raise DeviceError(f"{cuda_only[0]} applies to the CUDA worker, and this worker runs on the CPU")
         return
-    if config.max_cudagraph_capture_size is not None:  # refused, not ignored, until graphs are captured
-        raise DeviceError(
-            "--max-cudagraph-capture-size: the CUDA worker captures no CUDA graphs yet (every step is eager)"
-        )
     if config.attention_backend == "cpu":
         raise DeviceError(
             "--attention-backend cpu: the csrc kernels are the CPU worker's; on CUDA: auto, flashinfer, xformers, torch"

@@ -59,8 +59,14 @@ def nvcc_found() -> bool:
     return shutil.which("nvcc") is not None or os.path.exists(os.path.join(home, "bin", "nvcc"))
 
 
-def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
-    """The step's tensors on the device (built on the host from the batch state's numpy arrays)."""
+def to_device(
+    inputs: StepInputs, device: torch.device, backend: AttentionBackend | None = None
+) -> StepInputs:
+    """The step's tensors on the device (built on the host from the batch state's numpy arrays), the backend's
+    plan made from them on the host first where it has one (FlashInfer's prepare)."""
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(inputs.metadata)
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device, non_blocking=True)
@@ -73,7 +79,7 @@ def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     if metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None:
         metadata.decode_block_tables = move(metadata.decode_block_tables)
         metadata.decode_seq_lens = move(metadata.decode_seq_lens)
-    # NOTE: moved once a step, shared by the layers (the FlashInfer plan reads them on the device)
+    # NOTE: moved once a step, shared by the layers
     for chunk in metadata.prefills:
         chunk.block_ids = move(chunk.block_ids)
     inputs.input_ids, inputs.positions = move(inputs.input_ids), move(inputs.positions)
