@@ -305,3 +305,24 @@ def test_every_engine_serve_in_deploy_parses() -> None:
     leader = next(s for s in readme if s.engine.nnodes > 1 and not s.server.headless)
     for knob in ("tensor_parallel_size", "nnodes", "master_port"):
         assert getattr(worker.engine, knob) == getattr(leader.engine, knob), knob
+
+
+def test_every_manifest_api_server_reads_the_api_key_secret() -> None:
+    """A container that answers HTTP (an `engine serve` that is not headless) takes the optional API-key
+    secret, as deployment.yaml does: an attached frontend without it would serve without the keys."""
+    checked = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in documents(path):
+            for where, spec in pod_specs(doc):
+                for container in spec["containers"]:
+                    argv = [str(a) for a in container.get("command", []) + container.get("args", [])]
+                    if "command" not in container and container.get("image", "").startswith("engine:"):
+                        argv = image_entrypoint() + argv
+                    if not serve_argvs(argv) or "--headless" in argv:
+                        continue
+                    env = {item["name"]: item for item in container.get("env", [])}
+                    at = f"{path.name} {doc['metadata']['name']}{where} {container['name']}"
+                    assert "ENGINE_API_KEY" in env, at
+                    assert env["ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "engine-api-key", at
+                    checked.append(at)
+    assert any("headless-topology" in at for at in checked) and any("deployment.yaml" in at for at in checked)
