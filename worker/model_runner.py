@@ -24,7 +24,7 @@ from worker.attention import AttentionBackend, AttentionMetadata, PrefillChunk, 
 from worker.attention.torch_ref import TorchAttentionBackend
 from worker.gguf_cache import load_model_files
 from worker.gpu.device import cuda_dtype, worker_device
-from worker.gpu.graph_runner import DecodeGraphs, decode_graph_sizes
+from worker.gpu.graph_runner import DecodeGraphs, captured_graphs, decode_graph_sizes
 from worker.gpu.setup import cuda_backend, kv_cache_plan, to_device
 from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
@@ -172,9 +172,8 @@ class ModelRunner:
         phases.mark("kv cache")
         self.graphs: DecodeGraphs | None = None
         if graph_sizes:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, graph_sizes, self.max_model_len,
-                                       self.block_size, self.num_kv_blocks, self.device)  # fmt: skip
-            self.graphs.capture()
+            self.graphs = captured_graphs(DecodeGraphs(self.model, self.kv_caches, self.backend, graph_sizes,
+                                          self.max_model_len, self.block_size, self.num_kv_blocks, self.device))  # fmt: skip
             phases.mark("cuda graphs")
         self.lora = LoraManager(config.lora, mc, self.dtype, ops) if config.lora is not None else None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)

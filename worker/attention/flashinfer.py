@@ -44,6 +44,10 @@ class FlashInferBackend:
         self.prefill_wrapper: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD"
         )
+        # NOTE: plan() fills a wrapper's pinned host buffer and queues its copy to the GPU without waiting; the
+        # next plan() rewrites that buffer. A step that copies nothing back (a prefill chunk that samples no
+        # token) leaves the host free to run ahead, so each plan waits for the last one's copies first.
+        self.planned = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     def graph_decode_wrapper(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                              kv_last_page_len: torch.Tensor) -> Any:  # fmt: skip
@@ -55,10 +59,20 @@ class FlashInferBackend:
         )  # fmt: skip
 
     def plan_decode(self, wrapper: Any, plan: PagedPlan) -> None:
+        self._after_last_plan()
         wrapper.plan(
             plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, *self.shape, pos_encoding_mode="NONE",
             q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         )  # fmt: skip
+        self._planned()
+
+    def _after_last_plan(self) -> None:
+        if self.planned is not None:
+            self.planned.synchronize()  # the last plan's copies are done (not the step after them)
+
+    def _planned(self) -> None:
+        if self.planned is not None:
+            self.planned.record()
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Plan the step's wrappers (on the host, before the step's tensors move to the device), for every
@@ -69,11 +83,13 @@ class FlashInferBackend:
             self.plan_decode(self.decode_wrapper, decode)
         if prefill is not None:
             assert prefill.qo_indptr is not None
+            self._after_last_plan()
             self.prefill_wrapper.plan(
                 prefill.qo_indptr, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len, *self.shape,
                 causal=True, pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
                 sm_scale=self.scale,
             )  # fmt: skip
+            self._planned()
         metadata.scratch["flashinfer"] = (
             self.decode_wrapper if decode is not None else None,
             self.prefill_wrapper if prefill is not None else None,

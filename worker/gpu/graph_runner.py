@@ -71,7 +71,7 @@ class DecodeGraphs:
             for size in sizes
         }  # fmt: skip
         self.graphs: dict[int, Any] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # each graph's output, [size, vocab]
+        self.hidden: dict[int, torch.Tensor] = {}  # each graph's output, [size, hidden], in the graphs' pool
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata of a graphed step of `size` rows: views of the static buffers, and the size's
@@ -83,12 +83,12 @@ class DecodeGraphs:
         return metadata
 
     def forward(self, size: int) -> torch.Tensor:
-        """What the graph of `size` captures: the model over the static buffers' first `size` rows, every row
-        scored -> [size, vocab] logits."""
-        hidden = self.model(
+        """What the graph of `size` captures: the model over the static buffers' first `size` rows -> [size,
+        hidden]. The logits are not in the graph (as in vLLM): a [size, vocab] output per size would stay
+        allocated (2.7 GB at 512 sizes' rows of a 128k vocabulary), and the padding rows need none."""
+        return self.model(  # type: ignore[no-any-return]
             self.input_ids[:size], self.positions[:size], self.kv_caches, self.metadata(size), self.backend
         )
-        return self.model.compute_logits(hidden)  # type: ignore[no-any-return]
 
     def stage(self, inputs: StepInputs, size: int) -> None:
         """A decode step of n <= size rows (host tensors) into the static buffers, rows n..size padding in the
@@ -121,11 +121,12 @@ class DecodeGraphs:
         if size is None:
             return None
         self.stage(inputs, size)
-        return self.replay(size)[: len(inputs.input_ids)]
+        return self.model.compute_logits(self.replay(size)[: len(inputs.input_ids)])  # type: ignore[no-any-return]
 
     def replay(self, size: int) -> torch.Tensor:
+        """The size's hidden states: memory of the graphs' pool, which the next replay overwrites."""
         self.graphs[size].replay()
-        return self.logits[size]
+        return self.hidden[size]
 
     def capture(self) -> None:
         """Every size's graph, the largest first (the smaller ones reuse its memory pool), each after an eager
@@ -142,7 +143,7 @@ class DecodeGraphs:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[size] = self.forward(size)
+                    self.hidden[size] = self.forward(size)
                 self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         free_after, _ = torch.cuda.mem_get_info(self.device)
@@ -150,6 +151,19 @@ class DecodeGraphs:
             "CUDA graphs: %d decode batch sizes (%s) captured in %.1f s, %d MiB",
             len(self.sizes), _ranges(self.sizes), time.perf_counter() - start, (free_before - free_after) >> 20,
         )  # fmt: skip
+
+
+def captured_graphs(graphs: DecodeGraphs) -> DecodeGraphs | None:
+    """graphs, captured; None (every decode step eager, a warning saying why) if the capture fails: a worker
+    that serves eagerly rather than not at all. A fault that leaves the GPU unusable fails the next step."""
+    try:
+        graphs.capture()
+    except (RuntimeError, ValueError) as error:  # torch's CUDA errors, FlashInfer's plan checks
+        logger.warning("CUDA graph capture failed, every decode step runs eagerly: %s", error)
+        torch.cuda.synchronize(graphs.device)
+        torch.cuda.empty_cache()
+        return None
+    return graphs
 
 
 def _no_rows() -> StepInputs:
