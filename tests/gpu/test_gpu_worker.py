@@ -172,17 +172,22 @@ def engine_run(folder: str, prompts: list[list[int]], budget: int = 2048, **work
     return steps, replays
 
 
-def test_cuda_graphs_on_and_off_give_the_same_tokens(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture
+def flashinfer_tiny(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    """A tiny Llama of head size 64 (FlashInfer's), where FlashInfer is installed."""
+    pytest.importorskip("flashinfer")
+    build(str(tmp_path), "llama", 8, 4, hidden_size=512)
+    return str(tmp_path)
+
+
+def test_cuda_graphs_on_and_off_give_the_same_tokens(flashinfer_tiny: str, capsys) -> None:  # type: ignore[no-untyped-def]
     """bf16 on FlashInfer: decode steps replayed from graphs (13 rows padded to 16, fewer as requests finish)
     give the eager run's tokens; where a prompt's tokens part, it is at a bf16 tie (the graphed run's token
     in the eager run's top 2, within 0.05 of its best logprob), and most prompts never part."""
-    pytest.importorskip("flashinfer")
-    folder = str(tmp_path)
-    build(folder, "llama", 8, 4, hidden_size=512)
     rng = random.Random(4)
     prompts = [[rng.randrange(515) for _ in range(rng.randint(5, 60))] for _ in range(13)]
-    eager, none = engine_run(folder, prompts, enforce_eager=True)
-    graphed, replays = engine_run(folder, prompts)
+    eager, none = engine_run(flashinfer_tiny, prompts, enforce_eager=True)
+    graphed, replays = engine_run(flashinfer_tiny, prompts)
     assert not none and replays, "the graphed run was meant to replay its decode steps"
     assert 16 in replays, replays
     parted = parted_at_ties(graphed, eager)
@@ -212,16 +217,13 @@ def parted_at_ties(ours: dict, theirs: dict) -> list[tuple[str, int]]:  # type: 
     return parted
 
 
-def test_chunked_prefill_on_flashinfer_equals_one_chunk(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_prefill_on_flashinfer_equals_one_chunk(flashinfer_tiny: str, capsys) -> None:  # type: ignore[no-untyped-def]
     """Prompts of 300-700 tokens in 64-token chunks (steps that sample nothing, where the host may run ahead
     of the GPU and FlashInfer's plans must not overtake their copies) against the same prompts in one chunk."""
-    pytest.importorskip("flashinfer")
-    folder = str(tmp_path)
-    build(folder, "llama", 8, 4, hidden_size=512)
     rng = random.Random(5)
     prompts = [[rng.randrange(515) for _ in range(rng.randint(300, 700))] for _ in range(4)]
-    whole, _ = engine_run(folder, prompts, enforce_eager=True)
-    chunked, _ = engine_run(folder, prompts, budget=64, enforce_eager=True)
+    whole, _ = engine_run(flashinfer_tiny, prompts, enforce_eager=True)
+    chunked, _ = engine_run(flashinfer_tiny, prompts, budget=64, enforce_eager=True)
     parted = parted_at_ties(chunked, whole)
     with capsys.disabled():
         print(
