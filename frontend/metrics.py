@@ -62,7 +62,8 @@ class Metrics:
         self, model_info: ModelInfo, prefix: str = "engine", *, registry: CollectorRegistry | None = REGISTRY
     ) -> None:
         self.model_name = model_info.served_model_names[0]
-        labels = ("model_name",)
+        # vLLM's labels: the engine is the data-parallel rank that served the request ("0" with one)
+        labels = ("model_name", "engine")
 
         def counter(name: str, doc: str, labelnames: Sequence[str]) -> Counter:
             return Counter(f"{prefix}:{name}", doc, labelnames, registry=registry)
@@ -146,18 +147,19 @@ class Metrics:
         )
         self.http_requests = counter("http_requests", "HTTP requests.", ["method", "path", "status"])
         self.http_latency = histogram(
-            "http_request_duration_seconds", "HTTP request latency.", LATENCY_BUCKETS, ["method", "path"]
+            "http_request_duration_seconds", "HTTP request latency.", LATENCY_BUCKETS, ("method", "path")
         )
 
-    def observe_token(self, state: RequestTiming, now: float, num_tokens: int) -> None:
+    def observe_token(self, state: RequestTiming, now: float, num_tokens: int, engine: int = 0) -> None:
         if num_tokens == 0:
             return
+        labels = (self.model_name, str(engine))
         if state.first_token_time is None:
             state.first_token_time = now
-            self.ttft.labels(self.model_name).observe(now - state.arrival_time)
+            self.ttft.labels(*labels).observe(now - state.arrival_time)
         elif state.last_token_time is not None:
-            self.itl.labels(self.model_name).observe(now - state.last_token_time)
-            self.tpot.labels(self.model_name).observe(now - state.last_token_time)
+            self.itl.labels(*labels).observe(now - state.last_token_time)
+            self.tpot.labels(*labels).observe(now - state.last_token_time)
         state.last_token_time = now
 
     def observe_finished(
@@ -172,46 +174,54 @@ class Metrics:
         n: int | None = 1,
         max_tokens: int | None = None,
         model_name: str | None = None,
+        engine: int = 0,
     ) -> None:
         """One finished request, or one choice of an n > 1 request. `n` and `max_tokens` are the
         request's parameters, given with its last choice to finish only (None for the others), so
         request_params_* count each request once, as vLLM's do. model_name: the LoRA adapter the request
-        named, which the request and token counters carry as their model_name (None: the base model's)."""
-        name = self.model_name
-        asked = model_name or name
-        self.prompt_tokens.labels(asked).inc(num_prompt)
-        self.generation_tokens.labels(asked).inc(num_generated)
-        self.request_success.labels(asked, finish_reason).inc()
-        self.e2e.labels(name).observe(now - state.arrival_time)
-        self.queue.labels(name).observe(output.queue_time_s)
-        self.prefill.labels(name).observe(output.prefill_time_s)
-        self.decode.labels(name).observe(output.decode_time_s)
-        self.request_prompt_tokens.labels(name).observe(num_prompt)
-        self.request_generation_tokens.labels(name).observe(num_generated)
+        named, which the request and token counters carry as their model_name (None: the base model's);
+        engine: the data-parallel rank that served it."""
+        name, rank = (self.model_name, str(engine)), str(engine)
+        asked = model_name or self.model_name
+        self.prompt_tokens.labels(asked, rank).inc(num_prompt)
+        self.generation_tokens.labels(asked, rank).inc(num_generated)
+        self.request_success.labels(asked, rank, finish_reason).inc()
+        self.e2e.labels(*name).observe(now - state.arrival_time)
+        self.queue.labels(*name).observe(output.queue_time_s)
+        self.prefill.labels(*name).observe(output.prefill_time_s)
+        self.decode.labels(*name).observe(output.decode_time_s)
+        self.request_prompt_tokens.labels(*name).observe(num_prompt)
+        self.request_generation_tokens.labels(*name).observe(num_generated)
         # vLLM's: the first token's time is prefill, so the decode time is spread over the others.
         tpot = output.decode_time_s / (num_generated - 1) if num_generated > 1 else 0.0
-        self.request_tpot.labels(name).observe(tpot)
+        self.request_tpot.labels(*name).observe(tpot)
         if n is None:
             return
-        self.request_params_n.labels(name).observe(n)
+        self.request_params_n.labels(*name).observe(n)
         if max_tokens:  # vLLM skips an unset (or zero) max_tokens
-            self.request_params_max_tokens.labels(name).observe(max_tokens)
+            self.request_params_max_tokens.labels(*name).observe(max_tokens)
 
     def observe_pooling(
-        self, started: float, output: RequestOutput, num_prompt: int, task: str, model_name: str | None = None
+        self,
+        started: float,
+        output: RequestOutput,
+        num_prompt: int,
+        task: str,
+        model_name: str | None = None,
+        engine: int = 0,
     ) -> None:
         """A finished pooling request: the request and token counters and the latency histograms count it
         as a request whose one output is its pooled value (its time to that value is its TTFT)."""
-        name, now = self.model_name, time.monotonic()
-        asked = model_name or name
-        self.prompt_tokens.labels(asked).inc(num_prompt)
-        self.request_success.labels(asked, output.finish_reason or "stop").inc()
-        self.pooling_requests.labels(asked, task).inc()
-        self.ttft.labels(name).observe(now - started)
-        self.e2e.labels(name).observe(now - started)
-        self.queue.labels(name).observe(output.queue_time_s)
-        self.prefill.labels(name).observe(output.prefill_time_s)
-        self.request_prompt_tokens.labels(name).observe(num_prompt)
+        name, rank, now = (self.model_name, str(engine)), str(engine), time.monotonic()
+        asked = model_name or self.model_name
+        self.prompt_tokens.labels(asked, rank).inc(num_prompt)
+        self.request_success.labels(asked, rank, output.finish_reason or "stop").inc()
+        self.pooling_requests.labels(asked, rank, task).inc()
+        self.ttft.labels(*name).observe(now - started)
+        self.e2e.labels(*name).observe(now - started)
+        self.queue.labels(*name).observe(output.queue_time_s)
+        self.prefill.labels(*name).observe(output.prefill_time_s)
+        self.request_prompt_tokens.labels(*name).observe(num_prompt)
 
 
 class RequestTiming:

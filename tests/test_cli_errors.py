@@ -7,11 +7,13 @@ inherits a marker variable that is unique to the case."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -134,3 +136,58 @@ def test_the_marker_finds_a_process_left_behind() -> None:
         child.kill()
         child.wait(10)
     assert not marked(marker)
+
+
+def test_a_missing_model_is_one_line_for_generate_and_bench(tmp_path: pathlib.Path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    result = run_cli("generate", missing, "--prompt", "hi")
+    assert_one_line_error(result, "generate", missing)
+    result = run_cli("bench", "latency", missing)
+    assert_one_line_error(result, "bench", missing)
+
+
+def test_a_flag_value_s_error_says_what_is_wrong_with_it() -> None:
+    result = run_cli("serve", "--allowed-origins", '["https://a.example"', "--port", str(free_port()))
+    assert_one_line_error(result, "serve", "--allowed-origins")
+    assert "not a JSON list" in result.stderr and "char" in result.stderr.splitlines()[-1], result.stderr
+
+
+def test_a_prefix_of_a_flag_is_not_that_flag() -> None:
+    """`engine serve --headles` used to start a headless engine (argparse completes abbreviations)."""
+    result = run_cli("serve", "--headles", "--port", str(free_port()))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == "engine: error: unrecognized arguments: --headles", result.stderr
+
+
+def subcommands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every (sub)command's parser, with the words that reach it (`bench serve`, ...)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from subcommands(sub, (*path, name))
+
+
+def test_no_subcommand_completes_an_abbreviated_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from frontend.cli.main import build_parser
+
+    parser = build_parser()
+    checked = 0
+    for words, sub in subcommands(parser):
+        if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+            continue  # a group (`bench`): its commands are checked
+        flags = {o for a in sub._actions for o in a.option_strings}
+        required = [a for a in sub._actions if a.required and a.option_strings]
+        given = [w for a in required for w in (a.option_strings[0], "1")]
+        for flag in sorted(f for f in flags if f.startswith("--") and len(f) > 4):
+            prefix = flag[:-1]
+            if prefix in flags:
+                continue
+            with pytest.raises(SystemExit) as exit_:
+                parser.parse_args([*words, *given, prefix])
+            assert exit_.value.code == 2
+            assert f"unrecognized arguments: {prefix}" in capsys.readouterr().err, (words, prefix)
+            checked += 1
+    assert checked > 300  # serve's flags alone are more than that

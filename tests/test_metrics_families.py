@@ -19,7 +19,7 @@ from protocol.sampling import SamplingParams
 from tests.fake_executor import FakeExecutor
 
 INFO = ModelInfo("m", ["m"], 128, 16, 100, [2], "float32", 8, "0", enable_prefix_caching=False)
-M = {"model_name": "m"}
+M = {"model_name": "m", "engine": "0"}  # one engine: every per-request series is engine="0"
 
 
 def finish(
@@ -61,6 +61,29 @@ def test_request_time_per_output_token_spreads_decode_over_the_tokens_after_the_
     finish(metrics, decode_time_s=0.0, num_generated=1)  # vLLM observes 0 for a one-token request
     assert value(registry, "vllm:request_time_per_output_token_seconds_count") == 2
     assert value(registry, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.25)
+
+
+def test_per_request_families_are_labelled_with_the_engine_that_served_the_request() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(INFO, "vllm", registry=registry)
+    for engine, num_generated in ((0, 2), (1, 5), (1, 3)):
+        timing = RequestTiming(0.0)
+        metrics.observe_token(timing, 0.5, 1, engine)
+        metrics.observe_token(timing, 0.75, 1, engine)
+        output = RequestOutput("r", [1], queue_time_s=0.1)
+        metrics.observe_finished(timing, output, "stop", 3, num_generated, 2.0, engine=engine)
+    metrics.observe_pooling(0.0, RequestOutput("p", [], "stop"), 4, "embed", engine=1)
+    for rank, requests, generated in (("0", 1, 2), ("1", 3, 8)):
+        assert value(registry, "vllm:request_success_total", engine=rank, finished_reason="stop") == requests
+        assert value(registry, "vllm:generation_tokens_total", engine=rank) == generated
+        assert value(registry, "vllm:e2e_request_latency_seconds_count", engine=rank) == requests
+        assert value(registry, "vllm:request_queue_time_seconds_count", engine=rank) == requests
+    assert value(registry, "vllm:time_to_first_token_seconds_count", engine="1") == 3  # two + the pooling
+    assert value(registry, "vllm:inter_token_latency_seconds_count", engine="0") == 1
+    assert value(registry, "vllm:prompt_tokens_total", engine="1") == 3 + 3 + 4
+    assert value(registry, "vllm:pooling_requests_total", engine="1", task="embed") == 1
+    names = {s.name for s in registry.collect() for s in s.samples if s.labels.get("engine") == "2"}
+    assert not names
 
 
 def test_request_params_n_and_max_tokens() -> None:
@@ -191,7 +214,7 @@ def test_render_serves_the_vllm_dashboard(vllm_metrics: Metrics) -> None:
     observe_everything(vllm_metrics)
     text = render(EngineStatsCollector(lambda: [SchedulerStats()], "m", prefix="vllm")).decode()
     assert VLLM_DASHBOARD <= sample_names(text), VLLM_DASHBOARD - sample_names(text)
-    assert 'vllm:request_params_max_tokens_sum{model_name="m"} 8.0' in text
+    assert 'vllm:request_params_max_tokens_sum{engine="0",model_name="m"} 8.0' in text
     assert 'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 0.0' in text
 
 

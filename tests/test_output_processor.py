@@ -132,6 +132,9 @@ class ScriptedClient:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
+    def engine_index(self, request_id: str) -> int:
+        return 0
+
 
 def test_async_llm_aborts_what_a_stop_string_ended_and_what_is_left_open(tokenizer) -> None:  # type: ignore[no-untyped-def]
     words = ids_of(tokenizer, "one two three")
@@ -170,7 +173,7 @@ def test_metrics_count_each_choice_and_the_request_params_once(tokenizer) -> Non
     for index in range(3):
         processor.process(state, RequestOutput(f"r-{index}", [5]))
         processor.process(state, RequestOutput(f"r-{index}", [6], "length"))
-    labels = {"model_name": "m"}
+    labels = {"model_name": "m", "engine": "0"}
     assert (
         registry.get_sample_value("engine:request_success_total", {**labels, "finished_reason": "length"})
         == 3

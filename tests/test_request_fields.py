@@ -223,3 +223,54 @@ def test_tokenize_checks_messages_like_chat(http) -> None:  # type: ignore[no-un
         error = error_of(http.post("/tokenize", json={"messages": messages}))
         assert error["param"] == "messages" and "role" in error["message"]
     assert error_of(http.post("/tokenize", json={"prompt": "x", "tools": []}))["param"] == "tools"
+
+
+NO_CONTENT = [
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}], "messages[0].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "developer"}], "messages[1].content"),
+    ([{"role": "assistant", "content": None}, {"role": "user", "content": "x"}], "messages[0].content"),
+    ([{"role": "tool", "tool_call_id": "c"}], "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize(("messages", "param"), NO_CONTENT)
+def test_a_turn_without_content_is_a_400_naming_it_on_chat_and_tokenize(recorded, messages, param) -> None:  # type: ignore[no-untyped-def]
+    http, _ = recorded
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 4}), ("/tokenize", {})):
+        error = error_of(http.post(path, json={"messages": messages, **extra}))
+        assert error["param"] == param and error["code"] == "missing_required_parameter", (path, error)
+    batch = {"messages": [[{"role": "user", "content": "ok"}], messages], "max_tokens": 4}
+    error = error_of(http.post("/v1/chat/completions/batch", json=batch))
+    assert error["param"] == param.replace("messages", "messages[1]", 1), error
+
+
+def test_only_an_assistant_turn_with_tool_calls_or_being_continued_may_omit_content(recorded) -> None:  # type: ignore[no-untyped-def]
+    http, tokenizer = recorded
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "42"},
+        {"role": "assistant"},
+    ]
+    # past the renderer: the 100-token prompt over this model's context is the render's next check
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    assert (
+        "(100 in the messages"
+        in error_of(http.post("/v1/chat/completions", json={**body, "max_tokens": 40}))["message"]
+    )
+    error = error_of(http.post("/v1/chat/completions", json={**body, "continue_final_message": False}))
+    assert error["param"] == "messages[3].content"
+
+
+def test_the_other_doors_name_a_missing_content_in_their_own_terms(recorded) -> None:  # type: ignore[no-untyped-def]
+    http, _ = recorded
+    anthropic = {"model": "m", "messages": [{"role": "user"}]}
+    response = http.post("/v1/messages", json={**anthropic, "max_tokens": 4})
+    assert response.status_code == 400 and "messages[0].content" in response.json()["error"]["message"]
+    response = http.post("/v1/messages/count_tokens", json=anthropic)
+    assert response.status_code == 400 and "messages[0].content" in response.json()["error"]["message"]
+    for item in ({"type": "message", "role": "user"}, {"type": "function_call_output", "call_id": "c"}):
+        error = error_of(http.post("/v1/responses", json={"input": [item]}))
+        assert "input[0]" in error["message"], error

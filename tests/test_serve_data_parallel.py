@@ -15,6 +15,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve_helpers import free_engine_port, free_port, serving, stop, wait_until
 from tests.test_reliability import stream_on
@@ -38,6 +39,17 @@ def engine_series(base: str, family: str) -> dict[str, float]:
     text = httpx.get(f"{base}/metrics").text
     pattern = rf'^engine:{family}\{{engine="(\d+)",model_name="[^"]*"\}} ([0-9.e+]+)$'
     return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.MULTILINE)}
+
+
+def by_engine(base: str, sample_name: str) -> dict[str, float]:
+    """engine label -> the sum of a per-request family's samples (over its other labels) in /metrics."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        for sample in family.samples:
+            if sample.name == sample_name:
+                engine = sample.labels["engine"]
+                totals[engine] = totals.get(engine, 0.0) + sample.value
+    return totals
 
 
 def engines_of(launcher: subprocess.Popen[bytes]) -> list[psutil.Process]:
@@ -66,6 +78,20 @@ def test_two_engines_behind_one_server(smollm2_gguf: str) -> None:
         assert first.usage is not None and again.usage is not None and first.usage.prompt_tokens > 512
         details = again.usage.prompt_tokens_details
         assert details is not None and details.cached_tokens and details.cached_tokens >= 512, again.usage
+
+        # the API servers' request families say which engine served each request, as vLLM's do
+        served_by = by_engine(served.base, "engine:request_success_total")
+        assert set(served_by) == {"0", "1"} and sum(served_by.values()) == 8, served_by
+        for family in (
+            "engine:time_to_first_token_seconds_count",
+            "engine:e2e_request_latency_seconds_count",
+            "engine:request_queue_time_seconds_count",
+            "engine:prompt_tokens_total",
+        ):
+            assert set(by_engine(served.base, family)) == {"0", "1"}, family
+        # each engine's tokens, as its frontends counted them, are the tokens it says it generated
+        wait_until(lambda: by_engine(served.base, "engine:generation_tokens_total")
+                   == engine_series(served.base, "engine_generation_tokens_total"), 30, "the same tokens")  # fmt: skip
 
         # a frontend attached to engine 0 finds engine 1 too
         assert served.engine_address is not None

@@ -163,6 +163,64 @@ def test_messages_tool_use_and_result(an: anthropic.Anthropic) -> None:
     )
 
 
+# One shot of text, a call and text again, which SmolLM2 copies for Rome (any text after a call would do).
+SHOT = (
+    'Checking Paris. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call> Done.'
+)
+AROUND_A_CALL: Any = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": SHOT},
+    {"role": "user", "content": "Weather in Rome?"},
+]
+
+
+def test_text_after_a_call_is_a_block_of_its_own_streamed_or_not(
+    oa: openai.OpenAI, an: anthropic.Anthropic
+) -> None:
+    """Anthropic's content and Responses' output list what the model wrote in its order, streamed or not:
+    the stream cannot reopen the text block it closed for the call, so the whole answer does not join the
+    text around the call either."""
+    tool: Any = {
+        "name": WEATHER["name"],
+        "description": WEATHER["description"],
+        "input_schema": WEATHER["parameters"],
+    }
+    ask: Any = {
+        "model": MODEL,
+        "messages": AROUND_A_CALL,
+        "tools": [tool],
+        "max_tokens": 40,
+        "extra_body": GREEDY,
+    }
+    full = an.messages.create(**ask)
+    with an.messages.stream(**ask) as stream:
+        streamed = stream.get_final_message()
+    kinds = [block.type for block in full.content]
+    assert kinds == ["text", "tool_use", "text"], full.content
+    assert full.content[1].input == {"city": "Rome"}  # type: ignore[union-attr]
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
+        b.model_dump(exclude={"id"}) for b in full.content
+    ]
+    assert full.stop_reason == streamed.stop_reason == "tool_use"
+
+    function: Any = {"type": "function", **WEATHER}
+    request: Any = {
+        "model": MODEL,
+        "input": AROUND_A_CALL,
+        "tools": [function],
+        "max_output_tokens": 40,
+        "temperature": 0,
+    }
+    whole = oa.responses.create(**request)
+    with oa.responses.stream(**request) as events:
+        final = events.get_final_response()
+    items = [(i.type, i.content[0].text if i.type == "message" else i.arguments) for i in whole.output]  # type: ignore[union-attr]
+    assert [kind for kind, _ in items] == ["message", "function_call", "message"], items
+    assert items == [
+        (i.type, i.content[0].text if i.type == "message" else i.arguments) for i in final.output
+    ]  # type: ignore[union-attr]
+
+
 def test_responses_stream_tools_and_format(oa: openai.OpenAI) -> None:
     full = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
     kinds, deltas = [], ""

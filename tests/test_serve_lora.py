@@ -230,7 +230,9 @@ def test_bad_loads_are_400s_naming_the_problem(server: Served, adapters, tmp_pat
 def test_metrics_name_the_adapters(server: Served) -> None:
     complete(server, "all")
     text = httpx.get(server.base + "/metrics").text
-    assert re.search(r'engine:request_success_total\{finished_reason="\w+",model_name="all"\} [1-9]', text)
+    assert re.search(
+        r'engine:request_success_total\{engine="0",finished_reason="\w+",model_name="all"\} [1-9]', text
+    )
     assert "engine:lora_requests_info{" in text and 'max_lora="4"' in text
 
 

@@ -174,7 +174,7 @@ def test_truncation_and_the_other_runners_routes(server: Served, oracle) -> None
             response.status_code == 404 and "its tasks: embed, score" in response.json()["error"]["message"]
         )
     metrics = httpx.get(f"{server.base}/metrics").text
-    assert 'runner="pooling"' in metrics and "engine:pooling_requests_total{model_name=" in metrics
+    assert 'runner="pooling"' in metrics and 'engine:pooling_requests_total{engine="0",model_name=' in metrics
 
 
 def test_bench_serve_embeddings(server: Served, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -19,11 +19,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from frontend.engine.async_llm import final_state
 from frontend.engine.output_processor import Delta, RequestState
-from frontend.engine.pieces import formatted
+from frontend.engine.pieces import Block, formatted
 from frontend.openai.chat import ChatRun, start_chat
 from frontend.openai.common import Serving, json_response, until_disconnected
 from frontend.openai.render import chat_prompt
-from frontend.parsers.base import Parsed
 from frontend.server.errors import OpenAIError, anthropic_error_body, to_openai_error
 
 from .schemas import CountTokensRequest, MessagesRequest, to_chat_request
@@ -38,7 +37,7 @@ async def messages(body: MessagesRequest, request: Request, serving: Serving) ->
     await serving.check_model(chat.model)
     if body.thinking is not None and serving.reasoning_parser is None:
         raise OpenAIError("thinking needs a server started with --reasoning-parser.", param="thinking")
-    run, stream = start_chat(chat, request, serving, id_prefix="msg")
+    run, stream = start_chat(chat, request, serving, id_prefix="msg", in_order=True)
     if body.stream:
         return StreamingResponse(_events(run, stream), media_type="text/event-stream")
     state = await until_disconnected(request, final_state(stream))
@@ -47,7 +46,7 @@ async def messages(body: MessagesRequest, request: Request, serving: Serving) ->
     return json_response(
         {
             **_message(run, _usage(state, state.num_output_tokens)),
-            "content": _blocks(choice.parsed),
+            "content": _blocks(choice.blocks),
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
         }
@@ -86,22 +85,25 @@ def _stop_reason(finish_reason: str | None, matched: int | str | None) -> tuple[
     return ("end_turn" if finish_reason == "stop" else finish_reason), None
 
 
-def _blocks(parsed: Parsed) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = []
-    if parsed.reasoning:
-        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
-    if parsed.content and (parsed.content.strip() or not parsed.calls):
-        blocks.append({"type": "text", "text": parsed.content})
-    for call in parsed.calls:
-        blocks.append(
-            {
-                "type": "tool_use",
-                "id": _tool_use_id(call.id),
-                "name": call.name,
-                "input": _input(call.arguments),
-            }
-        )
-    return blocks
+def _blocks(blocks: list[Block]) -> list[dict[str, Any]]:
+    """The content blocks in the order the model wrote them, as the stream sends them (and as Anthropic's
+    API answers): text after a tool call is a text block after the tool_use block."""
+    content: list[dict[str, Any]] = []
+    for block in blocks:
+        if block.kind == "reasoning":
+            content.append({"type": "thinking", "thinking": block.text, "signature": ""})
+        elif block.kind == "text":
+            content.append({"type": "text", "text": block.text})
+        else:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": _tool_use_id(block.call_id),
+                    "name": block.name,
+                    "input": _input(block.text),
+                }
+            )
+    return content
 
 
 def _tool_use_id(call_id: str | None) -> str:

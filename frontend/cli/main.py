@@ -6,6 +6,7 @@ ServerArgs (frontend.config): each knob is written once, there."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -25,9 +26,29 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
     return from_namespace(EngineArgs, args)
 
 
+def checked_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine's flags checked and its model and tokenizer found, before any process starts (raises
+    ValueError, ConfigError or ModelNotFoundError: the operator's errors); the model and tokenizer come
+    back resolved, so that the engine does not look them up again (a hub id, the default model)."""
+    engine_args = engine_args_of(args)
+    worker = engine_args.engine_config().worker
+    return dataclasses.replace(
+        engine_args,
+        model=worker.model,
+        tokenizer=worker.tokenizer,
+        served_model_name=worker.served_model_names,
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from frontend.model_files import ModelNotFoundError
     from frontend.offline.llm import LLM
     from protocol.sampling import SamplingParams
+
+    try:  # a bad flag or a missing model: one line, as `serve` says it
+        engine_args = checked_engine_args(args)
+    except (ValueError, ModelNotFoundError) as error:
+        return usage_error("generate", error)
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -38,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         n=args.n,
         stop=args.stop or [],
     )
-    with LLM.from_engine_args(engine_args_of(args)) as llm:
+    with LLM.from_engine_args(engine_args) as llm:
         if args.chat:
             results = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
@@ -116,12 +137,22 @@ def add_generate_parser(commands: Any) -> None:
     generate.set_defaults(func=cmd_generate)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse without its completion of abbreviations (as vLLM's parser): `--headles` is not
+    `--headless`, and a flag is its full name or a documented alias. Subcommands' parsers, nested ones
+    too, are made by this class (argparse's add_subparsers makes them of the parent's type)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from frontend.batch.cli import add_run_batch_parser
     from frontend.bench.cli import add_bench_parser
     from frontend.cli.clients import add_client_parsers
 
-    parser = argparse.ArgumentParser(prog="engine", description="An OpenAI-compatible LLM inference server.")
+    parser = Parser(prog="engine", description="An OpenAI-compatible LLM inference server.")
     parser.add_argument("--version", action="version", version=f"engine {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
@@ -140,10 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
+    from frontend.model_files import ModelNotFoundError
+
     try:
         return int(args.func(args))
-    except ConfigError as error:  # a bad flag of a command that does not say it itself (generate, bench)
-        return usage_error(args.command, error)
+    except (ConfigError, ModelNotFoundError) as error:  # a bad flag or model of a command that does not
+        return usage_error(args.command, error)  # say it itself (bench), found before any process starts
 
 
 if __name__ == "__main__":

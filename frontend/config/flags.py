@@ -87,6 +87,20 @@ def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
+def _telling(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A flag's converter whose ValueError reaches the user: argparse prints its own `invalid X value`
+    for a ValueError and hides why; an ArgumentTypeError's message is printed as it is."""
+
+    def converted(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as error:
+            kind = getattr(convert, "__name__", "value").strip("_")
+            raise argparse.ArgumentTypeError(f"invalid {kind} value {text!r}: {error}") from error
+
+    return converted
+
+
 def add_flags(
     parser: argparse.ArgumentParser,
     cls: type[Any],
@@ -105,6 +119,7 @@ def add_flags(
         shown = "" if default is None or default is False or default in ([], "") else f" (default: {default})"
         kind, _ = _unwrap_optional(hints[field.name])
         parse = field.metadata.get("parse")
+        parse = parse and _telling(parse)
         if field.metadata.get("positional"):
             parser.add_argument(field.name, nargs="?", default=default, help=help_text)
             continue
@@ -133,7 +148,7 @@ def add_flags(
             )
         for alias, convert, alias_help in field.metadata.get("aliases", []):
             if callable(convert):  # another spelling with its own unit
-                parser.add_argument(alias, dest=field.name, type=convert, help=alias_help)
+                parser.add_argument(alias, dest=field.name, type=_telling(convert), help=alias_help)
             else:  # a switch that sets the field to this value (vLLM's --disable-* spellings)
                 parser.add_argument(
                     alias, dest=field.name, action="store_const", const=convert, help=alias_help

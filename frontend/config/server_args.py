@@ -38,9 +38,9 @@ def origins(text: str) -> list[str]:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(f"--allowed-origins: not a JSON list: {error}") from None
+            raise ValueError(f"not a JSON list: {error}") from None
         if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise ValueError("--allowed-origins: a JSON list of strings, e.g. '[\"https://a.example\"]'")
+            raise ValueError("expected a JSON list of strings, e.g. '[\"https://a.example\"]'")
         return values
     return [text]
 

@@ -73,6 +73,7 @@ class AsyncLLM:
         try:
             for request in requests:
                 await self.client.add_request(request, queue)
+            state.engine_index = self.client.engine_index(requests[0].request_id)
             while not state.finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -125,6 +126,7 @@ class AsyncLLM:
                 if item.finish_reason is None:
                     continue
                 finished = True
+                engine = self.client.engine_index(request_id)  # (a released request has none)
                 self.client.release(request_id)
                 if item.pooled is None:
                     if item.finish_reason == "abort" and item.stop_reason is not None:
@@ -132,7 +134,9 @@ class AsyncLLM:
                     raise EngineDeadError(f"the engine ended the pooling request ({item.finish_reason})")
                 if self.processor.metrics is not None:
                     metrics = self.processor.metrics
-                    metrics.observe_pooling(started, item, len(prompt_token_ids), params.task, lora_name)
+                    metrics.observe_pooling(
+                        started, item, len(prompt_token_ids), params.task, lora_name, engine
+                    )
                 return item.pooled
         finally:
             if not finished:

@@ -154,6 +154,10 @@ class AsyncEngineClient:
         await self._send(request)
         return queue
 
+    def engine_index(self, request_id: str) -> int:
+        """The engine that runs a request: this one, rank 0 of one (DataParallelClient has several)."""
+        return 0
+
     def release(self, request_id: str) -> None:
         """Stop routing outputs for a request (after it finished or was aborted)."""
         self._queues.pop(request_id, None)

@@ -187,6 +187,10 @@ class DataParallelClient:
         self.owner[request.request_id] = index
         return await self.engines[index].add_request(request, queue)
 
+    def engine_index(self, request_id: str) -> int:
+        """The engine (its rank) that runs this open request: the metrics' `engine` label."""
+        return self.owner.get(request_id, 0)
+
     def release(self, request_id: str) -> None:
         index = self.owner.pop(request_id, None)
         if index is not None:

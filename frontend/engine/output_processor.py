@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.engine.detokenizer import IncrementalDetokenizer
-from frontend.engine.pieces import ChoicePieces, Pieces, TextParser
+from frontend.engine.pieces import Block, ChoicePieces, Pieces, TextParser
 from frontend.metrics import Metrics, RequestTiming
 from frontend.parsers.base import Parsed
 from protocol.errors import EngineDeadError, InvalidParameterError
@@ -49,6 +49,11 @@ class Choice:
     def parsed(self) -> Parsed:
         """The answer as its pieces built it (content, reasoning, calls)."""
         return self.pieces.result
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The answer's blocks in the order they came (when read incrementally: ChoicePieces)."""
+        return self.pieces.blocks
 
     @property
     def reported_finish_reason(self) -> str | None:
@@ -84,6 +89,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: Logprobs | None = None  # positions 1.. of the prompt (position 0 has none)
     lora_name: str | None = None  # the adapter it runs with (the request counters' model_name)
+    engine_index: int = 0  # the data-parallel engine that runs its choices (the metrics' engine label)
 
     def child_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -207,7 +213,7 @@ class OutputProcessor:
         if self.metrics is None or choice.timing is None:
             return
         now = time.monotonic()
-        self.metrics.observe_token(choice.timing, now, len(output.new_token_ids))
+        self.metrics.observe_token(choice.timing, now, len(output.new_token_ids), state.engine_index)
         if choice.finish_reason is not None:
             self.metrics.observe_finished(
                 choice.timing,
@@ -220,6 +226,7 @@ class OutputProcessor:
                 n=state.params.n if state.finished else None,
                 model_name=state.lora_name,
                 max_tokens=state.params.max_tokens,
+                engine=state.engine_index,
             )
 
 

@@ -16,12 +16,13 @@ the whitespace that waited in vain.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from frontend.parsers.base import Delta as Pieces  # re-exported: a Delta's pieces
 from frontend.parsers.base import Parsed, StreamingParse
 
-__all__ = ["ChoicePieces", "PieceFormatter", "Pieces", "TextParser", "formatted"]
+__all__ = ["Block", "ChoicePieces", "InOrder", "PieceFormatter", "Pieces", "TextParser", "formatted"]
 
 
 class TextParser(Protocol):
@@ -53,6 +54,46 @@ def formatted(pieces: Pieces, formatter: PieceFormatter) -> list[bytes]:
     return frames
 
 
+@dataclass
+class Block:
+    """A run of one kind of piece in an answer: "reasoning", "text", or one "call" (its arguments)."""
+
+    kind: str
+    text: str
+    call_id: str | None = None
+    name: str | None = None
+
+
+class InOrder:
+    """A formatter that keeps the blocks its pieces build, in the order they came: what a door whose
+    answer lists blocks (Anthropic's content, Responses' output items) shows, streamed or not. Text after
+    a call is a block of its own, as a stream cannot reopen the text it closed."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+
+    def _extend(self, kind: str, text: str) -> list[bytes]:
+        if self.blocks and self.blocks[-1].kind == kind:
+            self.blocks[-1].text += text
+        else:
+            self.blocks.append(Block(kind, text))
+        return []
+
+    def reasoning(self, text: str) -> list[bytes]:
+        return self._extend("reasoning", text)
+
+    def content(self, text: str) -> list[bytes]:
+        return self._extend("text", text)
+
+    def call(self, call_id: str | None, name: str | None, arguments: str) -> list[bytes]:
+        calls = [block for block in self.blocks if block.kind == "call"]
+        if call_id is not None or not calls:
+            self.blocks.append(Block("call", arguments, call_id, name))
+        else:  # the open call's next fragment
+            calls[-1].text += arguments
+        return []
+
+
 class ChoicePieces:
     """One choice's reading. incremental False (a request that is not streamed): the text is read once,
     when the choice ends, rather than on every delta (a reading is linear in the text so far)."""
@@ -66,6 +107,9 @@ class ChoicePieces:
         self.pending = ""  # whitespace content that waits to be known as text
         self.in_text = False  # text is open: whitespace goes out at once
         self.num_calls = 0
+        # the blocks, in the order the readings found them: incremental readings keep text after a call
+        # apart; one reading at the end lists its reasoning, its content, then its calls
+        self.in_order = InOrder()
 
     def update(self, text: str, new_text: str, finish_reason: str | None) -> Pieces:
         """text: the choice's text so far; new_text: what this delta added; finish_reason: the engine's
@@ -74,14 +118,22 @@ class ChoicePieces:
         final = finish_reason is not None
         if self.parse is None:
             self.finish_reason = finish_reason
-            return Pieces(content=new_text)
-        assert self.parser is not None
-        if not (self.incremental or final):
+            pieces = Pieces(content=new_text)
+        elif not (self.incremental or final):
             return Pieces()
-        pieces = self.parse.update(text, final)
-        if final:
-            self.finish_reason = self.parser.finish_reason(self.parse.result, finish_reason)
-        return self._whitespace_waits(pieces, final)
+        else:
+            assert self.parser is not None
+            pieces = self.parse.update(text, final)
+            if final:
+                self.finish_reason = self.parser.finish_reason(self.parse.result, finish_reason)
+            pieces = self._whitespace_waits(pieces, final)
+        formatted(pieces, self.in_order)
+        return pieces
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The answer's blocks in order (reasoning, text, calls as they came; see `in_order`)."""
+        return self.in_order.blocks
 
     @property
     def result(self) -> Parsed:

@@ -67,8 +67,10 @@ class ChatRun(Run):
         return sse(self.envelope("chat.completion.chunk", choices, **extra))
 
     def generate(
-        self, params: SamplingParams, log_id: str | None
+        self, params: SamplingParams, log_id: str | None, in_order: bool = False
     ) -> AsyncGenerator[tuple[RequestState, Delta], None]:
+        """in_order: the door lists the answer's blocks in order (Choice.blocks), so even a body answered
+        whole is read as it comes; else a body answered whole is read once, at its end."""
         body = self.body
         return self.serving.llm.generate(
             self.request_id,
@@ -78,7 +80,7 @@ class ChatRun(Run):
             cache_salt=body.cache_salt,
             log_id=log_id,
             parser=self.plan if self.plan.parses else None,
-            incremental=body.stream,  # a body answered whole is read once, at its end
+            incremental=body.stream or in_order,
             lora_name=self.serving.lora_name(body.model),
         )
 
@@ -96,15 +98,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
 
 
 def start_chat(
-    body: ChatCompletionRequest, request: Request, serving: OpenAIServing, id_prefix: str = "chatcmpl"
+    body: ChatCompletionRequest,
+    request: Request,
+    serving: OpenAIServing,
+    id_prefix: str = "chatcmpl",
+    in_order: bool = False,
 ) -> tuple[ChatRun, AsyncGenerator[tuple[RequestState, Delta], None]]:
     """The one rendering path of every chat-shaped door (chat completions, responses, messages, batch):
-    checks, the chat template, the tool plan and the sampling params; then the generation, started."""
+    checks, the chat template, the tool plan and the sampling params; then the generation, started.
+    in_order: the door answers with the blocks in order (ChatRun.generate)."""
     serving.admit()
     run, params = prepare_chat(body, serving, new_request_id(id_prefix))
     if metadata := metadata_of(body):
         logger.debug("request %s metadata: %s", run.request_id, metadata)
-    return run, run.generate(params, caller_request_id(request, body))
+    return run, run.generate(params, caller_request_id(request, body), in_order)
 
 
 def prepare_chat(

@@ -87,6 +87,8 @@ async def chat_completions_batch(
             prepared.append(prepare_chat(body.conversation(index), serving, f"{request_id}-{index}"))
         except OpenAIError as error:
             error.message = f"messages[{index}]: {error.message}"
+            if error.param is not None and error.param.startswith("messages["):  # one conversation's
+                error.param = f"messages[{index}]{error.param.removeprefix('messages')}"
             raise
     log_id = caller_request_id(request, body)
     work = [final_state(run.generate(params, log_id)) for run, params in prepared]

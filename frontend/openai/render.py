@@ -36,6 +36,10 @@ def chat_prompt(
         raise OpenAIError(
             "This model has no tokenizer: use /v1/completions with token ids.", param="messages"
         )
+    for index, message in enumerate(body.messages):
+        _check_content(
+            message, index, continued=body.continue_final_message and index == len(body.messages) - 1
+        )
     messages = [_message_for_template(message) for message in body.messages]
     try:
         text = tokenizer.apply_chat_template(
@@ -54,10 +58,26 @@ def chat_prompt(
     return Prompt(truncate_prompt(ids, body, serving.model_info.max_model_len), text)
 
 
+def _check_content(message: dict[str, Any], index: int, *, continued: bool) -> None:
+    """OpenAI's rule (and vLLM's): every message has content, except an assistant turn that carries its
+    tool calls (or the legacy function call) and, as vLLM allows, the assistant turn being continued.
+    A missing or null content of any other turn is a 400 naming it, never a turn rendered empty."""
+    if message.get("content") is not None:
+        return
+    if message.get("role") == "assistant" and (
+        message.get("tool_calls") or message.get("function_call") or continued
+    ):
+        return
+    param = f"messages[{index}].content"
+    raise OpenAIError(
+        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+    )
+
+
 def _message_for_template(message: dict[str, Any]) -> dict[str, Any]:
     """A message as chat templates expect it (vLLM's rendering): content always a string, so that a
     template that concatenates it works on the SDK's `{"role": "assistant", "content": null, "tool_calls":
-    [...]}` turn (null or missing content is ""; text parts are joined with newlines); tool calls' arguments
+    [...]}` turn (its null or missing content is ""; text parts are joined with newlines); tool calls' arguments
     as objects."""
     content = message.get("content")
     if content is None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from frontend.parsers.base import Parsed
+from frontend.engine.pieces import Block
 
 _encoder = msgspec.json.Encoder()
 
@@ -51,13 +51,17 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def output_items(parsed: Parsed) -> list[dict[str, Any]]:
+def output_items(blocks: list[Block]) -> list[dict[str, Any]]:
+    """The output items in the order the model wrote them, as the stream sends them: text after a call is
+    a message item after the function_call item."""
     items = []
-    if parsed.reasoning:
-        items.append(reasoning_item(parsed.reasoning))
-    if parsed.content and (parsed.content.strip() or not parsed.calls):
-        items.append(message_item(parsed.content))
-    items += [call_item(call.id, call.name, call.arguments) for call in parsed.calls]
+    for block in blocks:
+        if block.kind == "reasoning":
+            items.append(reasoning_item(block.text))
+        elif block.kind == "text":
+            items.append(message_item(block.text))
+        else:
+            items.append(call_item(block.call_id, block.name, block.text))
     return items
 
 

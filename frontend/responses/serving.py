@@ -98,7 +98,8 @@ async def create(body: ResponsesRequest, request: Request, serving: Serving) -> 
             "store is off on this server (--responses-store-max-count 0); send store: false.", param="store"
         )
     context = Context(serving, body, history)
-    run, stream = start_chat(to_chat_request(body, history), request, serving, id_prefix="resp")
+    chat = to_chat_request(body, history)
+    run, stream = start_chat(chat, request, serving, id_prefix="resp", in_order=True)
     context.run = run
     await context.keep(context.response("in_progress", []), running=True)
     if body.stream:
@@ -108,7 +109,7 @@ async def create(body: ResponsesRequest, request: Request, serving: Serving) -> 
     except BaseException as error:
         await _failed(context, error)
         raise
-    return json_response(await context.finished(state, output_items(state.choices[0].parsed)))
+    return json_response(await context.finished(state, output_items(state.choices[0].blocks)))
 
 
 @router.get("/v1/responses/{response_id}")
