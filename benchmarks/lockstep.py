@@ -32,7 +32,7 @@ from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
 from worker.executor import InprocExecutor
 from worker.models.layers import Linear
-from worker.models.llama import native_weights
+from worker.models.native import native_weights
 
 
 @dataclass

@@ -150,7 +150,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
     }
     const at::Tensor attention =
-        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale);  // [rows, heads, d]
+        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, 0, 0.0);  // [rows, heads, d]
     const at::Tensor attended = attention.view({rows, q_size});
     hidden = linear(attended, w[kO], at::Tensor(), w[kOPairs]);
     lora.add(1, attended, hidden, lora_rows);

@@ -7,7 +7,7 @@
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale);
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap);
 // How paged_decode_attention runs bf16 prefill rows as tiles: "amx", "avx512_bf16", or "" (row by row).
 std::string prefill_tiles();
 // Chooses that ("auto": the best the build and CPU allow, "none", "avx512_bf16", "amx"); returns prefill_tiles().

@@ -4,7 +4,10 @@
 // query:        [num_rows, num_heads, head_dim]                       (contiguous)
 // kv_cache:     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (contiguous; 0 = key, 1 = value)
 // block_tables: [num_rows, max_blocks] int64
-// seq_lens:     [num_rows] int64, keys each row sees (its own token included)
+// seq_lens:     [num_rows] int64, the row's position + 1: keys 0..seq_lens - 1 are its own and earlier
+// window:       > 0: a row sees only its last `window` keys (a sliding-window layer: keys p - window < k <= p,
+//               as Hugging Face's sliding masks); 0: all of them
+// softcap:      > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)
 // returns       [num_rows, num_heads, head_dim]
 //
 // A row is a decode token or a token of a prefill chunk. Decode rows: a task is one row and a run of
@@ -60,7 +63,17 @@ static inline void softmax_in_place(float* s, int64_t len) {
 
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, heads_per_task;
+  int64_t window = 0;   // keys a row sees at most (0: all)
+  float softcap = 0.f;  // score soft-capping (0: none)
+  int64_t first_key(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
+
+// Soft-capping of n scaled scores, in place: s -> cap * tanh(s / cap) (Gemma 2's attention logits).
+static inline void soft_cap(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] * inv);
+}
 
 // How bf16 prefill rows run: one by one (the decode kernel's row), or as tiles whose products are
 // AVX-512 BF16 instructions or AMX tile products. The best the build and the CPU allow unless
@@ -87,12 +100,14 @@ static void decode_attention_impl(const scalar_t* query, const scalar_t* cache, 
     alignas(64) float row_f[HEAD_DIM > 0 ? HEAD_DIM : 512];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / tasks_per_seq, first_kv = (task % tasks_per_seq) * kv_heads;
-      const int64_t len = seq_lens[seq];
+      const int64_t first = shape.first_key(seq_lens[seq]);  // the window's first key
+      const int64_t len = seq_lens[seq] - first;
       const int64_t* table = tables + seq * shape.max_blocks;
       const scalar_t* q_src = query + (seq * shape.num_heads + first_kv * group) * head_dim;
       for (int64_t i = 0; i < num_q * head_dim; ++i) q[i] = load(q_src, i) * scale;
       scores.resize(num_q * len);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = first + i;
         const scalar_t* row = cache + table[t / shape.block_size] * block_stride +
                               (t % shape.block_size) * token_stride + first_kv * head_dim;
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
@@ -103,20 +118,24 @@ static void decode_attention_impl(const scalar_t* query, const scalar_t* cache, 
             const float* __restrict__ qh = q.data() + h * head_dim;
             float dot = 0.f;
             for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * row_f[d];
-            scores[h * len + t] = dot;
+            scores[h * len + i] = dot;
           }
         }
       }
-      for (int64_t h = 0; h < num_q; ++h) softmax_in_place(scores.data() + h * len, len);
+      for (int64_t h = 0; h < num_q; ++h) {
+        soft_cap(scores.data() + h * len, len, shape.softcap);
+        softmax_in_place(scores.data() + h * len, len);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = first + i;
         const scalar_t* row = cache + table[t / shape.block_size] * block_stride + half_stride +
                               (t % shape.block_size) * token_stride + first_kv * head_dim;
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
           for (int64_t d = 0; d < head_dim; ++d) row_f[d] = load(row + kv * head_dim, d);
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kv * group + g;
-            const float p = scores[h * len + t];
+            const float p = scores[h * len + i];
             float* __restrict__ a = acc.data() + h * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row_f[d];
           }
@@ -186,22 +205,25 @@ struct RowScratch {
   std::vector<const scalar_t*> next;  // the same for the thread's next task (decode)
 };
 
-// The key rows of kv head `kv` for a block table's first `len` tokens, then PREFETCH_AHEAD more
-// copies of the last (prefetch targets). Once per row: a division per token and pass cost more than
-// the row's math.
+// The key rows of kv head `kv` for the keys a row of length `len` sees (its window's, or all), then
+// PREFETCH_AHEAD more copies of the last (prefetch targets); returns how many it sees. Once per row: a
+// division per token and pass cost more than the row's math.
 template <typename scalar_t, int HEAD_DIM>
-void key_rows(const scalar_t* cache, const int64_t* table, int64_t len, int64_t kv, const Shape& shape,
-              std::vector<const scalar_t*>& keys) {
+int64_t key_rows(const scalar_t* cache, const int64_t* table, int64_t len, int64_t kv, const Shape& shape,
+                 std::vector<const scalar_t*>& keys) {
   const int64_t block_size = shape.block_size;
   const int64_t token_stride = shape.num_kv_heads * HEAD_DIM;
   const int64_t block_stride = 2 * block_size * token_stride;
-  keys.resize(len + PREFETCH_AHEAD);
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
+  const int64_t first = shape.first_key(len), seen = len - first;
+  keys.resize(seen + PREFETCH_AHEAD);
+  int64_t i = 0;
+  for (int64_t blk = first / block_size, t0 = blk * block_size; t0 < len; t0 += block_size, ++blk) {
     const scalar_t* base = cache + table[blk] * block_stride + kv * HEAD_DIM;
-    const int64_t n = std::min(block_size, len - t0);
-    for (int64_t i = 0; i < n; ++i) keys[t0 + i] = base + i * token_stride;
+    for (int64_t t = std::max(t0, first), end = std::min(t0 + block_size, len); t < end; ++t)
+      keys[i++] = base + (t - t0) * token_stride;
   }
-  for (int64_t t = len; t < len + PREFETCH_AHEAD; ++t) keys[t] = keys[len - 1];
+  for (int64_t t = seen; t < seen + PREFETCH_AHEAD; ++t) keys[t] = keys[seen - 1];
+  return seen;
 }
 
 // One query row (one token) of one kv head's query-head group against the `len` keys at `keys`.
@@ -246,7 +268,10 @@ void attend_row(const scalar_t* q_src, const scalar_t* const* keys, int64_t len,
     }
     for (int g = 0; g < GROUP; ++g) _mm512_storeu_ps(scores.data() + g * padded + t0, sum16(part[g]));
   }
-  for (int g = 0; g < GROUP; ++g) softmax_in_place(scores.data() + g * padded, len);
+  for (int g = 0; g < GROUP; ++g) {
+    soft_cap(scores.data() + g * padded, len, shape.softcap);
+    softmax_in_place(scores.data() + g * padded, len);
+  }
   // Values weighted by the probabilities, accumulated in registers.
   __m512 acc[GROUP][V];
   for (int g = 0; g < GROUP; ++g)
@@ -271,12 +296,12 @@ void attend_row(const scalar_t* q_src, const scalar_t* const* keys, int64_t len,
   }
 }
 
-// One query row of kv head `kv` against `len` keys of its block table (a RowKernel).
+// One query row of kv head `kv`, of length `len`, against the keys of its block table it sees (a RowKernel).
 template <typename scalar_t, int HEAD_DIM, int GROUP>
 void decode_row(const scalar_t* q_src, const scalar_t* cache, const int64_t* table, int64_t len, int64_t kv,
                 scalar_t* dst, const Shape& shape, float scale, RowScratch<scalar_t>& scratch) {
-  key_rows<scalar_t, HEAD_DIM>(cache, table, len, kv, shape, scratch.keys);
-  attend_row<scalar_t, HEAD_DIM, GROUP>(q_src, scratch.keys.data(), len, nullptr, 0, dst, shape, scale,
+  const int64_t seen = key_rows<scalar_t, HEAD_DIM>(cache, table, len, kv, shape, scratch.keys);
+  attend_row<scalar_t, HEAD_DIM, GROUP>(q_src, scratch.keys.data(), seen, nullptr, 0, dst, shape, scale,
                                         scratch.scores);
 }
 
@@ -287,10 +312,9 @@ void decode(const scalar_t* query, const scalar_t* cache, const int64_t* tables,
   // A thread's tasks run in order, each asking for the next one's rows while it runs.
   at::parallel_for(0, shape.num_seqs * shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     RowScratch<scalar_t> scratch;
-    auto rows_of = [&](int64_t task, std::vector<const scalar_t*>& keys) {
+    auto rows_of = [&](int64_t task, std::vector<const scalar_t*>& keys) {  // how many keys it sees
       const int64_t seq = task / shape.num_kv_heads, kv = task % shape.num_kv_heads;
-      key_rows<scalar_t, HEAD_DIM>(cache, tables + seq * shape.max_blocks, seq_lens[seq], kv, shape, keys);
-      return seq_lens[seq];
+      return key_rows<scalar_t, HEAD_DIM>(cache, tables + seq * shape.max_blocks, seq_lens[seq], kv, shape, keys);
     };
     int64_t len = begin < end ? rows_of(begin, scratch.keys) : 0;
     for (int64_t task = begin; task < end; ++task) {
@@ -749,7 +773,7 @@ static Tiles current_tiles() {
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [seqs, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 5-d tensor");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
@@ -757,7 +781,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(query);
-  Shape shape{query.size(0), query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), tables.size(1), 0};
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
+  Shape shape{query.size(0), query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), tables.size(1), 0,
+              window, static_cast<float>(softcap)};
   TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0 && kv_cache.size(4) == shape.head_dim, "shape mismatch");
   // Few sequences: split each over its kv heads so that every thread has work.
   shape.heads_per_task = shape.num_seqs >= 4 * at::get_num_threads() ? shape.num_kv_heads : 1;
@@ -771,7 +797,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     const auto avx = avx512::pick<scalar_t>(shape.head_dim, group);
     if (avx.decode != nullptr) {
       // Rows of prefill chunks (runs of rows that share a table, lengths growing by one): as tiles.
-      const auto tiled = avx.tiled[static_cast<int>(current_tiles())];
+      // NOTE: a window or soft-capping takes the rows' path (the tiles read every key from the first)
+      const auto tiled = window || softcap ? nullptr : avx.tiled[static_cast<int>(current_tiles())];
       if (tiled != nullptr) {
         const auto tiles = avx512::find_tiles(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                               shape.num_seqs, shape.max_blocks);

@@ -74,6 +74,10 @@ def free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
+class StartupRefusedError(RuntimeError):
+    """The worker refused the user's settings or model at load (its one-line reason): not a fault."""
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process exited or reported an error."""
 
@@ -142,6 +146,8 @@ class MultiprocExecutor:
                 raise (timeout_error or WorkerDiedError)(f"worker did not answer within {timeout_s:.1f} s")
         message = self._output_codec.decode(self._socket.recv_multipart(copy=False))
         if isinstance(message, WorkerError):
+            if message.refused:
+                raise StartupRefusedError(message.message)
             # the worker has logged its traceback; what reaches clients and the engine's log is its last line
             lines = [line for line in message.message.strip().splitlines() if line.strip()]
             raise WorkerDiedError(f"worker failed: {lines[-1] if lines else 'no reason given'}")

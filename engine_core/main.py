@@ -10,7 +10,7 @@ import sys
 import msgspec
 
 from engine_core.engine_core import EngineCore
-from engine_core.executor import MultiprocExecutor, WorkerDiedError
+from engine_core.executor import MultiprocExecutor, StartupRefusedError, WorkerDiedError
 from engine_core.process import EngineCoreProc, install_signal_handlers
 from protocol.config import EngineConfig
 from protocol.log_format import configure_logging
@@ -38,6 +38,11 @@ def main() -> None:
     except WorkerDiedError as error:  # the worker has logged why; the engine cannot start without it
         logger.error("the engine cannot start: %s", error)
         raise SystemExit(1) from None
+    except StartupRefusedError as error:  # the user's model or settings: the launcher says why, in one line
+        if config.refusal_path:
+            with open(config.refusal_path, "w") as f:
+                f.write(str(error))
+        raise SystemExit(2) from None
     phases.mark("worker")
     proc = EngineCoreProc(config, EngineCore(config, executor))
     install_signal_handlers(proc)

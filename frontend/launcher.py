@@ -106,6 +106,11 @@ class Supervisor:
                 )
                 self.shutdown()
                 return 0 if code == 0 else 1
+            if isinstance(self.engine, EngineGroup) and (reason := self.engine.refusal()) is not None:
+                # the model or a setting it does not take: one line, argparse's form, exit status 2
+                self.shutdown()
+                print(f"engine serve: error: {reason}", file=sys.stderr, flush=True)
+                return 2
             if self.engine is not None and not self.engine.is_alive() and engine_died_at is None:
                 engine_died_at = time.monotonic()
                 logger.error(

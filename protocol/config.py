@@ -112,3 +112,4 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     data_parallel_addresses: list[list[str]] = []  # every engine's [input, output] ([]: the only one); an
     # engine on another machine is ["", ""] here until it announces itself to engine 0
     data_parallel_head: str = ""  # an engine on another machine than engine 0: engine 0's input address
+    refusal_path: str = ""  # where a start refused for the user's settings or model writes why (exit code 2)

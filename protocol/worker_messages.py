@@ -65,6 +65,7 @@ class WorkerError(msgspec.Struct, tag="worker_error", array_like=True):
     """worker -> engine: a step or the load failed; the engine treats it as fatal."""
 
     message: str
+    refused: bool = False  # the load refused the user's settings or model (one line, no traceback)
 
 
 class WorkerCall(msgspec.Struct, tag="worker_call", array_like=True):

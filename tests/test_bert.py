@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from worker.model_config import ModelConfig
+from worker.config_files import load_model_config
 from worker.models import build_model
 from worker.models.bert import BertModel
 from worker.weights import iterate_weights
@@ -35,7 +35,7 @@ def bert_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.
 
 
 def ours(folder: pathlib.Path, ops=None, batch_invariant: bool = False) -> BertModel:  # type: ignore[no-untyped-def]
-    config = ModelConfig.load(str(folder))
+    config = load_model_config(str(folder))
     model = build_model(config, torch.float32, ops)
     assert isinstance(model, BertModel)
     model.load_weights(iterate_weights(str(folder), config, progress=False))

@@ -134,11 +134,11 @@ def test_the_last_layer_runs_on_the_scored_rows_only(tiny_model, native: bool, m
 
     if native and load_cpu_ops() is None:
         pytest.skip("no C++ compiler: the csrc kernels did not build")
-    from worker.models.llama import LlamaForCausalLM
+    from worker.models.causal_lm import CausalLM
 
     steps: list[tuple[int, int | None, int]] = []  # (tokens, scored rows or None for all, rows returned)
     mlp_rows: list[int] = []
-    forward, finalize = LlamaForCausalLM.forward, LlamaForCausalLM.finalize
+    forward, finalize = CausalLM.forward, CausalLM.finalize
 
     def recording_forward(self, input_ids, *args):  # type: ignore[no-untyped-def]
         hidden = forward(self, input_ids, *args)
@@ -152,8 +152,8 @@ def test_the_last_layer_runs_on_the_scored_rows_only(tiny_model, native: bool, m
             self.native_layers = None
         self.layers[-1].mlp.register_forward_hook(lambda _m, args, _out: mlp_rows.append(args[0].shape[0]))
 
-    monkeypatch.setattr(LlamaForCausalLM, "forward", recording_forward)
-    monkeypatch.setattr(LlamaForCausalLM, "finalize", finalize_and_hook)
+    monkeypatch.setattr(CausalLM, "forward", recording_forward)
+    monkeypatch.setattr(CausalLM, "finalize", finalize_and_hook)
     folder, prompts, oracle = tiny_model
     outputs, _ = run_engine(folder, prompts, max_num_batched_tokens=16)
     for ours, expected in zip(outputs, oracle, strict=True):

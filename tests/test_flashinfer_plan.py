@@ -34,7 +34,8 @@ class CheckingBackend:
         self.inner = inner
         self.seen: Counter[str] = Counter()
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):  # type: ignore[no-untyped-def]
+    def forward(self, query, key, value, kv_cache, metadata, scale, window=0, softcap=0.0):  # type: ignore[no-untyped-def]
+        assert not window and not softcap  # a Llama: FlashInfer's plan has neither
         output = self.inner.forward(query, key, value, kv_cache, metadata, scale)
         decode, prefill = step_plans(metadata, kv_cache.shape[2])
         split = metadata.num_decode_tokens

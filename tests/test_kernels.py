@@ -39,7 +39,7 @@ def test_paged_decode_attention_matches_reference(
     check_paged_rows(ops, query, cache, tables, seq_lens)
 
 
-def check_paged_rows(ops, query, cache, tables, seq_lens) -> None:  # type: ignore[no-untyped-def]
+def check_paged_rows(ops, query, cache, tables, seq_lens, window=0, softcap=0.0) -> None:  # type: ignore[no-untyped-def]
     """The kernel's rows (one block table and length each) against the reference, row by row."""
     metadata = AttentionMetadata(
         num_decode_tokens=query.shape[0],
@@ -49,8 +49,8 @@ def check_paged_rows(ops, query, cache, tables, seq_lens) -> None:  # type: igno
         decode_seq_lens=seq_lens,
     )
     scale = query.shape[-1] ** -0.5
-    expected = TorchAttentionBackend().decode(query.float(), cache.float(), metadata, scale)
-    actual = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
+    expected = TorchAttentionBackend().decode(query.float(), cache.float(), metadata, scale, window, softcap)
+    actual = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, window, softcap)
     assert actual.dtype == query.dtype and actual.shape == query.shape
     tolerance = TOLERANCE[query.dtype]
     torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
@@ -91,6 +91,23 @@ def test_paged_rows_of_prefill_chunks_match_reference(
     check_paged_rows(ops, *prefill_rows(num_heads, num_kv_heads, head_dim, block_size, dtype, seed))
 
 
+@EVERY_DTYPE
+@ATTENTION_SHAPES
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (5, 0.0), (21, 0.0), (0, 1.5), (9, 3.0)])
+def test_windows_and_soft_capping_match_reference(
+    ops, dtype, num_heads, num_kv_heads, head_dim, block_size, window, softcap
+) -> None:  # type: ignore[no-untyped-def]
+    """A sliding window (the last `window` keys of each row: within a block, across blocks, longer than
+    short rows) and soft-capped scores, on decode rows and prefill chunks' rows (which then take the rows'
+    path, not the tiles)."""
+    seed = 3 * num_heads + head_dim + block_size + window
+    rows = prefill_rows(num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    check_paged_rows(ops, *rows, window=window, softcap=softcap)
+    query, cache, tables, seq_lens = rows
+    few = slice(0, 3)  # fewer rows than threads' tasks: the portable kernel's path
+    check_paged_rows(ops, query[few], cache, tables[few], seq_lens[few], window=window, softcap=softcap)
+
+
 @pytest.fixture(params=["avx512_bf16", "amx"])
 def tiles(ops, request):  # type: ignore[no-untyped-def]
     """Prefill rows as these tiles for the test, whatever this CPU's best; skipped where not available."""
@@ -114,9 +131,9 @@ def test_each_kind_of_prefill_tiles_matches_reference(
     )
     check_paged_rows(ops, query, cache, tables, seq_lens)
     scale = head_dim**-0.5
-    tiled = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
+    tiled = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, 0, 0.0)
     ops.use_prefill_tiles("none")
-    rows = ops.paged_decode_attention(query, cache, tables, seq_lens, scale)
+    rows = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, 0, 0.0)
     assert ops.prefill_tiles() == ""
     assert torch.equal(tiled, rows) == (head_dim == 32)
 
@@ -269,7 +286,7 @@ def test_rms_norm_and_fused_add_match_reference(ops, dtype, rows, hidden) -> Non
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_in_place_on_strided_qkv_views(ops, dtype) -> None:  # type: ignore[no-untyped-def]
-    from worker.models.layers import RotaryEmbedding
+    from worker.models.rope import RotaryEmbedding
 
     tokens, heads, kv_heads, head_dim = 11, 6, 2, 64
     rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, torch.device("cpu"))
@@ -389,7 +406,7 @@ def test_cpu_prefill_plans_match_per_chunk_reference(ops, dtype) -> None:  # typ
             backend.prefill(query, key, value, cache, step, 0.125, actual)
         finally:
             cpu.PREFILL_BATCH_TOKENS = old_budget
-        paged, singles, groups = step.scratch["prefill_plan"]
+        paged, singles, groups = step.scratch[("prefill_plan", limit)]
         rows = [] if paged is None else torch.arange(start)[paged.rows].tolist()
         expected_rows = [r for i in paged_chunks for r in range(chunks[i].token_start, chunks[i].token_end)]
         assert rows == expected_rows
@@ -430,8 +447,9 @@ def test_cascade_over_shared_cached_blocks_matches_reference(ops, dtype) -> None
         expected = torch.zeros_like(query)
         TorchAttentionBackend().prefill(query, key, key, cache, metadata, 0.125, expected)
         actual = torch.zeros_like(query)
-        cpu.CpuAttentionBackend(ops).prefill(query, key, key, cache, metadata, 0.125, actual)
-        paged, singles, groups = metadata.scratch["prefill_plan"]
+        backend = cpu.CpuAttentionBackend(ops)
+        backend.prefill(query, key, key, cache, metadata, 0.125, actual)
+        paged, singles, groups = metadata.scratch[("prefill_plan", backend.paged_pairs)]
         assert paged is None and singles == [] and len(groups) == 1
         if expect_cascade:
             assert groups[0].shared is not None and torch.equal(groups[0].shared, shared)

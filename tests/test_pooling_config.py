@@ -11,7 +11,8 @@ import pytest
 from protocol.config import WorkerConfig
 from protocol.pooling import PoolerConfig
 from tests.test_bert import TINY
-from worker.model_config import ModelConfig, UnsupportedModelError
+from worker.config_files import load_model_config
+from worker.model_config import UnsupportedModelError
 from worker.pooling import resolve_pooling
 
 
@@ -48,7 +49,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]
 
 def resolve(folder: pathlib.Path, **kwargs):  # type: ignore[no-untyped-def]
     config = WorkerConfig(model=str(folder), **kwargs)
-    return resolve_pooling(config, ModelConfig.load(str(folder)))
+    return resolve_pooling(config, load_model_config(str(folder)))
 
 
 def test_a_sentence_transformers_folder_is_an_embedder_as_it_says(folders) -> None:  # type: ignore[no-untyped-def]

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
 
 from frontend import LLM, SamplingParams
+from frontend.engine.process import EngineRefusedError
 from tests.hf_oracle import compare_greedy, hf_greedy, hf_model_of_gguf
 from worker.model_config import ModelConfig
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
@@ -136,9 +138,9 @@ def test_smollm2_tp3_equals_hf_and_tp2_is_refused(
     for prompt, result in zip(ids, results, strict=True):
         compare_greedy(result.outputs[0].token_ids, hf_greedy(model, prompt, 24, eos_token_id=2))
     capfd.readouterr()
-    with pytest.raises(Exception, match="exited during startup"):
-        LLM(smollm2_gguf, tensor_parallel_size=2, max_model_len=512, num_kv_blocks=32, startup_timeout_s=120)
     refusal = "--tensor-parallel-size 2 does not divide the model's 9 attention heads (3 KV heads)"
+    with pytest.raises(EngineRefusedError, match=re.escape(refusal)):  # the worker's reason, one line
+        LLM(smollm2_gguf, tensor_parallel_size=2, max_model_len=512, num_kv_blocks=32, startup_timeout_s=120)
     log = capfd.readouterr().err
     assert refusal in log and "Traceback" not in log, log
 

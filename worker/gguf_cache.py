@@ -22,13 +22,14 @@ from collections.abc import Iterator
 import torch
 
 from protocol.config import default_cache_dir
-from worker.model_config import ModelConfig, open_gguf
+from worker.config_files import load_model_config, open_gguf
+from worker.model_config import ModelConfig
 from worker.weights import iterate_weights
 
 logger = logging.getLogger("engine.worker")
 
 # Bump when the conversion changes (names, the rotary permutation, dtypes): older entries are then ignored.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
 
@@ -38,7 +39,7 @@ Weights = Iterator[tuple[str, torch.Tensor]]
 def load_model_files(model: str, cache_dir: str | None) -> tuple[ModelConfig, Weights]:
     """The model's config and an iterator of its (Hugging Face name, tensor) weights."""
     if not model.endswith(".gguf"):
-        config = ModelConfig.load(model)
+        config = load_model_config(model)
         return config, iterate_weights(model, config)
     entry = _entry_path(model, cache_dir) if cache_dir else None
     if entry is not None and os.path.exists(os.path.join(entry, CONFIG_FILE)):
@@ -47,7 +48,7 @@ def load_model_files(model: str, cache_dir: str | None) -> tuple[ModelConfig, We
         except Exception as error:  # noqa: BLE001 (a truncated file, a changed config: convert again)
             logger.warning("ignoring a broken GGUF conversion at %s: %s", entry, error)
     reader = open_gguf(model)
-    config = ModelConfig.load(model, reader)
+    config = load_model_config(model, reader)
     if entry is None:
         return config, iterate_weights(model, config, reader)
     weights = dict(iterate_weights(model, config, reader))

@@ -11,8 +11,8 @@ import torch
 
 from worker.attention.cpu import CpuAttentionBackend
 from worker.csrc_ops import cpu_isa_flags
+from worker.models.causal_lm import CausalLM
 from worker.models.layers import Linear
-from worker.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from worker.attention.base import AttentionBackend
@@ -42,11 +42,11 @@ def product_kernel(linear: Linear) -> str:
 
 
 def kernel_table(
-    model: LlamaForCausalLM | BertModel, backend: AttentionBackend, dtype: torch.dtype
+    model: CausalLM | BertModel, backend: AttentionBackend, dtype: torch.dtype
 ) -> list[tuple[str, str]]:
     linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
     first = next(iter(linears.values()))
-    if not isinstance(model, LlamaForCausalLM):  # an encoder (worker/models/bert.py)
+    if not isinstance(model, CausalLM):  # an encoder (worker/models/bert.py)
         return [("products", product_kernel(first)), ("attention", "torch SDPA per input, bidirectional")]
     table = [
         ("products", product_kernel(first)),
@@ -70,9 +70,7 @@ def kernel_table(
     return table
 
 
-def log_kernel_table(
-    model: LlamaForCausalLM | BertModel, backend: AttentionBackend, dtype: torch.dtype
-) -> None:
+def log_kernel_table(model: CausalLM | BertModel, backend: AttentionBackend, dtype: torch.dtype) -> None:
     mode = "batch-invariant" if model.batch_invariant else "batch-variant"
     table = kernel_table(model, backend, dtype)
     logger.info(

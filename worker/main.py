@@ -62,7 +62,7 @@ def main() -> None:
             runner, calls, relay = _load(config, phases)
         except StartupRefused as error:  # the user's settings, not a fault: one line, no traceback
             logger.error("%s", error)
-            socket.send_multipart(output_codec.encode(WorkerError(str(error))))
+            socket.send_multipart(output_codec.encode(WorkerError(str(error), refused=True)))
             raise SystemExit(1) from None
         socket.send_multipart(output_codec.encode(WorkerReady(runner.model_info())))
         phases.mark("ready")
@@ -108,13 +108,14 @@ def _load(config: WorkerConfig, phases: StartupPhases) -> tuple[Any, Any, Any]:
     """The model runner, its calls and (tensor parallel) the relay between the ranks."""
     from worker.calls import WorkerCalls
     from worker.gpu.device import DeviceError
+    from worker.model_config import UnsupportedModelError
     from worker.model_runner import ModelRunner
     from worker.parallel.sharding import ShardingError
 
     phases.mark("imports")
     try:
         runner = ModelRunner(config, phases)
-    except (ShardingError, DeviceError) as error:
+    except (ShardingError, DeviceError, UnsupportedModelError) as error:
         raise StartupRefused(str(error)) from None
     calls = WorkerCalls(runner)
     relay = None

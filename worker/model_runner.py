@@ -32,9 +32,10 @@ from worker.input_batch import InputBatch, StepInputs
 from worker.kernel_table import log_kernel_table
 from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
-from worker.model_config import ModelConfig
+from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.models import build_model
-from worker.models.llama import LlamaForCausalLM
+from worker.models.causal_lm import CausalLM
+from worker.models.rope import check_rope_length, rope_length_limit
 from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
 from worker.pooling import resolve_pooling
@@ -99,9 +100,19 @@ class ModelRunner:
         limit = self.model_config.max_position_embeddings
         # a sentence-transformers folder's max_seq_length is its longest input, as vLLM takes it
         longest = self.pooling.max_seq_length if self.pooling is not None else None
+        # a rope that changes with the sequence's length (dynamic, longrope) is served up to where it does
+        rope_limit = rope_length_limit(self.model_config.rope_scaling)
+        if rope_limit is not None and not config.max_model_len and rope_limit < limit:
+            logger.info("max_model_len %d: where this model's %s rope changes", rope_limit,
+                        (self.model_config.rope_scaling or {}).get("rope_type"))  # fmt: skip
+            limit = rope_limit
         self.max_model_len = config.max_model_len or min(limit, longest or limit)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
+        try:
+            check_rope_length(self.model_config.rope_scaling, self.max_model_len)
+        except ValueError as error:
+            raise UnsupportedModelError(str(error)) from None
         self.block_size = config.block_size
         phases.mark("config")
         # the CUDA backend is chosen once the rank's shape is known (below)
@@ -203,7 +214,7 @@ class ModelRunner:
         self.shard = Shard(self.model_config, self.config.rank, size)
         self.model_config = shard_config(self.model_config, size)
 
-    def _build_model(self, weights: Any, phases: StartupPhases | None = None) -> LlamaForCausalLM | BertModel:
+    def _build_model(self, weights: Any, phases: StartupPhases | None = None) -> CausalLM | BertModel:
         """The model from the checkpoint's weights, packed for the kernels (at start, and on a level-2 wake)."""
         model = build_model(self.model_config, self.dtype, self.ops, self.tp)
         model.load_weights(weights if self.shard is None else self.shard.weights(weights))
@@ -211,11 +222,11 @@ class ModelRunner:
             phases.mark("weights")
         model.finalize(self.batch_invariant, pack=self.device.type == "cpu")
         model = model.to(self.device)
-        if isinstance(model, LlamaForCausalLM):
+        if isinstance(model, CausalLM):
             model.init_rotary(self.max_model_len, self.device)
         return model.eval()
 
-    def reload_model(self) -> LlamaForCausalLM | BertModel:
+    def reload_model(self) -> CausalLM | BertModel:
         """A second copy of the model, read from the checkpoint again (a level-2 wake copies it in)."""
         _, weights = load_model_files(self.config.model, self.config.cache_dir)
         return self._build_model(weights)
@@ -263,7 +274,7 @@ class ModelRunner:
             step = self.pooling_step
             pooled = step.execute(self.model, inputs, self.batch, self.kv_caches, self.backend, lora)
             return self._with_lora_errors(pooled, inputs)
-        assert isinstance(self.model, LlamaForCausalLM)  # an encoder only pools
+        assert isinstance(self.model, CausalLM)  # an encoder only pools
         ends = np.cumsum(inputs.counts)
         sample_pos = [
             i

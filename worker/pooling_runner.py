@@ -39,7 +39,7 @@ class PoolingStep:
         backend: Any,
         lora: Any = None,
     ) -> ModelRunnerOutput:
-        """model: a BertModel or a LlamaForCausalLM (its `norm` after the last layer); lora: the step's
+        """model: a BertModel or a CausalLM (its `norm` after the last layer); lora: the step's
         LoraBatch (a causal LM's adapters)."""
         counts, starts = inputs.counts, inputs.starts
         ends = np.cumsum(counts)

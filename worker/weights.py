@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from worker.model_config import ModelConfig, UnsupportedModelError, open_gguf
+from worker.config_files import open_gguf
+from worker.model_config import ModelConfig, UnsupportedModelError
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",

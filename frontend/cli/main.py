@@ -171,11 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
+    from frontend.engine.process import EngineRefusedError
     from frontend.model_files import ModelNotFoundError
 
     try:
         return int(args.func(args))
-    except (ConfigError, ModelNotFoundError) as error:  # a bad flag or model of a command that does not
+    except (
+        ConfigError,
+        ModelNotFoundError,
+        EngineRefusedError,
+    ) as error:  # a bad flag or model of a command that does not
         return usage_error(args.command, error)  # say it itself (bench), found before any process starts
 
 

@@ -3,6 +3,8 @@ data-parallel engines this machine hosts."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -15,6 +17,10 @@ from protocol.config import EngineConfig
 from protocol.startup import parent_pid_arg
 
 
+class EngineRefusedError(ValueError):
+    """The engine refused to start: the model's architecture, or a setting it does not take (one line)."""
+
+
 class EngineProcess:
     """Owns the engine process; the engine in turn owns its workers."""
 
@@ -24,6 +30,9 @@ class EngineProcess:
             self._ipc_dir = tempfile.mkdtemp(prefix="engine-")
             config.input_address = config.input_address or f"ipc://{self._ipc_dir}/input"
             config.output_address = config.output_address or f"ipc://{self._ipc_dir}/output"
+        # where the engine writes why it refused to start (the model or settings: exit code 2)
+        handle, config.refusal_path = tempfile.mkstemp(prefix="engine-refusal-")
+        os.close(handle)
         self.config = config
         self.process = subprocess.Popen(
             [sys.executable, "-m", "engine_core.main", parent_pid_arg()], stdin=subprocess.PIPE
@@ -34,6 +43,16 @@ class EngineProcess:
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
+
+    def refusal(self) -> str | None:
+        """Why the engine refused to start (exit code 2: an architecture or setting we do not serve)."""
+        if self.process.poll() != 2:
+            return None
+        try:
+            with open(self.config.refusal_path) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
 
     def terminate(self) -> None:
         """Ask the engine to drain and exit (SIGTERM); `shutdown` waits for it."""
@@ -50,6 +69,8 @@ class EngineProcess:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.config.refusal_path)
 
     @property
     def pid(self) -> int:
@@ -110,6 +131,10 @@ class EngineGroup:
     def is_alive(self) -> bool:
         """Every engine: one that died makes the deployment unhealthy, as a lone engine's death does."""
         return all(engine.is_alive() for engine in self.engines)
+
+    def refusal(self) -> str | None:
+        """Why an engine refused to start, if one did (EngineProcess.refusal)."""
+        return next((reason for engine in self.engines if (reason := engine.refusal())), None)
 
     @property
     def returncode(self) -> int | None:

@@ -19,7 +19,7 @@ from frontend.config.engine_args import EngineArgs
 from frontend.engine.async_llm import AsyncLLM, final_state, gather_all
 from frontend.engine.data_parallel import EngineClient, connect_engines
 from frontend.engine.output_processor import RequestState
-from frontend.engine.process import EngineGroup
+from frontend.engine.process import EngineGroup, EngineRefusedError
 from frontend.model_files import load_tokenizer
 from frontend.offline.lora import LoraLoader, LoRARequest
 from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
@@ -52,8 +52,11 @@ class LLM(PoolingMethods):
         try:
             self.tokenizer = load_tokenizer(config.worker.tokenizer or self.model, self.args.cache_dir)
             self.model_info: ModelInfo = self._call(self._start(config.input_address, config.output_address))
-        except BaseException:
+        except BaseException as error:
+            reason = self.engine.refusal()
             self.shutdown()
+            if reason is not None:  # the model or a setting: what the engine said, not a dead engine
+                raise EngineRefusedError(reason) from error
             raise
         self._counter = itertools.count()
         self._loras = LoraLoader()

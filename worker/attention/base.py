@@ -41,7 +41,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] (long, padded with 0)
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] tokens in the cache, the new one included
     prefills: list[PrefillChunk] = field(default_factory=list)
-    scratch: dict[str, Any] = field(default_factory=dict)  # a backend's per-step plans, shared by the layers
+    scratch: dict[Any, Any] = field(default_factory=dict)  # a backend's per-step plans, shared by the layers
 
 
 class AttentionBackend(Protocol):
@@ -53,6 +53,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,  # > 0: a query at position p sees keys p - window < k <= p (a sliding layer)
+        softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap) before the softmax
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -14,7 +14,7 @@ model's fused layers use the same kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -71,11 +71,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.ops.write_kv(key, value, kv_cache, metadata.slot_block_ids, metadata.slot_offsets)
 
     def decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
         return self.ops.paged_decode_attention(
-            query.contiguous(), kv_cache, metadata.decode_block_tables, metadata.decode_seq_lens, scale
+            query.contiguous(),
+            kv_cache,
+            metadata.decode_block_tables,
+            metadata.decode_seq_lens,
+            scale,
+            window,
+            softcap,
         )
 
     def paged_rows(
@@ -111,18 +123,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
-        """Short chunks: one paged-kernel call, a query row per token (16 fresh prompts of ~100 tokens
+        """A layer with a window or soft-capping: every chunk's rows through the paged kernel (each row
+        reads its window's keys alone). Otherwise, short chunks: one paged-kernel call, a query row per token (16 fresh prompts of ~100 tokens
         took 198 ms in 480 SDPA calls a step, 97 ms this way). Longer chunks after a cached context
         (prefix-cache hits, later chunks of long prompts), when there are several: batched SDPA calls
         over their KV read back from the cache (the new tokens are already written), one call per group
         instead of one per chunk; when they all begin with the same cached blocks, those keys are
         attended to once for all their rows (cascade, merged by log-sum-exp). The rest: SDPA per chunk."""
-        paged, singles, groups = step_plan(metadata, kv_cache.shape[2], self.paged_pairs)
+        every_row = bool(window or softcap)
+        paged, singles, groups = step_plan(
+            metadata, kv_cache.shape[2], TILED_PREFILL_PAIRS if every_row else self.paged_pairs
+        )
         if paged is not None:
             rows = paged.rows
             out = self.ops.paged_decode_attention(
-                query[rows].contiguous(), kv_cache, paged.tables, paged.seq_lens, scale
+                query[rows].contiguous(), kv_cache, paged.tables, paged.seq_lens, scale, window, softcap
             )
             output[rows] = out
         for chunk in singles:
@@ -203,11 +221,13 @@ class PagedPrefill:
 def step_plan(
     metadata: AttentionMetadata, block_size: int, paged_pairs: int
 ) -> tuple[PagedPrefill | None, list[PrefillChunk], list[PrefillGroup]]:
-    """plan_prefill of the step's chunks, made on first use (the first layer) and shared by the rest."""
-    plan = metadata.scratch.get("prefill_plan")
+    """plan_prefill of the step's chunks, made on first use (the first layer) and shared by the rest (by
+    the layers of each kind, when a model's windowed layers take every chunk as paged rows)."""
+    key = ("prefill_plan", paged_pairs)
+    plan = metadata.scratch.get(key)
     if plan is None:
-        plan = metadata.scratch["prefill_plan"] = plan_prefill(metadata.prefills, block_size, paged_pairs)
-    return plan
+        plan = metadata.scratch[key] = plan_prefill(metadata.prefills, block_size, paged_pairs)
+    return cast(tuple[PagedPrefill | None, list[PrefillChunk], list[PrefillGroup]], plan)
 
 
 def plan_prefill(

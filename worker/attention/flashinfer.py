@@ -28,13 +28,14 @@ class FlashInferBackend:
     name = "flashinfer"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                 head_dim: int, block_size: int) -> None:  # fmt: skip
+                 head_dim: int, block_size: int, scale: float | None = None) -> None:  # fmt: skip
         import flashinfer  # type: ignore[import-not-found]
 
         self.flashinfer = flashinfer
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.shape = (num_heads, num_kv_heads, head_dim, block_size)  # what every plan() takes after the plan
-        self.scale = head_dim**-0.5  # every layer's (worker/models/llama.py), planned with the wrappers
+        # every layer's (ModelConfig.query_scale: worker/models/attention.py), planned with the wrappers
+        self.scale = scale if scale is not None else head_dim**-0.5
         self.workspace = torch.zeros(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device
         )  # zeroed: its first use
@@ -103,10 +104,13 @@ class FlashInferBackend:
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        if scale != self.scale:
+        if scale != self.scale or window or softcap:  # cuda_backend() gives such models the torch backend
             raise ValueError(
-                f"FlashInfer was planned with softmax scale {self.scale}, and a layer asks {scale}"
+                f"FlashInfer was planned with softmax scale {self.scale}, no window and no soft-capping; a "
+                f"layer asks scale {scale}, window {window}, soft-cap {softcap}"
             )
         kv_cache[metadata.slot_block_ids, 0, metadata.slot_offsets] = key
         kv_cache[metadata.slot_block_ids, 1, metadata.slot_offsets] = value

@@ -1,4 +1,10 @@
-"""Reference paged attention in plain torch: the oracle every faster backend is tested against."""
+"""Reference paged attention in plain torch: the oracle every faster backend is tested against.
+
+A layer may ask for a sliding window (`window` > 0: a query at position p sees keys p - window < k <= p,
+as Hugging Face's sliding masks) and for soft-capped scores (`softcap` > 0: s -> softcap * tanh(s /
+softcap) before the softmax, Gemma 2's); soft-capping runs Hugging Face's eager attention, which SDPA
+cannot express.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +25,17 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, metadata)
         num_decode = metadata.num_decode_tokens
         if num_decode == query.shape[0]:  # decode only: no output to assemble
-            return self.decode(query, kv_cache, metadata, scale)
+            return self.decode(query, kv_cache, metadata, scale, window, softcap)
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         if num_decode:
-            output[:num_decode] = self.decode(query[:num_decode], kv_cache, metadata, scale)
-        self.prefill(query, key, value, kv_cache, metadata, scale, output)
+            output[:num_decode] = self.decode(query[:num_decode], kv_cache, metadata, scale, window, softcap)
+        self.prefill(query, key, value, kv_cache, metadata, scale, output, window, softcap)
         return output
 
     def paged_rows(
@@ -44,7 +52,13 @@ class TorchAttentionBackend:
         kv_cache[metadata.slot_block_ids, 1, metadata.slot_offsets] = value
 
     def decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """query: [num_decode, num_heads, head_dim], one token per sequence -> same shape."""
         assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
@@ -57,11 +71,16 @@ class TorchAttentionBackend:
             kv_cache[:, 0][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
         )  # [B, kvh, L, d]
         v = kv_cache[:, 1][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-        mask = metadata.scratch.get("decode_mask")
-        if mask is None:  # the first layer builds it; [B, 1, 1, L]: the keys each sequence has
+        mask = metadata.scratch.get(("decode_mask", window))
+        if mask is None:  # the first layer builds it; [B, 1, 1, L]: the keys each sequence sees
             seq_lens = metadata.decode_seq_lens
-            mask = torch.arange(length, device=seq_lens.device)[None, :] < seq_lens[:, None]
-            mask = metadata.scratch["decode_mask"] = mask[:, None, None, :]
+            keys = torch.arange(length, device=seq_lens.device)[None, :]
+            mask = keys < seq_lens[:, None]
+            if window:
+                mask &= keys >= seq_lens[:, None] - window
+            mask = metadata.scratch[("decode_mask", window)] = mask[:, None, None, :]
+        if softcap:
+            return eager_attention(query.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [B, num_heads, 1, head_dim]
@@ -76,10 +95,15 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         """Each prefill chunk attends to its cached context and, causally, to itself; writes into output."""
         for chunk in metadata.prefills:
-            self.prefill_chunk(query, key, value, kv_cache, chunk, scale, output)
+            if window or softcap:
+                self.prefill_chunk_eager(query, kv_cache, chunk, scale, output, window, softcap)
+            else:
+                self.prefill_chunk(query, key, value, kv_cache, chunk, scale, output)
 
     def prefill_chunk(
         self,
@@ -109,6 +133,50 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )[0]  # [num_heads, n, head_dim]
         output[start:end] = out.transpose(0, 1)
+
+    def prefill_chunk_eager(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+        output: torch.Tensor,
+        window: int,
+        softcap: float,
+    ) -> None:
+        """A chunk of a layer with a window or soft-capping: Hugging Face's eager attention over the
+        chunk's keys and values read back from the cache (its own written first)."""
+        start, end = chunk.token_start, chunk.token_end
+        k, v = (part.transpose(0, 1)[None] for part in chunk_keys_values(kv_cache, chunk))  # [1, kvh, S, d]
+        q = query[start:end].transpose(0, 1)[None]  # [1, heads, n, d]
+        out = eager_attention(q, k, v, window_mask(chunk, window)[None, None], scale, softcap)
+        output[start:end] = out[0].transpose(0, 1)
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Hugging Face's eager attention: q [B, heads, n, d], k/v [B, kv_heads, S, d], mask bool
+    broadcastable to [B, heads, n, S] (True: seen) -> [B, heads, n, d]. Scores scaled, soft-capped when
+    softcap > 0, masked, then a float32 softmax cast back to q's dtype before the values."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, heads, n, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def window_mask(chunk: PrefillChunk, window: int) -> torch.Tensor:
+    """[n, seq_len] bool: query i (position context_len + i) sees keys p - window < k <= p (window 0: all
+    keys up to p)."""
+    n, device = chunk.token_end - chunk.token_start, chunk.block_ids.device
+    keys = torch.arange(chunk.context_len + n, device=device)[None, :]
+    positions = (chunk.context_len + torch.arange(n, device=device))[:, None]
+    mask = keys <= positions
+    return mask & (keys > positions - window) if window else mask
 
 
 def chunk_keys_values(kv_cache: torch.Tensor, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:

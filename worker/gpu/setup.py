@@ -16,6 +16,7 @@ import torch
 
 from worker.attention import AttentionBackend, AttentionMetadata, PrefillChunk
 from worker.gpu.backends import choose_cuda_backend
+from worker.gpu.device import DeviceError
 from worker.gpu.memory import MemoryPlan, bytes_per_block, plan_kv_cache
 from worker.input_batch import StepInputs
 from worker.model_config import ModelConfig
@@ -36,13 +37,28 @@ def cuda_backend(requested: str, config: ModelConfig, dtype: torch.dtype, device
         installed,
         nvcc_found(),
     )
+    if name == "flashinfer" and (config.sliding_window or config.attn_softcap):
+        # NOTE: our FlashInfer plan serves one kind of layer; a model whose layers differ (Gemma's windows
+        # on some of them) needs a plan per kind, not built yet
+        if requested == "flashinfer":
+            raise DeviceError(
+                "--attention-backend flashinfer: sliding windows and soft-capped scores are not planned yet"
+            )
+        name = "torch"
+        reasons.append("sliding windows and soft-capped scores take the torch backend on CUDA so far")
     if reasons:
         logger.info("attention on CUDA: %s (%s)", name, "; ".join(reasons))
     if name == "flashinfer":
         from worker.attention.flashinfer import FlashInferBackend
 
         return FlashInferBackend(
-            device, dtype, config.num_heads, config.num_kv_heads, config.head_dim, block_size
+            device,
+            dtype,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            block_size,
+            config.query_scale,
         )
     if name == "xformers":
         from worker.attention.xformers import XformersBackend

@@ -20,7 +20,7 @@ from protocol.errors import InvalidParameterError
 from protocol.lora import LoraConfig, LoraRequest
 from worker.lora.adapter import LoraWeights, load_adapter
 from worker.lora.slots import LoraBatch, LoraSlots
-from worker.model_config import ModelConfig
+from worker.model_config import ModelConfig, UnsupportedModelError
 
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
@@ -31,7 +31,11 @@ class LoraManager:
         self, config: LoraConfig, model_config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None
     ) -> None:
         if model_config.is_encoder:
-            raise ValueError("--enable-lora serves the Llama and Qwen families; this model is an encoder")
+            raise UnsupportedModelError("--enable-lora serves decoders; this model is an encoder")
+        if model_config.mlp != "gated":
+            raise UnsupportedModelError(
+                f"--enable-lora: {model_config.architecture}'s plain MLP (no gate) has no LoRA slots yet"
+            )
         self.config, self.model_config, self.dtype = config, model_config, dtype
         self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype, ops)
         self.cache: OrderedDict[int, LoraWeights] = OrderedDict()  # lora id -> weights, oldest use first

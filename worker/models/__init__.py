@@ -1,4 +1,4 @@
-"""Model registry: a ModelConfig family -> its implementation, imported lazily."""
+"""Model registry: BERT encoders, and every decoder family on the shared decoder (worker/models/families/)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from worker.model_config import ModelConfig
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
     from worker.models.bert import BertModel
-    from worker.models.llama import LlamaForCausalLM
+    from worker.models.causal_lm import CausalLM
     from worker.parallel.group import TensorParallelGroup
 
 
@@ -20,17 +20,15 @@ def build_model(
     dtype: torch.dtype,
     ops: CpuOps | None = None,
     tp: TensorParallelGroup | None = None,
-) -> LlamaForCausalLM | BertModel:
+) -> CausalLM | BertModel:
     """ops: the csrc kernels for the fused layers, or None for plain torch; tp: a tensor-parallel rank's
     share (config is then the rank's, worker/parallel/sharding.py). Call finalize() after loading."""
-    if config.family in ("llama", "qwen2", "qwen3"):
-        from worker.models.llama import LlamaForCausalLM
-
-        # NOTE: built on the CPU with uninitialized weights (the layers skip reset_parameters), not on the meta
-        # device: the meta path's first op imported torch's Python decompositions, 1.9-3.9 s of a start
-        return LlamaForCausalLM(config, dtype, ops, tp)
     if config.family == "bert":
         from worker.models.bert import BertModel
 
         return BertModel(config, dtype, ops)
-    raise ValueError(f"no model implementation for family {config.family!r}")
+    from worker.models.causal_lm import CausalLM
+
+    # NOTE: built on the CPU with uninitialized weights (the layers skip reset_parameters), not on the meta
+    # device: the meta path's first op imported torch's Python decompositions, 1.9-3.9 s of a start
+    return CausalLM(config, dtype, ops, tp)

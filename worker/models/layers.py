@@ -1,5 +1,5 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embeddings, SiLU-and-mul and a linear
-layer whose weight is packed once for oneDNN; HF-exact numerics.
+"""Building blocks shared by the model families: RMSNorm, SiLU-and-mul and a linear layer whose weight is
+packed once for oneDNN; HF-exact numerics (the other norms: norms.py; rotary embeddings: rope.py).
 
 Each has a plain torch path (the reference) and, when the csrc kernels are built (`ops`), a fused one:
 one C++ call instead of a chain of eager ops (csrc/fused_cpu.cpp, tested against these references).
@@ -8,8 +8,7 @@ one C++ call instead of a chain of eager ops (csrc/fused_cpu.cpp, tested against
 from __future__ import annotations
 
 import logging
-import math
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -162,7 +161,7 @@ def pairs_onto_huge_pages(linears: list[Linear]) -> None:
     """Move the pair-layout weights into one buffer on huge pages (worker/host_memory.py), one at a time so
     that each copy frees its original: a decode step reads every one of them, and on 4 KiB pages the
     products at one row took 12% longer (benchmarks/results/2026-11-29-lab-notes-performance.md, "Huge pages
-    and 64-token blocks"). linear_rows' layout goes onto huge pages as it is packed (LlamaForCausalLM.finalize)."""
+    and 64-token blocks"). linear_rows' layout goes onto huge pages as it is packed (CausalLM.finalize)."""
     linears = [linear for linear in linears if linear.pairs is not None]
     if not linears:
         return
@@ -197,76 +196,3 @@ def can_pack(dtype: torch.dtype) -> bool:
         logger.info("oneDNN weight packing unavailable (%s); using F.linear", error)
         return False
     return True
-
-
-class RotaryEmbedding:
-    """cos/sin tables for every position, computed once in float32 (rotate-half convention)."""
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        base: float,
-        scaling: dict[str, Any] | None,
-        device: torch.device,
-    ) -> None:
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        attention_factor = 1.0
-        if scaling:
-            inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.cos = (emb.cos() * attention_factor).to(device)
-        self.sin = (emb.sin() * attention_factor).to(device)
-
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, ops: CpuOps | None = None) -> Rope:
-        """The step's rotation, shared by every layer: looked up once (torch) or indexed per token (csrc)."""
-        if ops is not None:
-            return Rope(positions, self.cos, self.sin, ops)
-        cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].to(dtype).unsqueeze(1)
-        return Rope(positions, cos, sin, None)
-
-
-class Rope:
-    def __init__(
-        self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: CpuOps | None
-    ) -> None:
-        self.positions, self.cos, self.sin, self.ops = positions, cos, sin, ops
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; csrc: in place."""
-        if self.ops is not None:
-            self.ops.rotary_embedding(q, k, self.cos, self.sin, self.positions)
-            return q, k
-        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim] in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / scaling["factor"], 1.0
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low_freq_factor = scaling.get("low_freq_factor", 1.0)
-        high_freq_factor = scaling.get("high_freq_factor", 4.0)
-        old_len = scaling["original_max_position_embeddings"]
-        low_freq_wavelen = old_len / low_freq_factor
-        high_freq_wavelen = old_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled), 1.0
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")

@@ -27,6 +27,9 @@ def check_shardable(config: ModelConfig, size: int) -> None:
             f"--tensor-parallel-size {size}: tensor parallel serves decoders; an encoder ({config.family}) "
             "runs with --tensor-parallel-size 1"
         )
+    if reason := unshardable(config):
+        raise ShardingError(f"--tensor-parallel-size {size}: {config.architecture or config.family} {reason}; "
+                            "serve it with --tensor-parallel-size 1")  # fmt: skip
     heads, kv_heads, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
     if heads % size:
         raise ShardingError(
@@ -42,6 +45,21 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         raise ShardingError(
             f"--tensor-parallel-size {size} does not divide the model's intermediate size {inter}"
         )
+
+
+def unshardable(config: ModelConfig) -> str:
+    """Why a decoder family's layers do not shard yet ("" when they do): a bias after a row-parallel
+    product would be added once per rank, a norm over a whole projection needs every rank's sum of squares,
+    per-head norm weights and fused checkpoint tensors need slicing of their own."""
+    if config.o_bias or config.mlp_bias:
+        return "has biases on its row-parallel products (o_proj, down_proj)"
+    if config.qk_norm == "proj":
+        return "normalizes q and k over the whole projection"
+    if config.qk_norm == "head_each":
+        return "has a q/k norm weight per head"
+    if config.family in ("phi3", "glm", "glm4", "gpt_neox"):
+        return "ships fused q/k/v or gate/up tensors, which are not sliced yet"
+    return ""
 
 
 def _divisors(n: int) -> str:

@@ -1,0 +1,139 @@
+"""Every decoder family equals HF transformers (float32) on a tiny random checkpoint with its quirks turned
+on (tests/family_models.py): the greedy tokens, and each token's logprob within 2e-4 of HF's (a missing
+window, soft-cap or scale moves them long before it flips a token). All prompts in one batch in 16-token
+chunks with the prefix cache on (two prompts share 32 tokens), and the longest alone in one chunk; windows
+of 8 tokens are crossed by every prompt."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_core.engine_core import EngineCore
+from protocol.config import EngineConfig, WorkerConfig
+from protocol.messages import AddRequest
+from protocol.sampling import SamplingParams
+from tests.family_models import BUILDERS, VOCAB, build_family
+from tests.hf_oracle import OracleRun, compare_greedy, hf_greedy
+from worker.executor import InprocExecutor
+
+MAX_NEW_TOKENS = 20
+LOGPROB_TOLERANCE = 2e-4
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def family(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    folder = str(tmp_path_factory.mktemp(request.param))
+    build_family(request.param, folder)
+    auto = AutoModelForImageTextToText if request.param.endswith("_vlm") else AutoModelForCausalLM
+    hf = auto.from_pretrained(folder, dtype=torch.float32).eval()
+    rng = random.Random(11)
+    shared = [rng.randrange(VOCAB - 1) for _ in range(32)]
+    prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (3, 9, 17, 40)]
+    prompts += [shared + [1, 2, 3], shared + [4, 5, 6, 7]]
+    oracle = [hf_greedy(hf, p, MAX_NEW_TOKENS, None) for p in prompts]
+    return folder, prompts, oracle
+
+
+def greedy_with_logprobs(
+    folder: str, prompts: list[list[int]], **engine_kwargs: object
+) -> tuple[list[list[int]], list[list[float]], EngineCore]:
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, max_model_len=128)
+    core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    logprobs: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
+
+    def add(i: int) -> None:
+        core.add_request(
+            AddRequest(request_id=str(i), prompt_token_ids=prompts[i], sampling_params=params, arrival_time=i)
+        )
+
+    def step() -> None:
+        for _, output in core.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.new_logprobs is not None:
+                logprobs[output.request_id].extend(row[0] for row in output.new_logprobs.logprobs)
+        core.scheduler.check_invariants()
+
+    for i in range(len(prompts) - 1):
+        add(i)
+    # the last prompt arrives once the one before it decodes: its shared prefix is cached by then
+    while len(prompts) > 1 and not tokens[str(len(prompts) - 2)]:
+        step()
+    add(len(prompts) - 1)
+    while core.has_unfinished_requests():
+        step()
+    assert core.scheduler.kv_cache.pool.num_free_blocks == core.scheduler.config.num_kv_blocks
+    keys = [str(i) for i in range(len(prompts))]
+    return [tokens[k] for k in keys], [logprobs[k] for k in keys], core
+
+
+def check(ours: list[int], logprobs: list[float], oracle: OracleRun) -> None:
+    agreed = compare_greedy(ours, oracle).num_matching
+    expected = [float(oracle.logprobs[i][token]) for i, token in enumerate(ours[:agreed])]
+    torch.testing.assert_close(
+        torch.tensor(logprobs[:agreed]), torch.tensor(expected), atol=LOGPROB_TOLERANCE, rtol=0
+    )
+
+
+def test_equals_hf_batched_chunked_and_cached(family) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = family
+    tokens, logprobs, core = greedy_with_logprobs(
+        folder, prompts, max_num_batched_tokens=16, enable_prefix_caching=True
+    )
+    for ours, values, expected in zip(tokens, logprobs, oracle, strict=True):
+        check(ours, values, expected)
+    assert core.scheduler.kv_cache.prefix_cache_hits >= 32, (
+        core.scheduler.kv_cache.prefix_cache_hits
+    )  # the second shared prompt found the first's
+
+
+def test_equals_hf_alone(family) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = family
+    tokens, logprobs, _ = greedy_with_logprobs(folder, prompts[3:4])
+    check(tokens[0], logprobs[0], oracle[3])
+
+
+BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+REFUSED = [
+    ("GemmaForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("LlamaForCausalLM", {"pretraining_tp": 2}, "pretraining_tp"),
+    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "'mrope'"),
+    ("LlamaForCausalLM", {"hidden_act": "quick_gelu"}, "quick_gelu"),
+    ("Phi3ForCausalLM", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+    ("CohereForCausalLM", {"partial_rotary_factor": 0.5}, "partial rope"),
+    ("Olmo3ForCausalLM", {"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
+    ("Qwen2ForCausalLM", {"layer_types": ["sliding_attention", "full_attention"]}, "use_sliding_window"),
+    (
+        "Gemma3ForCausalLM",
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+            }
+        },
+        "sliding layers",
+    ),  # fmt: skip
+    ("MambaForCausalLM", {}, "unsupported architecture"),
+]
+
+
+@pytest.mark.parametrize(
+    ("architecture", "fields", "named"), REFUSED, ids=[f"{a}-{n}" for a, _, n in REFUSED]
+)
+def test_a_config_field_we_do_not_implement_is_refused_by_name(tmp_path, architecture, fields, named) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from worker.config_files import load_model_config
+    from worker.model_config import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture], **BASE, **fields}))
+    with pytest.raises(UnsupportedModelError) as refused:
+        load_model_config(str(tmp_path))
+    assert named in str(refused.value), refused.value

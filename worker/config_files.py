@@ -1,0 +1,159 @@
+"""A model's ModelConfig: from a Hugging Face folder (config.json, generation_config.json; a decoder's by its
+family, worker/models/families/; a BERT encoder's here) or from a GGUF file's metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from worker.model_config import ModelConfig, UnsupportedModelError
+
+ENCODER_ARCHITECTURES = {"BertModel": "bert", "BertForSequenceClassification": "bert"}
+# the text model of a vision-language checkpoint: its config's text_config, with these defaults for
+# fields an older config leaves out (transformers' Gemma3TextConfig)
+TEXT_CONFIG_DEFAULTS = {
+    "Gemma3ForConditionalGeneration": {
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+}  # fmt: skip
+
+
+def supported_architectures() -> list[str]:
+    from worker.models.families import BY_ARCHITECTURE
+
+    return sorted([*BY_ARCHITECTURE, *ENCODER_ARCHITECTURES])
+
+
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def load_model_config(model: str, gguf_reader: Any = None) -> ModelConfig:
+    """gguf_reader: an open gguf.GGUFReader of `model`, to avoid parsing the file twice."""
+    if model.endswith(".gguf"):
+        return _from_gguf(model, gguf_reader)
+    if os.path.isdir(model):
+        return _from_hf_folder(model)
+    raise UnsupportedModelError(f"{model!r} is neither a model folder nor a .gguf file")
+
+
+def _from_hf_folder(folder: str) -> ModelConfig:
+    from worker.models.families import BY_ARCHITECTURE, HFConfig
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        raise UnsupportedModelError(f"{folder!r} has no config.json")
+    with open(path) as f:
+        config = json.load(f)
+    architectures = config.get("architectures") or []
+    known = {**BY_ARCHITECTURE, **ENCODER_ARCHITECTURES}
+    architecture = next((a for a in architectures if a in known), None)
+    if architecture is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {architectures}; supported: {', '.join(supported_architectures())}"
+        )
+    if architecture in ENCODER_ARCHITECTURES:
+        return _bert(config, architecture)
+    eos = _eos_ids(config.get("eos_token_id"))
+    generation_path = os.path.join(folder, "generation_config.json")
+    if os.path.exists(generation_path):
+        with open(generation_path) as f:
+            eos = _eos_ids(json.load(f).get("eos_token_id")) or eos
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    if architecture in TEXT_CONFIG_DEFAULTS:  # a vision-language checkpoint: its language model
+        text = {**TEXT_CONFIG_DEFAULTS[architecture], **(config.get("text_config") or {})}
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
+        eos = eos or _eos_ids(text.get("eos_token_id"))
+        dtype = str(text.get("torch_dtype") or text.get("dtype") or dtype)
+        config = text
+    return BY_ARCHITECTURE[architecture].config(HFConfig(config, architecture), eos, dtype)
+
+
+def _bert(config: dict[str, Any], architecture: str) -> ModelConfig:
+    num_heads = config["num_attention_heads"]
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedModelError(
+            f"BERT with {config['position_embedding_type']!r} position embeddings: only absolute ones run"
+        )
+    if config.get("hidden_act", "gelu") not in ("gelu", "relu", "gelu_new"):
+        raise UnsupportedModelError(
+            f"BERT with hidden_act {config['hidden_act']!r}: gelu, relu, gelu_new run"
+        )
+    classifies = architecture.endswith("ForSequenceClassification")
+    id2label = {int(k): str(v) for k, v in (config.get("id2label") or {}).items()} if classifies else {}
+    return ModelConfig(
+        family="bert",
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=config["hidden_size"] // num_heads,
+        rms_norm_eps=config.get("layer_norm_eps", 1e-12),
+        rope_theta=0.0,
+        max_position_embeddings=config.get("max_position_embeddings", 512),
+        tie_word_embeddings=False,
+        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        architecture=architecture,
+        type_vocab_size=config.get("type_vocab_size", 2),
+        hidden_act=config.get("hidden_act", "gelu"),
+        num_labels=(config.get("num_labels") or len(id2label) or 2) if classifies else 0,
+        id2label=id2label,
+    )
+
+
+def _eos_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def open_gguf(path: str) -> Any:
+    import gguf
+
+    if not os.path.exists(path):
+        raise UnsupportedModelError(f"no such GGUF file: {path!r}")
+    return gguf.GGUFReader(path)
+
+
+def _from_gguf(path: str, reader: Any) -> ModelConfig:
+    reader = reader or open_gguf(path)
+
+    def get(key: str, default: Any = None) -> Any:
+        field_ = reader.fields.get(key)
+        return default if field_ is None else field_.contents()
+
+    arch = get("general.architecture")
+    family = GGUF_ARCHITECTURES.get(arch)
+    if family is None:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    hidden_size = get(f"{arch}.embedding_length")
+    num_heads = get(f"{arch}.attention.head_count")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab_size = get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens", []))
+    eos = get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        family=family,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=get(f"{arch}.feed_forward_length"),
+        num_layers=get(f"{arch}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=get(f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=get(f"{arch}.attention.key_length") or hidden_size // num_heads,
+        rms_norm_eps=get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=get(f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=get(f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="head" if "blk.0.attn_q_norm.weight" in tensor_names else "",
+        eos_token_ids=[] if eos is None else [int(eos)],
+        # NOTE: GGUF weights are dequantized; "auto" serves them in bfloat16 like the models they came from.
+        torch_dtype="bfloat16",
+    )

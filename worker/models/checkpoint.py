@@ -1,0 +1,95 @@
+"""A checkpoint's tensors into a CausalLM: the family's names mapped onto ours, the model's prefixes
+dropped (a vision-language checkpoint's language model too; its vision tower is not ours to load), q/k/v
+and gate/up stacked into our fused products (or taken fused, as Phi-3 ships them), per-head norm rows
+(`name#h`), and every row of every parameter filled exactly once: a missing or a stray tensor is an error
+naming it, never a model that runs on uninitialized weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from worker.model_config import ModelConfig
+from worker.models.families import BY_NAME
+
+PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.")
+# tensors a checkpoint may hold that no family computes with: rotary caches, a VLM's vision side, GPT-NeoX's
+# old mask buffers
+SKIPPED = (
+    "rotary_emb.",
+    "vision_tower.",
+    "multi_modal_projector.",
+    ".attention.bias",
+    ".attention.masked_bias",
+)
+
+
+def our_name(family_name: str, name: str) -> str:
+    family = BY_NAME.get(family_name)
+    name = family.checkpoint_name(name) if family is not None else name
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def load_checkpoint(
+    model: nn.Module, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """model: a CausalLM of `config`."""
+    family = BY_NAME.get(config.family)
+    params = dict(model.named_parameters())
+    filled = {
+        name: torch.zeros(param.shape[0] if param.dim() else 1, dtype=torch.int32)
+        for name, param in params.items()
+    }
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    stacked = {
+        "q_proj": ("qkv_proj", 0, q_size),
+        "k_proj": ("qkv_proj", q_size, kv_size),
+        "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+    }
+    if config.mlp == "gated":
+        inter = config.intermediate_size
+        stacked.update(gate_proj=("gate_up_proj", 0, inter), up_proj=("gate_up_proj", inter, inter))
+    for checkpoint_name, tensor in weights:
+        if any(part in checkpoint_name for part in SKIPPED):
+            continue
+        name = our_name(config.family, checkpoint_name)
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        name, _, row = name.partition("#")
+        target, rows = name, None
+        for part, (merged, start, size) in stacked.items():
+            if f".{part}." in name:
+                target, rows = name.replace(part, merged), (start, size)
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in the model")
+        if family is not None and family.convert is not None:
+            tensor = family.convert(target, tensor, config)
+        with torch.no_grad():
+            if row:
+                param[int(row)].copy_(tensor.view(param.shape[1:]))
+                filled[target][int(row)] += 1
+            elif rows is None:
+                param.copy_(tensor.view(param.shape))
+                filled[target] += 1
+            else:
+                param[rows[0] : rows[0] + rows[1]].copy_(tensor)
+                filled[target][rows[0] : rows[0] + rows[1]] += 1
+    missing = [
+        name for name, count in filled.items() if not bool((count == 1).all()) and not _tied(name, config)
+    ]
+    if missing:
+        twice = [name for name in missing if bool((filled[name] > 1).any())]
+        if twice:
+            raise ValueError(f"checkpoint sets {len(twice)} tensors more than once, e.g. {sorted(twice)[:3]}")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _tied(name: str, config: ModelConfig) -> bool:
+    return name == "lm_head.weight" and config.tie_word_embeddings

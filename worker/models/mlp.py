@@ -1,0 +1,77 @@
+"""A decoder layer's MLP: gated (down(act(gate) * up), gate and up one fused product) or plain
+(down(act(up)): StarCoder2, GPT-NeoX), with the family's activation and optional biases."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model_config import ModelConfig
+from worker.models.layers import Linear, silu_and_mul
+
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+    from worker.lora.slots import LoraBatch
+    from worker.parallel.group import TensorParallelGroup
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ACT2FN of the names ModelConfig keeps (worker/models/families/base.py ACTIVATIONS)."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_fast":
+        return 0.5 * x * (1.0 + torch.tanh(x * math.sqrt(2 / math.pi) * (1.0 + 0.044715 * x * x)))
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+class MLP(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: CpuOps | None,
+        index: int = 0,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.index = index  # the layer's, for its LoRA slots
+        self.tp = tp  # config holds this rank's share of the intermediate size; down's sums are all-reduced
+        self.act, self.gated = config.hidden_act, config.mlp == "gated"
+        inter, bias = config.intermediate_size, config.mlp_bias
+        if self.gated:
+            self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias, dtype=dtype)
+        else:
+            self.up_proj = Linear(config.hidden_size, inter, bias=bias, dtype=dtype)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.ops = ops
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, 2 * inter] -> act(gate) * up, [num_tokens, inter]."""
+        if self.act == "silu":
+            return silu_and_mul(gate_up, self.ops)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return activation(self.act, gate) * up
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        # [num_tokens, hidden]
+        if not self.gated:
+            out: torch.Tensor = self.down_proj(activation(self.act, self.up_proj(x)))
+        elif lora is None:
+            out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        else:
+            gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter]
+            lora.add(self.index, "gate_up", x, gate_up)
+            hidden = self.act_and_mul(gate_up)  # [num_tokens, inter]
+            out = self.down_proj(hidden)
+            lora.add(self.index, "down", hidden, out)
+        return out if self.tp is None else self.tp.all_reduce(out)

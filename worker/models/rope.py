@@ -1,0 +1,200 @@
+"""Rotary embeddings: cos/sin tables for every position, computed once in float32 as transformers does, for
+the rope types a family may scale its rotary with (linear, dynamic, yarn, llama3, longrope), over all of a
+head or its leading `rotary_dim` dims (partial rotary), rotating (i, i + dim / 2) pairs (HF's rotate_half)
+or adjacent ones (2i, 2i + 1: Command R, GLM).
+
+Two rope types depend on the sequence in transformers: `dynamic` recomputes its frequencies past
+max_position_embeddings (equal to the default below it), and `longrope` switches from its short factors to
+its long ones once a sequence passes original_max_position_embeddings (re-running the whole sequence).
+Both are served exactly where the engine's max_model_len keeps every sequence below that length; past
+it they are refused at start (`check_rope_length`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+
+
+class RotaryEmbedding:
+    """cos/sin tables [max_position, rotary_dim] in float32 (times the rope type's attention factor)."""
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device,
+        interleaved: bool = False,
+    ) -> None:
+        self.rotary_dim, self.interleaved = rotary_dim, interleaved
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        attention_factor = 1.0
+        if scaling:
+            inv_freq, attention_factor = scaled_inv_freq(inv_freq, scaling, base, rotary_dim)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
+        if interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)  # [max_position, rotary_dim]: c0 c0 c1 c1 ...
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]: c0 c1 ... c0 c1 ...
+        self.cos = (emb.cos() * attention_factor).to(device)
+        self.sin = (emb.sin() * attention_factor).to(device)
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, ops: CpuOps | None = None) -> Rope:
+        """The step's rotation, shared by the layers of this table: looked up once (torch) or indexed per
+        token (csrc, which rotates whole heads' (i, i + d / 2) pairs only)."""
+        if ops is not None and not self.interleaved:
+            return Rope(positions, self.cos, self.sin, ops, self.rotary_dim, False)
+        cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
+        sin = self.sin[positions].to(dtype).unsqueeze(1)
+        return Rope(positions, cos, sin, None, self.rotary_dim, self.interleaved)
+
+
+class Rope:
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ops: CpuOps | None,
+        rotary_dim: int = 0,
+        interleaved: bool = False,
+    ) -> None:
+        self.positions, self.cos, self.sin, self.ops = positions, cos, sin, ops
+        self.rotary_dim, self.interleaved = rotary_dim, interleaved
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; csrc: in place."""
+        if self.ops is not None and self.rotary_dim == q.shape[-1]:
+            self.ops.rotary_embedding(q, k, self.cos, self.sin, self.positions)
+            return q, k
+        if self.ops is not None:  # csrc tables, a partial rotary: the torch path on the leading dims
+            cos = self.cos[self.positions].to(q.dtype).unsqueeze(1)
+            sin = self.sin[self.positions].to(q.dtype).unsqueeze(1)
+            return rotate(q, cos, sin, False), rotate(k, cos, sin, False)
+        return rotate(q, self.cos, self.sin, self.interleaved), rotate(
+            k, self.cos, self.sin, self.interleaved
+        )
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim] in x's dtype. The leading
+    rotary_dim dims rotate (HF: x * cos + rotate_half(x) * sin), the rest pass."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((rotate(x[..., :rotary_dim], cos, sin, interleaved), x[..., rotary_dim:]), dim=-1)
+    if interleaved:  # pairs (2i, 2i + 1): (-x[2i + 1], x[2i])
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def scaled_inv_freq(
+    inv_freq: torch.Tensor, scaling: dict[str, Any], base: float, dim: int
+) -> tuple[torch.Tensor, float]:
+    """transformers' ROPE_INIT_FUNCTIONS (modeling_rope_utils.py), for the lengths we serve."""
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind in ("default", "dynamic"):  # dynamic: the default frequencies up to max_position_embeddings
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(scaling, base, dim)
+    if kind == "longrope":
+        return _longrope(scaling, base, dim)
+    raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(scaling: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extra = 1 - ramp
+    return interpolation * (1 - extra) + extrapolation * extra, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _longrope(scaling: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
+    """The short factors: every sequence we serve stays within original_max_position_embeddings."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    if short.numel() != dim // 2:
+        raise ValueError(f"longrope short_factor has {short.numel()} entries for {dim // 2} frequencies")
+    inv_freq = 1.0 / (short * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv_freq, float(attention_factor)
+
+
+def rope_length_limit(scaling: dict[str, Any] | None) -> int | None:
+    """The longest sequence this rope serves as transformers does (None: any)."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type")
+    if kind == "dynamic":
+        return int(scaling["max_position_embeddings"])
+    if kind == "longrope":
+        return int(scaling["original_max_position_embeddings"])
+    return None
+
+
+def check_rope_length(scaling: dict[str, Any] | None, max_model_len: int) -> None:
+    limit = rope_length_limit(scaling)
+    if limit is not None and max_model_len > limit:
+        kind = scaling["rope_type"] if scaling else ""
+        raise ValueError(
+            f"--max-model-len {max_model_len}: this model's {kind} rope changes past {limit} positions "
+            f"(transformers recomputes the sequence there), which is not supported yet; serve it with "
+            f"--max-model-len {limit} or less"
+        )
