@@ -28,9 +28,6 @@ def supported_architectures() -> list[str]:
     return sorted([*BY_ARCHITECTURE, *ENCODER_ARCHITECTURES])
 
 
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
 def load_model_config(model: str, gguf_reader: Any = None) -> ModelConfig:
     """gguf_reader: an open gguf.GGUFReader of `model`, to avoid parsing the file twice."""
     if model.endswith(".gguf"):
@@ -121,39 +118,6 @@ def open_gguf(path: str) -> Any:
 
 
 def _from_gguf(path: str, reader: Any) -> ModelConfig:
-    reader = reader or open_gguf(path)
+    from worker.models.families.gguf import gguf_config
 
-    def get(key: str, default: Any = None) -> Any:
-        field_ = reader.fields.get(key)
-        return default if field_ is None else field_.contents()
-
-    arch = get("general.architecture")
-    family = GGUF_ARCHITECTURES.get(arch)
-    if family is None:
-        raise UnsupportedModelError(
-            f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
-        )
-    hidden_size = get(f"{arch}.embedding_length")
-    num_heads = get(f"{arch}.attention.head_count")
-    tensor_names = {t.name for t in reader.tensors}
-    vocab_size = get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens", []))
-    eos = get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        family=family,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=get(f"{arch}.feed_forward_length"),
-        num_layers=get(f"{arch}.block_count"),
-        num_heads=num_heads,
-        num_kv_heads=get(f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=get(f"{arch}.attention.key_length") or hidden_size // num_heads,
-        rms_norm_eps=get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=get(f"{arch}.rope.freq_base", 10000.0),
-        max_position_embeddings=get(f"{arch}.context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="head" if "blk.0.attn_q_norm.weight" in tensor_names else "",
-        eos_token_ids=[] if eos is None else [int(eos)],
-        # NOTE: GGUF weights are dequantized; "auto" serves them in bfloat16 like the models they came from.
-        torch_dtype="bfloat16",
-    )
+    return gguf_config(reader or open_gguf(path))

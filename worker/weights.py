@@ -5,31 +5,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from worker.config_files import open_gguf
 from worker.model_config import ModelConfig, UnsupportedModelError
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def iterate_weights(
@@ -59,33 +42,6 @@ def _iterate_safetensors(folder: str, progress: bool) -> Iterator[tuple[str, tor
 
 
 def _iterate_gguf(reader: Any, config: ModelConfig, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
+    from worker.models.families.gguf import gguf_tensors
 
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", disable=not progress):
-        name = _gguf_to_hf_name(tensor.name)
-        if name is None:
-            continue
-        weights = dequantize(tensor.data, tensor.tensor_type)  # [out, in] for matrices, float32
-        if config.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            num_heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            weights = _undo_llama_cpp_rope_permute(weights, num_heads)
-        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    if match := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name):
-        layer, part, kind = match.groups()
-        hf = _GGUF_LAYER_NAMES.get(part)
-        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
-    if match := re.fullmatch(r"(\w+)\.(weight|bias)", name):
-        part, kind = match.groups()
-        hf = _GGUF_GLOBAL_NAMES.get(part)
-        return None if hf is None else f"{hf}.{kind}"
-    return None
-
-
-def _undo_llama_cpp_rope_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter interleaves each head's rotary halves; restore HF's half-split order."""
-    head_dim_half = weights.shape[0] // num_heads // 2
-    w = weights.reshape(num_heads, head_dim_half, 2, *weights.shape[1:])  # [heads, half, 2, in]
-    return w.swapaxes(1, 2).reshape(weights.shape)
+    yield from gguf_tensors(reader, config, progress)

@@ -113,6 +113,11 @@ def scaled_inv_freq(
         return _yarn(scaling, base, dim)
     if kind == "longrope":
         return _longrope(scaling, base, dim)
+    if kind == "freq_factors":  # a GGUF file's rope_freqs: llama.cpp's divisor of each frequency (llama3)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"rope_freqs has {factors.numel()} entries for {inv_freq.numel()} frequencies")
+        return inv_freq / factors, 1.0
     raise ValueError(f"unsupported rope scaling type {kind!r}")
 
 

@@ -1,0 +1,130 @@
+"""A GGUF file of a tiny HF checkpoint, written as llama.cpp's convert_hf_to_gguf.py writes one (float32):
+its metadata keys, its tensor names, and its changes to the weights (q/k rows permuted for llama.cpp's
+rotary, Gemma's norms stored as 1 + w, GPT-NeoX's fused q/k/v regrouped, StableLM's per-head norms
+stacked). Read back by worker/models/families/gguf.py, the model must be the checkpoint's."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+
+# HF name (after "model.layers.N.") -> llama.cpp's, per architecture where they differ
+LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+ARCH_LAYER = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "olmo2": {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    "glm4": {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",
+             "mlp.gate_up_proj": "ffn_up"},
+    "phi3": {"mlp.gate_up_proj": "ffn_up"},
+    "starcoder2": {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"},
+    "gptneox": {"attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
+                "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"},
+}  # fmt: skip
+ARCH_LAYER["gemma3"] = ARCH_LAYER["gemma2"]
+GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+          "gpt_neox.embed_in": "token_embd", "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output"}  # fmt: skip
+PERMUTED = ("llama", "granite", "smollm3")
+
+
+def write_gguf(folder: str, arch: str, path: str) -> None:
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((pathlib.Path(folder) / "config.json").read_text())
+    tensors = load_file(str(pathlib.Path(folder) / "model.safetensors"))
+    writer = gguf.GGUFWriter(path, arch)
+    _metadata(writer, arch, config)
+    heads, kv_heads = (
+        config["num_attention_heads"],
+        config.get("num_key_value_heads") or config["num_attention_heads"],
+    )
+    stacked: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in sorted(tensors.items()):
+        data = tensor.float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1.0
+        if arch in PERMUTED and (".q_proj." in name or ".k_proj." in name):
+            data = _permute(data, heads if ".q_proj." in name else kv_heads)
+        if arch == "gptneox" and ".query_key_value." in name:  # per head [q k v] -> [q of all | k | v]
+            data = data.reshape(heads, 3, -1, *data.shape[1:]).swapaxes(0, 1).reshape(data.shape)
+        if arch == "stablelm" and "_layernorm.norms." in name:
+            which, head = ("q" if ".q_layernorm." in name else "k"), int(name.split(".")[-2])
+            stacked.setdefault(f"{name.split('.self_attn.')[0]}.self_attn.{which}_norm", {})[head] = data
+            continue
+        writer.add_tensor(_gguf_name(arch, name), data)
+    for prefix, rows in stacked.items():
+        writer.add_tensor(_gguf_name(arch, f"{prefix}.weight"), np.stack([rows[h] for h in sorted(rows)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_name(arch: str, name: str) -> str:
+    for prefix in ("model.layers.", "gpt_neox.layers."):
+        if name.startswith(prefix):
+            layer, _, rest = name[len(prefix) :].partition(".")
+            part, _, kind = rest.rpartition(".")
+            return f"blk.{layer}.{ARCH_LAYER.get(arch, {}).get(part) or LAYER[part]}.{kind}"
+    part, _, kind = name.rpartition(".")
+    return f"{GLOBAL[part]}.{kind}"
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute."""
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _metadata(writer: Any, arch: str, config: dict[str, Any]) -> None:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    writer.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
+    writer.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
+    writer.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
+    writer.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
+    writer.add_uint32(f"{arch}.attention.head_count", heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config.get("num_key_value_heads") or heads)
+    writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    writer.add_uint32(f"{arch}.vocab_size", config["vocab_size"])
+    eps = config.get("rms_norm_eps") or 1e-6
+    if arch in ("starcoder2", "gptneox", "stablelm", "command-r"):
+        eps = config.get("norm_epsilon") or config.get("layer_norm_eps") or 1e-5
+        writer.add_float32(f"{arch}.attention.layer_norm_epsilon", eps)
+    else:
+        writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", eps)
+    if arch not in ("gemma", "gemma2", "gptneox", "stablelm"):  # as the converters: these write no base
+        writer.add_float32(f"{arch}.rope.freq_base", float(rope.get("rope_theta", 10000.0)))
+    partial = (
+        rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or config.get("rotary_pct")
+    )
+    if partial:
+        writer.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * partial))
+    if arch == "gemma2":
+        writer.add_float32(f"{arch}.attn_logit_softcapping", config["attn_logit_softcapping"])
+        writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
+    if config.get("sliding_window") and arch in ("gemma2", "gemma3", "phi3"):
+        writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
+    if arch == "granite":
+        writer.add_float32(f"{arch}.attention.scale", config["attention_multiplier"])
+        writer.add_float32(f"{arch}.embedding_scale", config["embedding_multiplier"])
+        writer.add_float32(f"{arch}.residual_scale", config["residual_multiplier"])
+        writer.add_float32(f"{arch}.logit_scale", config["logits_scaling"])
+    if arch == "command-r":
+        writer.add_float32(f"{arch}.logit_scale", config["logit_scale"])
+    if arch == "gptneox":
+        writer.add_bool(f"{arch}.use_parallel_residual", config.get("use_parallel_residual", True))

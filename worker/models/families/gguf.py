@@ -1,0 +1,304 @@
+"""GGUF files of the decoder families, as llama.cpp's converter writes them: their metadata as a ModelConfig,
+and their tensors under the Hugging Face names and layouts of the family's checkpoints (so that one loader
+serves both), with what the converter changed undone: Llama-style q/k rows permuted for llama.cpp's rotary
+(llama, granite, smollm3), Gemma's norms stored as 1 + w, GPT-NeoX's fused q/k/v regrouped, StableLM's
+per-head norms stacked. What llama.cpp hard-codes rather than writes (Gemma 3's window pattern and local
+rope base, SmolLM3's NoPE layers, Gemma's attention scale of the 27B models) is set as llama.cpp sets it.
+A tensor or architecture this table does not know is an error naming it, never skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from worker.model_config import ModelConfig, UnsupportedModelError
+from worker.models.families import BY_GGUF
+from worker.models.families.base import embedding_scale
+
+# llama.cpp's per-layer tensor names -> the HF checkpoint's (after "model.layers.N.")
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# where an architecture's names differ from the table above
+ARCH_NAMES: dict[str, dict[str, str]] = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "glm4": {"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm",
+             "ffn_up": "mlp.gate_up_proj"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    "gptneox": {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
+                "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
+}  # fmt: skip
+ARCH_GLOBALS = {"gptneox": {"token_embd": "gpt_neox.embed_in", "output_norm": "gpt_neox.final_layer_norm",
+                            "output": "embed_out"}}  # fmt: skip
+ARCH_PREFIX = {"gptneox": "gpt_neox.layers."}
+PERMUTED = ("llama", "mistral", "granite", "smollm3")  # q/k rows interleaved for llama.cpp's rotary
+GLOBAL_TENSORS_READ_AS_CONFIG = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+class Metadata:
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self.arch = str(self.get("general.architecture"))
+        self.tensors = {t.name: t for t in reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_get(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+    def array(self, name: str) -> list[float]:
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        return [float(v) for v in np.asarray(dequantize(tensor.data, tensor.tensor_type)).reshape(-1)]
+
+
+def gguf_config(reader: Any) -> ModelConfig:
+    meta = Metadata(reader)
+    family = BY_GGUF.get(meta.arch)
+    if family is None:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {meta.arch!r}; supported: {sorted(BY_GGUF)}"
+        )
+    hidden, heads = meta.arch_get("embedding_length"), meta.arch_get("attention.head_count")
+    head_dim = meta.arch_get("attention.key_length") or hidden // heads
+    rotary = meta.arch_get("rope.dimension_count") or head_dim
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    fields: dict[str, Any] = dict(
+        family=family.name,
+        vocab_size=meta.arch_get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
+        hidden_size=hidden,
+        intermediate_size=meta.arch_get("feed_forward_length"),
+        num_layers=meta.arch_get("block_count"),
+        num_heads=heads,
+        num_kv_heads=meta.arch_get("attention.head_count_kv") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=meta.arch_get("attention.layer_norm_rms_epsilon")
+        or meta.arch_get("attention.layer_norm_epsilon", 1e-6),
+        rope_theta=float(meta.arch_get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(meta, rotary),
+        rotary_dim=0 if rotary == head_dim else rotary,
+        max_position_embeddings=meta.arch_get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in meta.tensors,
+        attention_bias="blk.0.attn_q.bias" in meta.tensors or "blk.0.attn_qkv.bias" in meta.tensors,
+        o_bias="blk.0.attn_output.bias" in meta.tensors,
+        mlp_bias="blk.0.ffn_down.bias" in meta.tensors,
+        qk_norm="head" if "blk.0.attn_q_norm.weight" in meta.tensors else "",
+        eos_token_ids=[] if eos is None else [int(eos)],
+        # NOTE: GGUF weights are dequantized; "auto" serves them in bfloat16 like the models they came from.
+        torch_dtype="bfloat16",
+        architecture=meta.arch,
+    )
+    fields.update(ARCH_OPTIONS.get(meta.arch, _none)(meta, fields))
+    return ModelConfig(**fields)
+
+
+def _rope_scaling(meta: Metadata, rotary: int) -> dict[str, Any] | None:
+    kind = meta.arch_get("rope.scaling.type")
+    original = meta.arch_get("rope.scaling.original_context_length")
+    if "rope_freqs.weight" in meta.tensors:  # llama3's per-frequency divisors, as llama.cpp computed them
+        return {"rope_type": "freq_factors", "factors": meta.array("rope_freqs.weight")}
+    if "rope_factors_short.weight" in meta.tensors:  # Phi-3's LongRoPE
+        return {
+            "rope_type": "longrope",
+            "short_factor": meta.array("rope_factors_short.weight"),
+            "long_factor": meta.array("rope_factors_long.weight"),
+            "original_max_position_embeddings": original,
+            "max_position_embeddings": meta.arch_get("context_length"),
+            "attention_factor": meta.arch_get("rope.scaling.attn_factor"),
+        }
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta.arch_get("rope.scaling.factor"))}
+    if kind == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": float(meta.arch_get("rope.scaling.factor")),
+            "original_max_position_embeddings": original,
+            "attention_factor": meta.arch_get("rope.scaling.yarn_attn_factor"),
+            "beta_fast": meta.arch_get("rope.scaling.yarn_beta_fast"),
+            "beta_slow": meta.arch_get("rope.scaling.yarn_beta_slow"),
+            "truncate": True,
+        }
+        return {k: v for k, v in scaling.items() if v is not None}
+    raise UnsupportedModelError(f"GGUF {meta.arch}: rope scaling type {kind!r} is not supported")
+
+
+def _none(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _gemma(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"norm": "rms_offset", "embedding_multiplier": embedding_scale(fields["hidden_size"]),
+            "hidden_act": "gelu_tanh", "tie_word_embeddings": True}  # fmt: skip
+
+
+def _gemma_scale(fields: dict[str, Any], layers_27b: int) -> float:
+    """llama.cpp's rule: the 27B model's query_pre_attn_scalar is hidden / heads, the others' head_dim."""
+    scalar = (
+        fields["hidden_size"] // fields["num_heads"]
+        if fields["num_layers"] == layers_27b
+        else fields["head_dim"]
+    )
+    return 1.0 / math.sqrt(scalar)
+
+
+def _gemma2(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(fields["num_layers"])]
+    return {**_gemma(meta, fields), "layout": "sandwich", "attention_scale": _gemma_scale(fields, 46),
+            "attn_softcap": float(meta.arch_get("attn_logit_softcapping", 50.0)),
+            "final_softcap": float(meta.arch_get("final_logit_softcapping", 30.0)),
+            "sliding_window": int(meta.arch_get("attention.sliding_window", 4096)), "layer_types": kinds}  # fmt: skip
+
+
+def _gemma3(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    window = int(meta.arch_get("attention.sliding_window", 0) or 0)
+    kinds = ["sliding_attention" if i % 6 < 5 else "full_attention" for i in range(fields["num_layers"])]
+    return {**_gemma(meta, fields), "layout": "sandwich", "attention_scale": _gemma_scale(fields, 62),
+            "final_softcap": float(meta.arch_get("final_logit_softcapping", 0.0) or 0.0),
+            "sliding_window": window, "layer_types": kinds if window else [],
+            "rope_local_theta": 10000.0 if window else 0.0}  # fmt: skip
+
+
+def _phi3(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"sliding_window": int(meta.arch_get("attention.sliding_window", 0) or 0)}
+
+
+def _granite(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    logit_scale = float(meta.arch_get("logit_scale", 1.0) or 1.0)
+    return {"embedding_multiplier": float(meta.arch_get("embedding_scale", 1.0) or 1.0),
+            "residual_multiplier": float(meta.arch_get("residual_scale", 1.0) or 1.0),
+            "attention_scale": float(meta.arch_get("attention.scale", 0.0) or 0.0),
+            "logits_scale": 1.0 / logit_scale}  # fmt: skip
+
+
+def _olmo2(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    window = int(meta.arch_get("attention.sliding_window", 0) or 0)
+    pattern = meta.arch_get("attention.sliding_window_pattern")
+    kinds = (
+        ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+        if window and pattern
+        else []
+    )
+    return {"layout": "post", "qk_norm": "proj", "sliding_window": window if kinds else 0, "layer_types": kinds,
+            "rope_local_theta": float(meta.arch_get("rope.freq_base_swa", 0.0) or 0.0) if kinds else 0.0}  # fmt: skip
+
+
+def _smollm3(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"nope_layers": [i for i in range(fields["num_layers"]) if (i + 1) % 4 == 0]}  # llama.cpp's
+
+
+def _glm4(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"layout": "sandwich", "rope_interleaved": True}
+
+
+def _command_r(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"norm": "cohere", "layout": "parallel_shared", "rope_interleaved": True, "tie_word_embeddings": True,
+            "logits_scale": float(meta.arch_get("logit_scale", 1.0)),
+            "qk_norm": "head_each" if fields["qk_norm"] else "", "o_bias": fields["attention_bias"]}  # fmt: skip
+
+
+def _starcoder2(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"norm": "layer", "norm_bias": True, "mlp": "plain", "hidden_act": "gelu_tanh"}
+
+
+def _gptneox(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    parallel = bool(meta.arch_get("use_parallel_residual", True))
+    return {"norm": "layer", "norm_bias": True, "mlp": "plain", "hidden_act": "gelu",
+            "layout": "parallel" if parallel else "pre"}  # fmt: skip
+
+
+def _stablelm(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    parallel = "blk.0.ffn_norm.weight" not in meta.tensors  # llama.cpp decides by the tensor, as here
+    return {"norm": "layer", "norm_bias": True, "layout": "parallel_shared" if parallel else "pre",
+            "qk_norm": "head_each" if fields["qk_norm"] else ""}  # fmt: skip
+
+
+ARCH_OPTIONS = {
+    "gemma": _gemma, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite, "olmo2": _olmo2,
+    "smollm3": _smollm3, "glm4": _glm4, "command-r": _command_r, "starcoder2": _starcoder2, "gptneox": _gptneox,
+    "stablelm": _stablelm,
+}  # fmt: skip
+
+
+def gguf_tensors(
+    reader: Any, config: ModelConfig, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, float32 tensor in the HF layout) of every tensor of the file."""
+    from gguf.quants import dequantize
+
+    arch = Metadata(reader).arch
+    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", disable=not progress):
+        if tensor.name in GLOBAL_TENSORS_READ_AS_CONFIG:
+            continue  # read into the config's rope_scaling
+        name = hf_name(arch, tensor.name)
+        weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # [out, in]
+        yield from _as_hf(arch, name, weights, config)
+
+
+def hf_name(arch: str, name: str) -> str:
+    if match := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name):
+        layer, part, kind = match.groups()
+        hf = ARCH_NAMES.get(arch, {}).get(part) or LAYER_NAMES.get(part)
+        if hf is not None:
+            return f"{ARCH_PREFIX.get(arch, 'model.layers.')}{layer}.{hf}.{kind}"
+    elif match := re.fullmatch(r"(\w+)\.(weight|bias)", name):
+        part, kind = match.groups()
+        hf = ARCH_GLOBALS.get(arch, {}).get(part) or GLOBAL_NAMES.get(part)
+        if hf is not None:
+            return f"{hf}.{kind}"
+    raise UnsupportedModelError(f"GGUF {arch}: tensor {name!r} is not one we know how to load")
+
+
+def _as_hf(
+    arch: str, name: str, weights: np.ndarray, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        weights = _undo_rope_permute(weights, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+    if arch.startswith("gemma") and name.endswith("norm.weight"):
+        weights = weights - 1.0  # the converter stores 1 + w
+    if arch == "gptneox" and ".query_key_value." in name:  # [q | k | v] of all heads -> per head
+        heads = config.num_heads
+        weights = weights.reshape(3, heads, -1, *weights.shape[1:]).swapaxes(0, 1).reshape(weights.shape)
+    if arch == "stablelm" and name.endswith(("q_norm.weight", "k_norm.weight")):  # stacked -> one per head
+        which = "q" if name.endswith("q_norm.weight") else "k"
+        for head, row in enumerate(weights.reshape(-1, config.head_dim)):
+            yield (
+                name.replace(f"{which}_norm.weight", f"{which}_layernorm.norms.{head}.weight"),
+                torch.from_numpy(row.copy()),
+            )
+        return
+    yield name, torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
+
+
+def _undo_rope_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves each head's rotary halves; restore HF's half-split order."""
+    head_dim_half = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, head_dim_half, 2, *weights.shape[1:])  # [heads, half, 2, in]
+    return w.swapaxes(1, 2).reshape(weights.shape)
