@@ -27,6 +27,7 @@ class SchedulerConfig:
     # its last); the budget must then hold max_model_len
     chunked_prefill: bool = True
     max_loras: int = 0  # >0: the distinct LoRA adapters one step may hold (the worker's slots); 0: no LoRA
+    kv_window: int = 0  # >0: every layer's window (ModelInfo.kv_window): blocks behind it are freed
 
     def __post_init__(self) -> None:
         for name in (

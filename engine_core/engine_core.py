@@ -86,6 +86,7 @@ class EngineCore:
             decode_prefill_tokens_per_decode=config.decode_prefill_tokens_per_decode,
             chunked_prefill=not info.is_encoder,
             max_loras=max_loras,
+            kv_window=info.kv_window,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0

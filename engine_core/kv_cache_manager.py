@@ -1,9 +1,15 @@
 """Per-request block tables on top of the BlockPool, with prefix caching.
 
+A model whose every layer slides a window (ModelInfo.kv_window: Mistral 7B v0.1, StarCoder2, Phi-3-mini)
+never reads a key more than a window behind the next query: once a request's block falls entirely behind it,
+the block goes back to the pool (still indexed, so the prefix cache may revive it), and the request's table
+keeps a placeholder (`behind`) in its place, so positions still index it.
+
 Invariants (check_invariants):
-- a block's ref count equals the number of block tables holding it;
-- a request holds ceil(tokens with KV / block_size) blocks at least, never a block twice;
-- only blocks whose KV is written are indexed (cache_blocks runs after the step that wrote them).
+- a block's ref count equals the number of block tables holding it (placeholders hold none);
+- a request holds ceil(tokens with KV / block_size) entries at least, never a block twice;
+- only blocks whose KV is written are indexed (cache_blocks runs after the step that wrote them);
+- a placeholder sits only behind the window of the request's next query.
 """
 
 from __future__ import annotations
@@ -20,12 +26,18 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, window: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_caching)
+        # in a table, for a block freed behind the window: never read, never counted (id 0 to workers)
+        self.behind = KVCacheBlock(-1)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are indexed
+        self.num_behind: dict[str, int] = {}  # how many of a request's leading blocks are placeholders
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -83,14 +95,35 @@ class KVCacheManager:
             self.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
             self.num_cached_blocks[request.request_id] = num_full
 
+    def free_behind_window(self, request: Request) -> None:
+        """With a window: give back the request's blocks that its next query (at num_computed_tokens) and
+        every later one cannot see (keys p - window < k <= p). Called after the step's blocks are indexed."""
+        if not self.window:
+            return
+        first_seen = request.num_computed_tokens - self.window + 1
+        blocks = self.req_to_blocks.get(request.request_id)
+        if first_seen <= 0 or not blocks:
+            return
+        start = self.num_behind.get(request.request_id, 0)
+        end = min(first_seen // self.block_size, len(blocks))
+        if end <= start:
+            return
+        # NOTE: a block still scheduled in flight is never one of these: the step in flight reads from the
+        # query at num_computed_tokens on, and a freed block is only written in a step after it
+        self.pool.free_blocks(blocks[start:end])
+        blocks[start:end] = [self.behind] * (end - start)
+        self.num_behind[request.request_id] = end
+
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_behind.pop(request.request_id, None)
         # Tail blocks are the least likely to be shared: evict them first.
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(block for block in reversed(blocks) if block is not self.behind)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+        """A request's table for the workers; a placeholder behind the window reads as block 0 (never read)."""
+        return [max(block.block_id, 0) for block in self.req_to_blocks.get(request_id, [])]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -98,9 +131,12 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         holders: Counter[int] = Counter()
-        for blocks in self.req_to_blocks.values():
-            ids = [block.block_id for block in blocks]
+        for request_id, blocks in self.req_to_blocks.items():
+            ids = [block.block_id for block in blocks if block is not self.behind]
             assert len(ids) == len(set(ids)), ids
+            behind = self.num_behind.get(request_id, 0)
+            assert all(block is self.behind for block in blocks[:behind]), request_id
+            assert all(block is not self.behind for block in blocks[behind:]), request_id
             holders.update(ids)
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])

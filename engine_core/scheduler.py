@@ -90,7 +90,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.kv_window
+        )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -369,6 +371,7 @@ class Scheduler:
                 )
             request.num_computed_tokens += num_tokens
             self.kv_cache.cache_blocks(request)
+            self.kv_cache.free_behind_window(request)
             new_token_ids = model_output.sampled_token_ids.get(request_id, [])
             error = model_output.errors.get(request_id)
             if error is not None:

@@ -59,6 +59,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     # every engine's [input, output] addresses in rank order, this one's included ([]: the only engine), so
     # that a frontend attached to one engine finds the others
     data_parallel_addresses: list[list[str]] = msgspec.field(default_factory=list)
+    # >0: every layer attends to at most this many keys (a sliding window): the engine frees a request's
+    # KV blocks once they fall out of it
+    kv_window: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

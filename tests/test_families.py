@@ -179,3 +179,39 @@ def test_lora_on_a_family_equals_peft(name: str, tmp_path) -> None:  # type: ign
             hf_greedy(adapted if lora else base, prompt, MAX_NEW_TOKENS, None),
         )
     assert (tokens["0"], logprobs["0"]) != (tokens["1"], logprobs["1"]), "the adapter changes the output"
+
+
+def test_a_model_windowed_on_every_layer_frees_the_blocks_behind_its_window(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Mistral with an 8-token window on every layer: a request holds only the blocks its window and the
+    step's tokens cover (the others back in the pool), its tokens still equal HF's, and a prompt sent again
+    finds its prefix in the cache (freed blocks stay indexed) and equals HF's too."""
+    from transformers import AutoModelForCausalLM
+
+    build_family("mistral_window", str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = [random.Random(3).randrange(VOCAB) for _ in range(70)]
+    worker = WorkerConfig(
+        model=str(tmp_path), dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64
+    )
+    core = EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=16), InprocExecutor(worker))
+    assert core.model_info.kv_window == 8
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kv = core.scheduler.kv_cache
+    for attempt in range(2):
+        core.add_request(
+            AddRequest(
+                request_id=str(attempt), prompt_token_ids=prompt, sampling_params=params, arrival_time=0
+            )
+        )
+        tokens: list[int] = []
+        while core.has_unfinished_requests():
+            for _, output in core.step():
+                tokens.extend(output.new_token_ids)
+            core.scheduler.check_invariants()
+            for blocks in kv.req_to_blocks.values():
+                held = sum(block is not kv.behind for block in blocks)
+                # the window's keys (8 tokens: up to 3 blocks of 4) and a 16-token chunk (4 more), plus one
+                assert held <= 3 + 4 + 1, held
+        compare_greedy(tokens, hf_greedy(hf, prompt, 40, None))
+        assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert kv.prefix_cache_hits >= 64  # the second time: the prompt's full blocks, freed but indexed

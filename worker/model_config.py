@@ -64,6 +64,12 @@ class ModelConfig:
     logits_scale: float = 1.0  # logits times this (Granite's 1 / logits_scaling, Command R's logit_scale)
     final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2); 0: none
 
+    @property
+    def kv_window(self) -> int:
+        """The window every layer attends within (0 unless all are windowed): older KV is never read."""
+        every = all(self.is_sliding(layer) for layer in range(self.num_layers))
+        return self.sliding_window if self.sliding_window and every and not self.is_encoder else 0
+
     def is_sliding(self, layer: int) -> bool:
         if not self.sliding_window:
             return False

@@ -259,6 +259,7 @@ class ModelRunner:
             hidden_size=self.model_config.hidden_size,
             id2label={str(index): label for index, label in self.model_config.id2label.items()},
             is_encoder=self.model_config.is_encoder,
+            kv_window=self.model_config.kv_window,
         )
 
     # ---- one step ----
