@@ -14,7 +14,9 @@ install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA bui
 	$(PYTHON) -m worker.csrc_ops  # build the csrc CPU kernels now (torch fallback if no compiler)
 	$(PYTHON) -m worker.gguf_cache "$$($(PYTHON) -m frontend.model_files)"  # convert the default model once
 	for name in gemma-3-270m qwen2.5-coder-0.5b-instruct; do \
-		$(PYTHON) -m worker.gguf_cache "$$($(PYTHON) -m frontend.model_packages $$name)" || exit 1; done
+		path="$$($(PYTHON) -m frontend.model_packages $$name)" || exit 1; \
+		$(PYTHON) -m worker.gguf_cache "$$path" || exit 1; \
+		$(PYTHON) -m tests.hf_oracle "$$path" || exit 1; done  # tests/test_real_checkpoints.py's oracle
 
 test:  ## the whole suite: unit, integration against HF transformers, end-to-end
 	$(PYTHON) -m pytest -q --durations=15  # the 15 slowest tests, to keep the suite fast

@@ -108,3 +108,11 @@ def compare_greedy(ours: list[int], oracle: OracleRun, tie_tolerance: float = 1e
         )
     assert len(ours) == len(oracle.token_ids), f"lengths differ: ours {len(ours)}, HF {len(oracle.token_ids)}"
     return Comparison(len(ours), None)
+
+
+if __name__ == "__main__":  # `make install`: the real checkpoints' oracles, made once (~30 s each)
+    import sys
+
+    for gguf_path in sys.argv[1:]:
+        hf_folder_of_gguf(gguf_path)
+        print(f"HF transformers' float32 model of {gguf_path} kept in {_oracle_folder(gguf_path)}")
