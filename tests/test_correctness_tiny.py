@@ -16,6 +16,7 @@ from engine_core.engine_core import EngineCore
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
+from tests.family_models import COMMON
 from tests.hf_oracle import compare_greedy, hf_greedy
 from worker.executor import InprocExecutor
 
@@ -32,20 +33,7 @@ def build_tiny(family: str, folder: str, vocab_size: int = 512) -> None:
         Qwen3ForCausalLM,
     )
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
+    common = {**COMMON, "vocab_size": vocab_size, "num_hidden_layers": 2, "tie_word_embeddings": False}
     torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[family])
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
