@@ -34,7 +34,8 @@ class OffsetRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.scale: torch.Tensor | None = None  # 1 + weight in float32, once loaded
+        self.scale: torch.Tensor | None
+        self.register_buffer("scale", None, persistent=False)  # 1 + weight in float32, once loaded (moves with .to)
 
     def finalize(self) -> None:
         self.scale = 1.0 + self.weight.detach().float()

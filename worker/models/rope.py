@@ -32,8 +32,10 @@ class RotaryEmbedding:
         scaling: dict[str, Any] | None,
         device: torch.device,
         interleaved: bool = False,
+        partial: bool = False,
     ) -> None:
-        self.rotary_dim, self.interleaved = rotary_dim, interleaved
+        """partial: rotary_dim is less than the head's dims (only csrc's whole-head rotation is a kernel)."""
+        self.rotary_dim, self.interleaved, self.partial = rotary_dim, interleaved, partial
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         attention_factor = 1.0
         if scaling:
@@ -50,7 +52,7 @@ class RotaryEmbedding:
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype, ops: CpuOps | None = None) -> Rope:
         """The step's rotation, shared by the layers of this table: looked up once (torch) or indexed per
         token (csrc, which rotates whole heads' (i, i + d / 2) pairs only)."""
-        if ops is not None and not self.interleaved:
+        if ops is not None and not (self.interleaved or self.partial):
             return Rope(positions, self.cos, self.sin, ops, self.rotary_dim, False)
         cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         sin = self.sin[positions].to(dtype).unsqueeze(1)
@@ -72,13 +74,9 @@ class Rope:
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; csrc: in place."""
-        if self.ops is not None and self.rotary_dim == q.shape[-1]:
+        if self.ops is not None:
             self.ops.rotary_embedding(q, k, self.cos, self.sin, self.positions)
             return q, k
-        if self.ops is not None:  # csrc tables, a partial rotary: the torch path on the leading dims
-            cos = self.cos[self.positions].to(q.dtype).unsqueeze(1)
-            sin = self.sin[self.positions].to(q.dtype).unsqueeze(1)
-            return rotate(q, cos, sin, False), rotate(k, cos, sin, False)
         return rotate(q, self.cos, self.sin, self.interleaved), rotate(
             k, self.cos, self.sin, self.interleaved
         )
