@@ -191,3 +191,31 @@ def test_no_subcommand_completes_an_abbreviated_flag(capsys: pytest.CaptureFixtu
             assert f"unrecognized arguments: {prefix}" in capsys.readouterr().err, (words, prefix)
             checked += 1
     assert checked > 300  # serve's flags alone are more than that
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"architectures": ["MambaForCausalLM"]}, "unsupported architecture ['MambaForCausalLM']"),
+        (
+            {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+            "use_bidirectional_attention",
+        ),
+    ],
+)
+def test_a_model_we_do_not_run_is_one_line_and_exit_status_2(
+    tmp_path: pathlib.Path, config: dict, named: str
+) -> None:
+    """The worker refuses it at load; the launcher says why as its last line and stops everything."""
+    import json
+
+    shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({**shape, **config}))
+    result = run_cli("serve", str(tmp_path), "--port", str(free_port()))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("engine serve: error: ") and named in last, last
+    result = run_cli("generate", str(tmp_path), "--prompt", "hi")
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert result.returncode == 2 and last.startswith("engine generate: error: ") and named in last, last
