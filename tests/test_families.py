@@ -215,3 +215,25 @@ def test_a_model_windowed_on_every_layer_frees_the_blocks_behind_its_window(tmp_
         compare_greedy(tokens, hf_greedy(hf, prompt, 40, None))
         assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert kv.prefix_cache_hits >= 64  # the second time: the prompt's full blocks, freed but indexed
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_neox"])
+def test_a_family_as_an_embedder_equals_hf_last_hidden_state(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--convert embed` on a family beyond Llama's shape: each input's normalized last hidden state (after
+    the final norm) equals HF's."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from frontend import LLM
+
+    build_family(name, str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    rng = random.Random(4)
+    prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (5, 33)]
+    with LLM(str(tmp_path), convert="embed", dtype="float32", max_model_len=128) as llm:
+        results = llm.embed([{"prompt_token_ids": p} for p in prompts])
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.inference_mode():
+            out = hf(torch.tensor([prompt]), output_hidden_states=True)
+        expected = torch.nn.functional.normalize(out.hidden_states[-1][0, -1], dim=-1).numpy()
+        assert float(np.dot(result.outputs.embedding, expected)) >= 0.99999
