@@ -19,7 +19,7 @@ from tests.family_models import BUILDERS, VOCAB, build_family
 from tests.hf_oracle import OracleRun, compare_greedy, hf_greedy
 from worker.executor import InprocExecutor
 
-MAX_NEW_TOKENS = 20
+MAX_NEW_TOKENS = 12
 LOGPROB_TOLERANCE = 2e-4
 
 
