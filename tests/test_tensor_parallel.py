@@ -192,3 +192,28 @@ def test_slices_cover_each_tensor_once_and_replicate_kv_heads() -> None:
     parts = [Shard(small, rank, 2).tensor("model.embed_tokens.weight", embed) for rank in range(2)]
     assert [len(p) for p in parts] == [258, 258] and torch.equal(torch.cat(parts)[:515], embed)
     assert not parts[1][-1].any()  # the padding row
+
+
+@pytest.mark.parametrize("name", ["gemma2", "smollm3"])
+def test_a_family_beyond_llama_shards_and_equals_hf(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Gemma 2 (sandwich norms, soft-caps, windows of 8 on half its layers) and SmolLM3 (NoPE layers) at
+    TP=2: the tokens of TP=1 and of HF. A family whose shapes do not shard yet is refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_models import build_family
+
+    build_family(name, str(tmp_path))
+    ids = [[t % 512 for t in p] for p in prompts() if len(p) > 8]  # every prompt crosses the window
+    sharded = greedy(str(tmp_path), 2, ids, max_num_batched_tokens=16, max_model_len=256)
+    assert sharded == greedy(str(tmp_path), 1, ids, max_num_batched_tokens=16, max_model_len=256)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for prompt, ours in zip(ids, sharded, strict=True):
+        compare_greedy(ours, hf_greedy(hf, prompt, GREEDY.max_tokens, eos_token_id=None))
+
+
+def test_a_family_whose_shapes_do_not_shard_yet_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.family_models import build_family
+
+    build_family("olmo2", str(tmp_path))
+    with pytest.raises(EngineRefusedError, match="normalizes q and k over the whole projection"):
+        LLM(str(tmp_path), tensor_parallel_size=2, num_kv_blocks=32, startup_timeout_s=120)
