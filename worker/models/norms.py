@@ -35,7 +35,9 @@ class OffsetRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.scale: torch.Tensor | None
-        self.register_buffer("scale", None, persistent=False)  # 1 + weight in float32, once loaded (moves with .to)
+        self.register_buffer(
+            "scale", None, persistent=False
+        )  # 1 + weight in float32, once loaded (moves with .to)
 
     def finalize(self) -> None:
         self.scale = 1.0 + self.weight.detach().float()
