@@ -228,10 +228,11 @@ def workloads(args: argparse.Namespace, round_index: int = 0) -> list[dict[str, 
          "output_len": args.output_len, "num_prompts": args.num_prompts}
         for c in args.concurrency
     ]  # fmt: skip
-    runs.append(
-        {"name": "shared-prefix c=16", "dataset": "shared-prefix", "max_concurrency": 16, "input_len": 64,
-         "prefix_len": args.prefix_len, "output_len": 32, "num_prompts": args.num_prompts}
-    )  # fmt: skip
+    if args.prefix_len:  # (0: benchmarks/family_peers.py, random prompts only)
+        runs.append(
+            {"name": "shared-prefix c=16", "dataset": "shared-prefix", "max_concurrency": 16, "input_len": 64,
+             "prefix_len": args.prefix_len, "output_len": 32, "num_prompts": args.num_prompts}
+        )  # fmt: skip
     for index, workload in enumerate(runs):
         workload["seed"] = args.seed + 1000 * index + 100_003 * round_index
     return runs

@@ -28,6 +28,9 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     max_loras: int = 0  # >0: the distinct LoRA adapters one step may hold (the worker's slots); 0: no LoRA
     kv_window: int = 0  # >0: every layer's window (ModelInfo.kv_window): blocks behind it are freed
+    # >0: the windowed layers of a model that mixes them with full ones have a pool of their own of this
+    # many blocks (ModelInfo.num_window_blocks), and kv_window applies to that pool only
+    num_window_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in (

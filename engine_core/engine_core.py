@@ -87,6 +87,7 @@ class EngineCore:
             chunked_prefill=not info.is_encoder,
             max_loras=max_loras,
             kv_window=info.kv_window,
+            num_window_blocks=info.num_window_blocks,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0

@@ -63,22 +63,37 @@ class KVCacheManager:
         self.prefix_cache_hits += num_tokens
         return blocks, num_tokens
 
-    def allocate_slots(
+    def num_blocks_short(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
-    ) -> list[KVCacheBlock] | None:
-        """Reserve blocks for num_new_tokens more tokens; None (and no change) if the pool is short."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+    ) -> int:
+        """How many blocks the pool lacks for allocate_slots (0: it would succeed)."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
         num_computed = request.num_computed_after_flight + len(new_computed_blocks) * self.block_size
         num_needed = (
             cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         )
         # Cached blocks on the free queue are about to be revived, so they do not count as free.
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_revived:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        return max(num_needed - (self.pool.num_free_blocks - num_revived), 0)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> list[KVCacheBlock] | None:
+        """Reserve blocks for num_new_tokens more tokens; None (and no change) if the pool is short.
+        new_computed_blocks (a prefix-cache hit, for a request that holds none) may begin with placeholders
+        for blocks behind the window of its first query."""
+        if self.num_blocks_short(request, num_new_tokens, new_computed_blocks):
             return None
-        self.pool.touch(new_computed_blocks)
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_after_flight + len(new_computed_blocks) * self.block_size
+        num_needed = (
+            cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        )
+        num_behind = sum(1 for block in new_computed_blocks if block is self.behind)
+        if num_behind:
+            assert not blocks and all(b is self.behind for b in new_computed_blocks[:num_behind])
+            self.num_behind[request.request_id] = num_behind
+        self.pool.touch(new_computed_blocks[num_behind:])
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
         blocks.extend(new_blocks)
@@ -89,7 +104,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        start = self.num_cached_blocks.get(request.request_id, 0)
+        # placeholders are never indexed (a hit's, or blocks freed before their hash was known)
+        start = max(
+            self.num_cached_blocks.get(request.request_id, 0), self.num_behind.get(request.request_id, 0)
+        )
         if num_full > start:
             blocks = self.req_to_blocks[request.request_id]
             self.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
@@ -125,8 +143,16 @@ class KVCacheManager:
         """A request's table for the workers; a placeholder behind the window reads as block 0 (never read)."""
         return [max(block.block_id, 0) for block in self.req_to_blocks.get(request_id, [])]
 
+    def take_window_block_ids(self, request_id: str, new: bool) -> list[int]:
+        return []  # one pool (HybridKVCacheManager has a second)
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def check_window(self, request: Request) -> None:
+        """No block that a query of the steps in flight or to come may see was given back."""
+        behind = self.num_behind.get(request.request_id, 0)
+        assert behind <= max(request.num_computed_tokens - self.window + 1, 0) // self.block_size, request
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

@@ -31,7 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine_core.config import SchedulerConfig
-from engine_core.kv_cache_manager import KVCacheManager, cdiv
+from engine_core.hybrid_kv_cache import kv_cache_for
+from engine_core.kv_cache_manager import cdiv
 from engine_core.request import Request, RequestStatus
 from protocol.errors import InvalidParameterError
 from protocol.messages import ITERATION_TOKENS_BUCKETS, RequestOutput, SchedulerStats
@@ -90,9 +91,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.kv_window
-        )
+        self.kv_cache = kv_cache_for(config)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -311,7 +310,14 @@ class Scheduler:
                 continue
             if request_id in self.sent_to_worker:
                 num_computed = request.num_computed_after_flight  # once the worker ran the steps before
-                cached_requests.append(CachedRequestData(request_id, new_block_ids[request_id], num_computed))
+                cached_requests.append(
+                    CachedRequestData(
+                        request_id,
+                        new_block_ids[request_id],
+                        num_computed,
+                        self.kv_cache.take_window_block_ids(request_id, False),
+                    )
+                )
             else:
                 new_requests.append(
                     NewRequestData(
@@ -323,6 +329,7 @@ class Scheduler:
                         request.num_computed_tokens,
                         request.pooling_params,
                         request.lora,
+                        self.kv_cache.take_window_block_ids(request_id, True),
                     )
                 )
                 self.sent_to_worker.add(request_id)
@@ -465,6 +472,7 @@ class Scheduler:
             assert request.status == RequestStatus.RUNNING, request
             num_blocks = len(self.kv_cache.req_to_blocks.get(request.request_id, []))
             assert num_blocks >= cdiv(request.num_computed_after_flight, block_size), request
+            self.kv_cache.check_window(request)
             assert request.num_computed_after_flight <= request.num_tokens_after_flight, request
             assert request.num_outputs_ahead <= len(self.steps_in_flight), request
         for request in self.waiting:

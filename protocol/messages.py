@@ -62,6 +62,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     # >0: every layer attends to at most this many keys (a sliding window): the engine frees a request's
     # KV blocks once they fall out of it
     kv_window: int = 0
+    # >0: a model mixing windowed and full layers: the windowed layers (window kv_window) have their own
+    # pool of this many blocks and each request a second block table (engine_core/hybrid_kv_cache.py)
+    num_window_blocks: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

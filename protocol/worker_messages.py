@@ -23,6 +23,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int  # prefix-cache hit length at schedule time
     pooling_params: PoolingParams | None = None  # a pooling request: pooled when its prompt is computed
     lora: LoraRequest | None = None  # the adapter its products add (None: the base model)
+    window_block_ids: list[int] = []  # its table in the windowed layers' pool (ModelInfo.num_window_blocks)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -31,6 +32,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     request_id: str
     new_block_ids: list[int]  # appended to its block table
     num_computed_tokens: int
+    new_window_block_ids: list[int] = []  # appended to its table in the windowed layers' pool
 
 
 class SchedulerOutput(msgspec.Struct, tag="schedule", array_like=True):

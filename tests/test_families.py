@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from engine_core.engine_core import EngineCore
+from engine_core.hybrid_kv_cache import HybridKVCacheManager
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
 from tests.family_models import BUILDERS, VOCAB, build_family
 from tests.hf_oracle import OracleRun, compare_greedy, hf_greedy
 from worker.executor import InprocExecutor
+from worker.kv_groups import window_pool_blocks
 
 MAX_NEW_TOKENS = 12
 LOGPROB_TOLERANCE = 2e-4
@@ -215,6 +217,58 @@ def test_a_model_windowed_on_every_layer_frees_the_blocks_behind_its_window(tmp_
         compare_greedy(tokens, hf_greedy(hf, prompt, 40, None))
         assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert kv.prefix_cache_hits >= 64  # the second time: the prompt's full blocks, freed but indexed
+
+
+def test_a_model_mixing_windowed_and_full_layers_keeps_a_pool_for_each(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Gemma 3 (an 8-token window on some layers): the windowed layers' pool is sized for what windows hold
+    (with memory given, the full layers get the rest: more blocks than one pool for all would have), a
+    request holds only its window's blocks there and its whole context in the full pool, its tokens
+    equal HF's, and a prompt sent again finds its prefix in both pools and equals HF's too."""
+    from transformers import AutoModelForCausalLM
+
+    build_family("gemma3", str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = [random.Random(5).randrange(VOCAB - 1) for _ in range(70)]
+    budget, memory = 16, 1 << 20
+    worker = WorkerConfig(
+        model=str(tmp_path),
+        dtype="float32",
+        block_size=4,
+        max_model_len=128,
+        kv_cache_memory_bytes=memory,
+        max_num_seqs=2,
+        max_num_batched_tokens=budget,
+    )
+    config = EngineConfig(worker=worker, max_num_batched_tokens=budget, max_num_seqs=2)
+    core = EngineCore(config, InprocExecutor(worker))
+    info = core.model_info
+    one_pool = memory // (2 * 4 * 2 * 16 * 4 * 3)  # K and V of 4 tokens, 2 heads of 16, float32, 3 layers
+    assert (info.kv_window, info.num_window_blocks) == (8, window_pool_blocks(8, 4, 2, budget))
+    # two of the three layers are windowed: the one full layer gets what they leave
+    assert info.num_kv_blocks == one_pool * 3 - info.num_window_blocks * 2 > one_pool
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kv = core.scheduler.kv_cache
+    assert isinstance(kv, HybridKVCacheManager)
+    oracle = hf_greedy(hf, prompt, 40, None)
+    for attempt in range(2):
+        core.add_request(
+            AddRequest(
+                request_id=str(attempt), prompt_token_ids=prompt, sampling_params=params, arrival_time=0
+            )
+        )
+        tokens: list[int] = []
+        while core.has_unfinished_requests():
+            for _, output in core.step():
+                tokens.extend(output.new_token_ids)
+            core.scheduler.check_invariants()
+            for request_id, blocks in kv.sliding.req_to_blocks.items():
+                held = sum(block is not kv.sliding.behind for block in blocks)
+                assert held <= 3 + 4 + 1, held  # the window's 8 keys, a 16-token chunk, one more
+                assert len(kv.full.req_to_blocks[request_id]) == len(blocks)
+        compare_greedy(tokens, oracle)
+        assert kv.pool.num_free_blocks == kv.pool.num_blocks
+        assert kv.sliding.pool.num_free_blocks == kv.sliding.pool.num_blocks
+    assert kv.prefix_cache_hits >= 64  # the second time: the prompt's full blocks, found in both pools
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gpt_neox"])

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from engine_core.block_pool import BlockPool
 from engine_core.engine_core import EngineCore
+from engine_core.hybrid_kv_cache import HybridKVCacheManager
 from engine_core.request import RequestStatus
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.lora import LoraAdapter, LoraConfig
@@ -19,9 +20,16 @@ from tests.fake_executor import FakeExecutor
 
 
 def make_core(
-    num_kv_blocks: int = 64, block_size: int = 4, lora: LoraConfig | None = None, **kwargs
+    num_kv_blocks: int = 64,
+    block_size: int = 4,
+    lora: LoraConfig | None = None,
+    window: int = 0,
+    num_window_blocks: int = 0,
+    **kwargs,
 ) -> tuple[EngineCore, FakeExecutor]:  # type: ignore[no-untyped-def]
-    executor = FakeExecutor(num_kv_blocks=num_kv_blocks, block_size=block_size)
+    executor = FakeExecutor(
+        num_kv_blocks=num_kv_blocks, block_size=block_size, window=window, num_window_blocks=num_window_blocks
+    )
     kwargs.setdefault("async_scheduling", False)  # these tests follow one step at a time
     config = EngineConfig(worker=WorkerConfig(model="fake", lora=lora), **kwargs)
     return EngineCore(config, executor), executor
@@ -279,15 +287,29 @@ def test_async_scheduling_gives_each_request_the_outputs_sync_does() -> None:
     policy=st.sampled_from(["fcfs", "priority"]),
     async_scheduling=st.booleans(),
     loras=st.booleans(),
+    window=st.sampled_from([0, 0, 3, 6, 9]),
 )
 def test_random_workload_keeps_invariants_and_leaks_nothing(
-    seed: int, num_blocks: int, budget: int, caching: bool, policy: str, async_scheduling: bool, loras: bool
+    seed: int,
+    num_blocks: int,
+    budget: int,
+    caching: bool,
+    policy: str,
+    async_scheduling: bool,
+    loras: bool,
+    window: int,
 ) -> None:
     """With loras: requests on three adapters and the base, at most two adapters a step (check_invariants),
-    adapters unloaded and loaded again while requests use them; the worker drops each once unused."""
+    adapters unloaded and loaded again while requests use them; the worker drops each once unused.
+    With a window: a model mixing windowed and full layers, its windowed pool as small as one request's
+    window and two steps' chunks need (so that pool runs short too, and preempts)."""
     rng = random.Random(seed)
     names = ["a", "b", "c"] if loras else []
+    one_request = -(-window // 4) + 2 * -(-budget // 4) + 3
+    num_window_blocks = min(num_blocks, one_request + rng.randint(0, 4)) if window else 0
     core, executor = make_core(
+        window=window,
+        num_window_blocks=num_window_blocks,
         lora=LoraConfig(max_loras=2) if loras else None,
         lora_modules=[LoraAdapter(name=name, path=f"/adapters/{name}") for name in names],
         num_kv_blocks=num_blocks,
@@ -337,8 +359,10 @@ def test_random_workload_keeps_invariants_and_leaks_nothing(
         core.step()
         core.scheduler.check_invariants()
     assert not core.has_unfinished_requests()
-    assert core.scheduler.kv_cache.pool.num_free_blocks == num_blocks
-    assert all(block.ref_cnt == 0 for block in core.scheduler.kv_cache.pool.blocks)
+    kv = core.scheduler.kv_cache
+    for pool in [kv.pool] + ([kv.sliding.pool] if isinstance(kv, HybridKVCacheManager) else []):
+        assert pool.num_free_blocks == pool.num_blocks
+        assert all(block.ref_cnt == 0 for block in pool.blocks)
     for request in list(core.scheduler.requests.values()):
         assert request.status.is_finished  # pragma: no cover
     assert not core.loras.retiring, "every unloaded adapter was freed once its requests ended"

@@ -1,7 +1,9 @@
 """Persistent batch state: one row per request the worker holds, updated from SchedulerOutput diffs.
 
 Invariants: a request keeps its row until finished or preempted; token_ids[row, :num_tokens] are the
-prompt then the output tokens; block_table[row, :num_blocks] is the request's block table.
+prompt then the output tokens; block_table[row, :num_blocks] is the request's block table, and for a model
+with a pool for its windowed layers window_table[row, :num_window_blocks] its table there (entries behind
+the window may be stale: never read).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from protocol.lora import LoraRequest
 from protocol.pooling import PoolingParams
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, NewRequestData
-from worker.attention import AttentionMetadata
+from worker.attention import AttentionMetadata, PrefillChunk
 
 
 @dataclass
@@ -30,10 +32,13 @@ class RequestState:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.window_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
+        self.num_window_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -49,6 +54,8 @@ class InputBatch:
         self.num_computed_tokens[row] = data.num_computed_tokens
         self.block_table[row, : len(data.block_ids)] = data.block_ids
         self.num_blocks[row] = len(data.block_ids)
+        self.window_table[row, : len(data.window_block_ids)] = data.window_block_ids
+        self.num_window_blocks[row] = len(data.window_block_ids)
         self.requests[data.request_id] = RequestState(
             data.request_id,
             row,
@@ -63,6 +70,9 @@ class InputBatch:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(data.new_block_ids)] = data.new_block_ids
         self.num_blocks[row] = start + len(data.new_block_ids)
+        start = self.num_window_blocks[row]
+        self.window_table[row, start : start + len(data.new_window_block_ids)] = data.new_window_block_ids
+        self.num_window_blocks[row] = start + len(data.new_window_block_ids)
         self.num_computed_tokens[row] = data.num_computed_tokens
 
     def remove(self, request_id: str) -> None:
@@ -79,6 +89,63 @@ class InputBatch:
 
     def prompt_token_ids(self, state: RequestState) -> np.ndarray:
         return self.token_ids[state.row, : state.num_prompt_tokens]
+
+    def prepare_inputs(self, scheduled: dict[str, int], window_pool: bool) -> StepInputs:
+        """The step's flattened tokens and attention metadata (window_pool: also over the windowed
+        layers' pool). Host tensors: a CUDA worker moves them (an eager step) or stages them (a graph's)."""
+        # Decode requests (one query token) first, so attention handles them as one batch.
+        request_ids = sorted(scheduled, key=lambda request_id: scheduled[request_id] != 1)
+        rows = np.array([self.requests[r].row for r in request_ids], dtype=np.int64)
+        counts = np.array([scheduled[r] for r in request_ids], dtype=np.int64)
+        starts = self.num_computed_tokens[rows]
+        total = int(counts.sum())
+        first = np.cumsum(counts) - counts
+        positions = np.repeat(starts, counts) + np.arange(total) - np.repeat(first, counts)  # [T]
+        row_per_token = np.repeat(rows, counts)  # [T]
+        input_ids = self.token_ids[row_per_token, positions]
+        flat = (rows, counts, starts, first, positions, row_per_token)
+        metadata = self._metadata(self.block_table, *flat)
+        if window_pool:
+            metadata.window_group = self._metadata(self.window_table, *flat)
+        return StepInputs(
+            request_ids,
+            rows,
+            counts,
+            starts,
+            torch.from_numpy(input_ids),
+            torch.from_numpy(positions),
+            metadata,
+        )
+
+    def _metadata(
+        self,
+        table: np.ndarray,  # [max_num_seqs, max_blocks] a pool's block tables
+        rows: np.ndarray,  # [R] the scheduled requests' rows, decode requests first
+        counts: np.ndarray,  # [R] tokens scheduled
+        starts: np.ndarray,  # [R] computed tokens before the step
+        first: np.ndarray,  # [R] each request's first row in the flattened tokens
+        positions: np.ndarray,  # [T]
+        row_per_token: np.ndarray,  # [T]
+    ) -> AttentionMetadata:
+        bs = self.block_size
+        seq_lens = starts + counts
+        num_decode = int((counts == 1).sum())
+        metadata = AttentionMetadata(
+            num_decode_tokens=num_decode,
+            slot_block_ids=torch.from_numpy(table[row_per_token, positions // bs]),
+            slot_offsets=torch.from_numpy(positions % bs),
+        )
+        if num_decode:
+            max_blocks = int(-(-seq_lens[:num_decode].max() // bs))
+            tables = table[rows[:num_decode], :max_blocks]
+            metadata.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables))
+            metadata.decode_seq_lens = torch.from_numpy(seq_lens[:num_decode])
+        for i in range(num_decode, len(rows)):
+            start, n, context = int(first[i]), int(counts[i]), int(starts[i])
+            seq_len = context + n
+            block_ids = torch.from_numpy(table[rows[i], : -(-seq_len // bs)].copy())
+            metadata.prefills.append(PrefillChunk(start, start + n, context, block_ids))
+        return metadata
 
 
 @dataclass

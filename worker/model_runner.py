@@ -20,7 +20,7 @@ from protocol.startup import StartupPhases
 from protocol.version import __version__
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from structured_outputs import resolve_backend_name
-from worker.attention import AttentionBackend, AttentionMetadata, PrefillChunk, get_attention_backend
+from worker.attention import AttentionBackend, get_attention_backend
 from worker.attention.torch_ref import TorchAttentionBackend
 from worker.gguf_cache import load_model_files
 from worker.gpu.device import cuda_dtype, worker_device
@@ -30,6 +30,7 @@ from worker.grammar import GrammarManager
 from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
 from worker.input_batch import InputBatch, StepInputs
 from worker.kernel_table import log_kernel_table
+from worker.kv_groups import KVPools, plan_pools
 from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
 from worker.model_config import ModelConfig, UnsupportedModelError
@@ -160,6 +161,7 @@ class ModelRunner:
         if mc.is_encoder:
             # no cache (worker/models/bert.py): the engine's blocks only count the inputs in flight
             self.num_kv_blocks = config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            self.pools = KVPools(self.num_kv_blocks, 0, 0)
             self.kv_caches: list[torch.Tensor] = []
         else:
             if self.tp is not None:
@@ -171,12 +173,23 @@ class ModelRunner:
                     config.gpu_memory_utilization, self.backend).num_blocks  # fmt: skip
             if self.tp is not None:
                 self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)  # one pool size for every rank
+            self.pools = self._plan_pools(self.num_kv_blocks, bool(graph_sizes))
+            self.num_kv_blocks = self.pools.num_blocks
             # a CUDA graph's padding rows write into one block past the engine's pool (worker/gpu/graph_runner.py)
-            shape = (self.num_kv_blocks + bool(graph_sizes), 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+            shapes: list[tuple[int, ...]] = [
+                (
+                    self.pools.blocks_of(mc, i) + bool(graph_sizes),
+                    2,
+                    self.block_size,
+                    mc.num_kv_heads,
+                    mc.head_dim,
+                )
+                for i in range(mc.num_layers)
+            ]
             self.kv_caches = (
-                zeroed_pool([shape] * mc.num_layers, self.dtype)  # worker/host_memory.py
+                zeroed_pool(shapes, self.dtype)  # worker/host_memory.py
                 if self.device.type == "cpu"
-                else [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+                else [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
             )
         trim_freed_memory()  # what loading freed, e.g. the weights' copies before they moved to huge pages
         keep_freed_memory()  # after loading: steps reuse their activations' memory (worker/host_memory.py)
@@ -194,12 +207,13 @@ class ModelRunner:
         # request, as vLLM does, not at start: most engines never serve one
         self.grammar = GrammarManager(config, mc.vocab_size, self.eos_token_ids)
         logger.info(
-            "loaded %s (%s, %s), %d KV blocks of %d tokens",
+            "loaded %s (%s, %s), %d KV blocks of %d tokens%s",
             config.model,
             mc.family,
             self.dtype,
             self.num_kv_blocks,
             self.block_size,
+            f" (the windowed layers: {self.pools.num_window_blocks})" if self.pools.num_window_blocks else "",
         )
 
     def _join_group(self, parallel: ParallelConfig) -> None:
@@ -231,6 +245,22 @@ class ModelRunner:
         _, weights = load_model_files(self.config.model, self.config.cache_dir)
         return self._build_model(weights)
 
+    def _plan_pools(self, num_blocks: int, graphs: bool) -> KVPools:
+        """A model mixing windowed and full layers gets a pool for each (worker/kv_groups.py), except under
+        CUDA graphs, whose padding rows write one block past a single pool."""
+        if graphs:
+            return KVPools(num_blocks, 0, 0)
+        config = self.config
+        return plan_pools(
+            self.model_config,
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            explicit=bool(config.num_kv_blocks),
+        )
+
     def _num_blocks_for(self, num_bytes: int) -> int:
         mc = self.model_config
         bytes_per_block = (
@@ -259,7 +289,8 @@ class ModelRunner:
             hidden_size=self.model_config.hidden_size,
             id2label={str(index): label for index, label in self.model_config.id2label.items()},
             is_encoder=self.model_config.is_encoder,
-            kv_window=self.model_config.kv_window,
+            kv_window=self.model_config.kv_window or self.pools.window,
+            num_window_blocks=self.pools.num_window_blocks,
         )
 
     # ---- one step ----
@@ -269,7 +300,9 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self.batch.prepare_inputs(
+            scheduler_output.num_scheduled_tokens, bool(self.pools.num_window_blocks)
+        )
         lora = self._lora_batch(inputs)
         if self.pooling_step is not None:
             step = self.pooling_step
@@ -403,49 +436,6 @@ class ModelRunner:
                 self.grammar.add(new.request_id, new.sampling_params.structured_outputs, new.output_token_ids)
         for cached in scheduler_output.cached_requests:
             self.batch.update(cached)
-
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        scheduled = scheduler_output.num_scheduled_tokens
-        # Decode requests (one query token) first, so attention handles them as one batch.
-        request_ids = sorted(scheduled, key=lambda request_id: scheduled[request_id] != 1)
-        rows = np.array([self.batch.requests[r].row for r in request_ids], dtype=np.int64)
-        counts = np.array([scheduled[r] for r in request_ids], dtype=np.int64)
-        starts = self.batch.num_computed_tokens[rows]
-        total = int(counts.sum())
-        first = np.cumsum(counts) - counts
-        positions = np.repeat(starts, counts) + np.arange(total) - np.repeat(first, counts)  # [T]
-        row_per_token = np.repeat(rows, counts)  # [T]
-        input_ids = self.batch.token_ids[row_per_token, positions]
-        bs = self.block_size
-        slot_blocks = self.batch.block_table[row_per_token, positions // bs]
-        seq_lens = starts + counts
-
-        num_decode = int((counts == 1).sum())
-        metadata = AttentionMetadata(
-            num_decode_tokens=num_decode,
-            slot_block_ids=torch.from_numpy(slot_blocks),
-            slot_offsets=torch.from_numpy(positions % bs),
-        )
-        if num_decode:
-            max_blocks = int(-(-seq_lens[:num_decode].max() // bs))
-            tables = self.batch.block_table[rows[:num_decode], :max_blocks]
-            metadata.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables))
-            metadata.decode_seq_lens = torch.from_numpy(seq_lens[:num_decode])
-        for i in range(num_decode, len(rows)):
-            start, n, context = int(first[i]), int(counts[i]), int(starts[i])
-            seq_len = context + n
-            block_ids = torch.from_numpy(self.batch.block_table[rows[i], : -(-seq_len // bs)].copy())
-            metadata.prefills.append(PrefillChunk(start, start + n, context, block_ids))
-        inputs = StepInputs(
-            request_ids,
-            rows,
-            counts,
-            starts,
-            torch.from_numpy(input_ids),
-            torch.from_numpy(positions),
-            metadata,
-        )
-        return inputs  # host tensors: a CUDA worker moves them (an eager step) or stages them (a graph's)
 
     def _prompt_logprob_rows(
         self, inputs: StepInputs, ends: np.ndarray

@@ -42,6 +42,8 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] tokens in the cache, the new one included
     prefills: list[PrefillChunk] = field(default_factory=list)
     scratch: dict[Any, Any] = field(default_factory=dict)  # a backend's per-step plans, shared by the layers
+    # the same step over the windowed layers' pool, for a model that has one (worker/kv_groups.py)
+    window_group: AttentionMetadata | None = None
 
 
 class AttentionBackend(Protocol):

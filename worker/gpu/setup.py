@@ -87,17 +87,20 @@ def to_device(
     def move(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device, non_blocking=True)
 
-    metadata = inputs.metadata
-    metadata.slot_block_ids, metadata.slot_offsets = (
-        move(metadata.slot_block_ids),
-        move(metadata.slot_offsets),
-    )
-    if metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None:
-        metadata.decode_block_tables = move(metadata.decode_block_tables)
-        metadata.decode_seq_lens = move(metadata.decode_seq_lens)
-    # NOTE: moved once a step, shared by the layers
-    for chunk in metadata.prefills:
-        chunk.block_ids = move(chunk.block_ids)
+    groups = [inputs.metadata]
+    if inputs.metadata.window_group is not None:  # a model with a pool for its windowed layers
+        groups.append(inputs.metadata.window_group)
+    for metadata in groups:
+        metadata.slot_block_ids, metadata.slot_offsets = (
+            move(metadata.slot_block_ids),
+            move(metadata.slot_offsets),
+        )
+        if metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None:
+            metadata.decode_block_tables = move(metadata.decode_block_tables)
+            metadata.decode_seq_lens = move(metadata.decode_seq_lens)
+        # NOTE: moved once a step, shared by the layers
+        for chunk in metadata.prefills:
+            chunk.block_ids = move(chunk.block_ids)
     inputs.input_ids, inputs.positions = move(inputs.input_ids), move(inputs.positions)
     return inputs
 

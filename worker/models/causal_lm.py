@@ -112,9 +112,11 @@ class CausalLM(nn.Module):
                 return x + residual
         stream: torch.Tensor | None = None  # the residual stream before the last layer's output
         last = len(self.layers) - 1
+        window_group = metadata.window_group  # the windowed layers' pool, where they have one
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            pool = window_group if window_group is not None and self.config.is_sliding(i) else metadata
             x, stream = layer(
-                x, stream, ropes, kv_cache, metadata, backend, out_rows if i == last else None, lora
+                x, stream, ropes, kv_cache, pool, backend, out_rows if i == last else None, lora
             )
         assert stream is not None  # the model has at least one layer
         return x + stream
