@@ -6,8 +6,8 @@ Models: every family of benchmarks/family_steps.py at SmolLM2-135M's shape with 
 SmolLM2's tokenizer), and Gemma-3-270M (the packaged Q4_K_M GGUF, dequantized by transformers into a
 bfloat16 Hugging Face folder). For each model, ours and vLLM are up side by side as in `make bench-peers`
 (benchmarks/peers.py: the same client, completions with token-id prompts, greedy, ignore_eos, the turn
-order reversed every round), on random prompts of 100 tokens with 128 output tokens at c=1 and c=16, then
-the greedy invariance check (8 prompts alone, then among 48 others). The table: c=1 TPOT p50 and c=16
+order reversed every round), on random prompts of 100 tokens with 64 output tokens at c=1 (8 prompts) and
+c=16 (32 prompts), then ours' greedy invariance check (8 prompts alone, then among 48 others). The table: c=1 TPOT p50 and c=16
 output tokens/s of each, ours/vLLM, and ours' invariance. A server that does not start (vLLM refusing an
 architecture or a checkpoint field) is a row saying so. Writes benchmarks/results/family_peers.json and
 family_peers.md.
@@ -112,8 +112,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=[*family_steps.FAMILIES, GEMMA3_270M])
     parser.add_argument("--servers", nargs="+", default=["ours", "vllm"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16])
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=32, help="at c > 1 (at c=1: --c1-prompts)")
+    parser.add_argument("--c1-prompts", type=int, default=8)
+    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--port", type=int, default=18123)
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/engine/peers"))
@@ -121,6 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     # what peers.side_by_side and its workloads read: no shared-prefix run
     args.input_len, args.prefix_len, args.seed = 100, 0, int(time.time()) % 100000
+    args.prompts_at, args.invariance_of = {1: args.c1_prompts}, ["ours"]
     cache = Path(args.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     if "vllm" in args.servers:

@@ -225,7 +225,7 @@ def workloads(args: argparse.Namespace, round_index: int = 0) -> list[dict[str, 
     prefix cache (side by side, a server keeps its cache from round to round)."""
     runs: list[dict[str, Any]] = [
         {"name": f"random c={c}", "dataset": "random", "max_concurrency": c, "input_len": args.input_len,
-         "output_len": args.output_len, "num_prompts": args.num_prompts}
+         "output_len": args.output_len, "num_prompts": getattr(args, "prompts_at", {}).get(c, args.num_prompts)}
         for c in args.concurrency
     ]  # fmt: skip
     if args.prefix_len:  # (0: benchmarks/family_peers.py, random prompts only)
@@ -390,7 +390,8 @@ def side_by_side(args: argparse.Namespace, cache: Path, hf: Path) -> dict[str, l
                     except (RuntimeError, OSError) as error:
                         print(f"{name} failed: {error}", flush=True)
                         failed[name] = str(error)
-            for name in turn_order([n for n in args.servers if n in results and n not in failed], index):
+            checked = getattr(args, "invariance_of", args.servers)  # (family_peers: ours only)
+            for name in turn_order([n for n in checked if n in results and n not in failed], index):
                 try:
                     results[name]["invariance"] = invariance_check(name, up[name][1])
                 except (httpx.HTTPError, OSError) as error:

@@ -31,6 +31,7 @@ class SchedulerConfig:
     # >0: the windowed layers of a model that mixes them with full ones have a pool of their own of this
     # many blocks (ModelInfo.num_window_blocks), and kv_window applies to that pool only
     num_window_blocks: int = 0
+    rope_switch_len: int = 0  # >0: ModelInfo.rope_switch_len: a request crossing it is recomputed
 
     def __post_init__(self) -> None:
         for name in (

@@ -88,6 +88,7 @@ class EngineCore:
             max_loras=max_loras,
             kv_window=info.kv_window,
             num_window_blocks=info.num_window_blocks,
+            rope_switch_len=info.rope_switch_len,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0

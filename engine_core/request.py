@@ -85,6 +85,8 @@ class Request:
         self.num_preemptions = 0
         self.block_size = block_size
         self.extra_keys = extra_keys
+        self.num_runs = 0  # preemptions so far, the LongRoPE switch's included: which run a step belongs to
+        self.long_rope = False  # a LongRoPE model's request past its switch length (passes_rope_switch)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
         # engine clock (time.monotonic): for the queue/prefill/decode histograms
@@ -150,6 +152,18 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
+
+    def passes_rope_switch(self, switch: int) -> bool:
+        """Whether the request just went past a LongRoPE model's switch length (0: none): from now on every
+        position runs on the long factors, so its blocks get keys of their own (the same tokens' KV
+        differs), hashed again."""
+        if not switch or self.long_rope or self.num_tokens <= switch:
+            return False
+        self.long_rope = True
+        self.extra_keys = (*self.extra_keys, "long-rope")
+        self.block_hashes = []
+        self._update_block_hashes()
+        return True
 
     def _update_block_hashes(self) -> None:
         size = self.block_size

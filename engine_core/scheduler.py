@@ -85,6 +85,7 @@ class ScheduledRequest:
     request: Request
     num_tokens: int
     samples: bool  # the step computes the request's last known token, so it samples the next
+    run: int  # the request's Request.num_runs when scheduled: an output of an earlier run is stale
 
 
 class Scheduler:
@@ -119,6 +120,7 @@ class Scheduler:
             )
         if request.num_tokens > self.config.num_kv_blocks * self.config.block_size:
             raise ValueError(f"prompt of {request.num_tokens} tokens does not fit the KV pool")
+        request.passes_rope_switch(self.config.rope_switch_len)  # a prompt past it: long from the start
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -283,14 +285,16 @@ class Scheduler:
             return max(self.running)
         return self.running[-1]
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, counted: bool = True) -> None:
+        """counted: for want of blocks (a LongRoPE switch is not)."""
         self.running.remove(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_tokens_ahead = request.num_outputs_ahead = 0  # the output in flight is dropped
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        request.num_preemptions += counted
+        request.num_runs += 1
+        self.num_preemptions += counted
         if request.request_id in self.sent_to_worker:
             self.sent_to_worker.discard(request.request_id)
             self.preempted_request_ids.append(request.request_id)
@@ -337,7 +341,7 @@ class Scheduler:
             request.num_tokens_ahead += num_tokens
             samples = request.num_computed_after_flight >= request.num_tokens_after_flight
             request.num_outputs_ahead += samples
-            step[request_id] = ScheduledRequest(request, num_tokens, samples)
+            step[request_id] = ScheduledRequest(request, num_tokens, samples, request.num_runs)
         self.steps_in_flight.append(step)
         output = SchedulerOutput(
             new_requests=new_requests,
@@ -367,8 +371,12 @@ class Scheduler:
         self.iteration_tokens_sum += num_step_tokens
         for request_id, scheduled in step.items():
             request, num_tokens = scheduled.request, scheduled.num_tokens
-            if request.status != RequestStatus.RUNNING or self.requests.get(request_id) is not request:
-                continue  # preempted, finished or aborted since it was scheduled: the output is stale
+            if (
+                request.status != RequestStatus.RUNNING
+                or self.requests.get(request_id) is not request
+                or scheduled.run != request.num_runs
+            ):
+                continue  # preempted (and maybe back), finished or aborted since it was scheduled: stale
             request.num_tokens_ahead -= num_tokens
             request.num_outputs_ahead -= scheduled.samples
             was_prefill = request.num_computed_tokens < request.num_prompt_tokens
@@ -390,6 +398,8 @@ class Scheduler:
                 request.append_output_token_ids(new_token_ids)
                 self.num_generation_tokens += len(new_token_ids)
                 self._check_stop(request)
+                if not request.is_finished and request.passes_rope_switch(self.config.rope_switch_len):
+                    self._preempt(request, counted=False)  # recomputed on the long factors, as in HF
             pooled = model_output.pooled.get(request_id)
             if pooled is not None and error is None:
                 request.first_token_time = time.monotonic()

@@ -65,6 +65,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     # >0: a model mixing windowed and full layers: the windowed layers (window kv_window) have their own
     # pool of this many blocks and each request a second block table (engine_core/hybrid_kv_cache.py)
     num_window_blocks: int = 0
+    # >0: a LongRoPE model: a request with more tokens runs on the long factors at every position, so the
+    # engine recomputes one that crosses it (as transformers does) and keys its prefix-cache blocks apart
+    rope_switch_len: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -25,6 +25,7 @@ class FakeExecutor:
         pooling: str | None = None,  # a pooling model: "encoder", or a causal LM's pooling type ("LAST", ...)
         window: int = 0,  # with num_window_blocks: a model mixing windowed and full layers (two pools)
         num_window_blocks: int = 0,
+        rope_switch_len: int = 0,  # a LongRoPE model's switch length
     ) -> None:
         max_model_len = min(max_model_len, num_kv_blocks * block_size)
         self.model_info = ModelInfo(
@@ -34,6 +35,7 @@ class FakeExecutor:
             self.model_info = msgspec.structs.replace(
                 self.model_info, kv_window=window, num_window_blocks=num_window_blocks
             )
+        self.model_info = msgspec.structs.replace(self.model_info, rope_switch_len=rope_switch_len)
         self.block_size = block_size
         # the tables a worker would hold: each request's block ids in each pool
         self.tables: dict[str, tuple[list[int], list[int]]] = {}

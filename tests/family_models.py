@@ -124,6 +124,18 @@ BUILDERS: dict[str, Callable[[], Any]] = {
             "long_factor": [2.0, 3.0, 4.0, 8.0],
         },
     ),  # fmt: skip
+    # LongRoPE past its switch (24 tokens): prompts past it from the start, and one that crosses it
+    "phi3_longrope": lambda: _model(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        original_max_position_embeddings=24,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "short_factor": [1.0, 1.5, 2.0, 4.0, 1.0, 1.0, 2.0, 3.0],
+            "long_factor": [2.0, 3.0, 4.0, 8.0, 3.0, 5.0, 9.0, 16.0],
+        },
+    ),  # fmt: skip
     "granite": lambda: _model(
         "GraniteConfig",
         "GraniteForCausalLM",

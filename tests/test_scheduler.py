@@ -25,10 +25,15 @@ def make_core(
     lora: LoraConfig | None = None,
     window: int = 0,
     num_window_blocks: int = 0,
+    rope_switch_len: int = 0,
     **kwargs,
 ) -> tuple[EngineCore, FakeExecutor]:  # type: ignore[no-untyped-def]
     executor = FakeExecutor(
-        num_kv_blocks=num_kv_blocks, block_size=block_size, window=window, num_window_blocks=num_window_blocks
+        num_kv_blocks=num_kv_blocks,
+        block_size=block_size,
+        window=window,
+        num_window_blocks=num_window_blocks,
+        rope_switch_len=rope_switch_len,
     )
     kwargs.setdefault("async_scheduling", False)  # these tests follow one step at a time
     config = EngineConfig(worker=WorkerConfig(model="fake", lora=lora), **kwargs)
@@ -436,3 +441,39 @@ def test_the_prefill_share_grows_with_the_decoding_requests() -> None:
             shares.append(prefill)
     assert shares and max(shares) == 24  # six decoding requests: 4 x 6 prefill tokens, not 8
     core.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_longrope_request_crossing_its_switch_is_recomputed_once_under_its_own_keys(
+    async_scheduling: bool,
+) -> None:
+    """LongRoPE (switch at 10 tokens): a request that grows past it is sent to the worker again whole (its
+    KV recomputed on the long factors, as transformers does) and keeps its outputs; one that starts past it
+    runs long from the start; and a short request's cached blocks never serve a long one."""
+    core, executor = make_core(rope_switch_len=10, async_scheduling=async_scheduling)
+    prompt = list(range(100, 108))
+    add(core, "crosses", prompt, max_tokens=8)
+    outputs = run_to_completion(core)
+    tokens = [t for output in outputs["crosses"] for t in output.new_token_ids]
+    assert len(tokens) == 8
+    resent = [
+        step.num_scheduled_tokens["crosses"]
+        for step in executor.steps
+        for new in step.new_requests
+        if new.request_id == "crosses"
+    ]
+    assert resent == [8, 11]  # again at 11 tokens (the prompt, the 3 outputs past 10): all recomputed
+    assert core.scheduler.num_preemptions == 0  # a switch, not a shortage of blocks
+    # the crossing request's long blocks serve a long request with its tokens
+    add(core, "long", prompt + tokens[:4], max_tokens=2)
+    run_to_completion(core)
+    core, executor = make_core(rope_switch_len=10, async_scheduling=async_scheduling)
+    add(core, "short", prompt, max_tokens=1)
+    run_to_completion(core)
+    add(core, "long again", prompt + [1, 2, 3, 4], max_tokens=1)  # 12 tokens: long from the start
+    add(core, "short again", prompt, max_tokens=1)
+    run_to_completion(core)
+    computed = {
+        new.request_id: new.num_computed_tokens for step in executor.steps for new in step.new_requests
+    }
+    assert computed == {"short": 0, "long again": 0, "short again": 4}  # short blocks never serve a long one

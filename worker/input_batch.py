@@ -31,8 +31,9 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, rope_switch: int = 0) -> None:
         self.block_size = block_size
+        self.rope_switch = rope_switch  # >0: a request with more known tokens runs on the long rope
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
@@ -107,6 +108,10 @@ class InputBatch:
         metadata = self._metadata(self.block_table, *flat)
         if window_pool:
             metadata.window_group = self._metadata(self.window_table, *flat)
+        if self.rope_switch:
+            metadata.long_rope = torch.from_numpy(
+                (self.num_tokens[row_per_token] > self.rope_switch).astype(np.int64)
+            )
         return StepInputs(
             request_ids,
             rows,

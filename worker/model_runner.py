@@ -36,7 +36,7 @@ from worker.lora.slots import LoraBatch
 from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.models import build_model
 from worker.models.causal_lm import CausalLM
-from worker.models.rope import check_rope_length, rope_length_limit
+from worker.models.rope import check_rope_length, rope_length_limit, rope_switch_length
 from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
 from worker.pooling import resolve_pooling
@@ -101,7 +101,7 @@ class ModelRunner:
         limit = self.model_config.max_position_embeddings
         # a sentence-transformers folder's max_seq_length is its longest input, as vLLM takes it
         longest = self.pooling.max_seq_length if self.pooling is not None else None
-        # a rope that changes with the sequence's length (dynamic, longrope) is served up to where it does
+        # a dynamic rope (which changes with the sequence's length) is served up to where it does
         rope_limit = rope_length_limit(self.model_config.rope_scaling)
         if rope_limit is not None and not config.max_model_len and rope_limit < limit:
             logger.info("max_model_len %d: where this model's %s rope changes", rope_limit,
@@ -115,6 +115,8 @@ class ModelRunner:
         except ValueError as error:
             raise UnsupportedModelError(str(error)) from None
         self.block_size = config.block_size
+        switch = rope_switch_length(self.model_config.rope_scaling)  # longrope's (0: none)
+        self.rope_switch = switch if self.max_model_len > switch else 0
         phases.mark("config")
         # the CUDA backend is chosen once the rank's shape is known (below)
         self.backend: AttentionBackend = (
@@ -155,8 +157,8 @@ class ModelRunner:
         )
         graph_sizes = (
             decode_graph_sizes(config, self.backend, parallel.tensor_parallel_size)
-            if self.device.type == "cuda" and not mc.is_encoder
-            else []
+            if self.device.type == "cuda" and not mc.is_encoder and not self.rope_switch
+            else []  # (a graph's staged inputs have no long-rope rows)
         )
         if mc.is_encoder:
             # no cache (worker/models/bert.py): the engine's blocks only count the inputs in flight
@@ -200,7 +202,7 @@ class ModelRunner:
                                           self.max_model_len, self.block_size, self.num_kv_blocks, self.device))  # fmt: skip
             phases.mark("cuda graphs")
         self.lora = LoraManager(config.lora, mc, self.dtype, ops) if config.lora is not None else None
-        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size)
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.rope_switch)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
         # NOTE: the grammar backend (the tokenizer's trie, 1-3 s) is built by the first constrained
@@ -291,6 +293,7 @@ class ModelRunner:
             is_encoder=self.model_config.is_encoder,
             kv_window=self.model_config.kv_window or self.pools.window,
             num_window_blocks=self.pools.num_window_blocks,
+            rope_switch_len=self.rope_switch,
         )
 
     # ---- one step ----

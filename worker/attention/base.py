@@ -44,6 +44,8 @@ class AttentionMetadata:
     scratch: dict[Any, Any] = field(default_factory=dict)  # a backend's per-step plans, shared by the layers
     # the same step over the windowed layers' pool, for a model that has one (worker/kv_groups.py)
     window_group: AttentionMetadata | None = None
+    # [num_tokens] (long) 1 where a longrope model's row runs on its long factors (worker/models/rope.py)
+    long_rope: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

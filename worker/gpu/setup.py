@@ -101,6 +101,8 @@ def to_device(
         # NOTE: moved once a step, shared by the layers
         for chunk in metadata.prefills:
             chunk.block_ids = move(chunk.block_ids)
+    if inputs.metadata.long_rope is not None:
+        inputs.metadata.long_rope = move(inputs.metadata.long_rope)
     inputs.input_ids, inputs.positions = move(inputs.input_ids), move(inputs.positions)
     return inputs
 

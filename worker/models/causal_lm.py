@@ -97,7 +97,10 @@ class CausalLM(nn.Module):
         x: torch.Tensor = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.config.embedding_multiplier != 1.0:  # in the model's dtype, as Gemma's normalizer is
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
-        ropes = {kind: rotary.prepare(positions, x.dtype, self.ops) for kind, rotary in self.rotaries.items()}
+        ropes = {
+            kind: rotary.prepare(positions, x.dtype, self.ops, metadata.long_rope)
+            for kind, rotary in self.rotaries.items()
+        }
         if self.native_layers is not None:
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
             if rows is not None:  # every layer in one native call: the same kernels, no Python between them
@@ -105,7 +108,7 @@ class CausalLM(nn.Module):
                 rope = ropes["global"]
                 first = cast(DecoderLayer, self.layers[0])
                 x, residual = self.ops.decoder_layers(
-                    x, self.native_layers, rope.cos, rope.sin, positions, kv_caches, metadata.slot_block_ids,
+                    x, self.native_layers, rope.cos, rope.sin, rope.positions, kv_caches, metadata.slot_block_ids,
                     metadata.slot_offsets, *rows, native_shape(first), [self.config.rms_norm_eps, first.self_attn.scale],
                     out_rows, *(lora.native() if lora is not None else (None, None)),
                 )  # fmt: skip

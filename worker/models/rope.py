@@ -3,11 +3,13 @@ the rope types a family may scale its rotary with (linear, dynamic, yarn, llama3
 head or its leading `rotary_dim` dims (partial rotary), rotating (i, i + dim / 2) pairs (HF's rotate_half)
 or adjacent ones (2i, 2i + 1: Command R, GLM).
 
-Two rope types depend on the sequence in transformers: `dynamic` recomputes its frequencies past
-max_position_embeddings (equal to the default below it), and `longrope` switches from its short factors to
-its long ones once a sequence passes original_max_position_embeddings (re-running the whole sequence).
-Both are served exactly where the engine's max_model_len keeps every sequence below that length; past
-it they are refused at start (`check_rope_length`).
+Two rope types depend on the sequence in transformers. `dynamic` recomputes its frequencies past
+max_position_embeddings (equal to the default below it): served below that length, refused past it at start
+(`check_rope_length`). `longrope` runs a sequence on its short factors while it is at most
+original_max_position_embeddings long and on its long factors for every position once it is longer
+(transformers' Phi-3 recomputes the whole sequence when it crosses): its table holds both, the long one at
+positions + max_position, and the step's metadata says which rows are long (`long_rope`: the request's known
+tokens are more than the switch length; the engine recomputes a request that crosses it).
 """
 
 from __future__ import annotations
@@ -38,10 +40,17 @@ class RotaryEmbedding:
         self.rotary_dim, self.interleaved, self.partial = rotary_dim, interleaved, partial
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         attention_factor = 1.0
+        self.long_offset = 0  # >0: longrope: the long factors' rows start here
+        positions = torch.arange(max_position, dtype=torch.float32)
         if scaling:
             inv_freq, attention_factor = scaled_inv_freq(inv_freq, scaling, base, rotary_dim)
-        positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
+        if scaling and rope_switch_length(scaling):
+            long_freq, _ = _longrope(scaling, base, rotary_dim, long=True)
+            freqs = torch.cat(
+                (freqs, torch.outer(positions, long_freq))
+            )  # [2 * max_position, rotary_dim // 2]
+            self.long_offset = max_position
         if interleaved:
             emb = freqs.repeat_interleave(2, dim=-1)  # [max_position, rotary_dim]: c0 c0 c1 c1 ...
         else:
@@ -49,9 +58,17 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * attention_factor).to(device)
         self.sin = (emb.sin() * attention_factor).to(device)
 
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, ops: CpuOps | None = None) -> Rope:
+    def prepare(
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        ops: CpuOps | None = None,
+        long: torch.Tensor | None = None,  # [num_tokens] 1 where a longrope row runs on its long factors
+    ) -> Rope:
         """The step's rotation, shared by the layers of this table: looked up once (torch) or indexed per
         token (csrc, which rotates whole heads' (i, i + d / 2) pairs only)."""
+        if self.long_offset and long is not None:
+            positions = positions + long * self.long_offset
         if ops is not None and not (self.interleaved or self.partial):
             return Rope(positions, self.cos, self.sin, ops, self.rotary_dim, False)
         cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
@@ -166,30 +183,35 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _longrope(scaling: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
-    """The short factors: every sequence we serve stays within original_max_position_embeddings."""
+def _longrope(
+    scaling: dict[str, Any], base: float, dim: int, long: bool = False
+) -> tuple[torch.Tensor, float]:
+    """The short factors (a sequence within original_max_position_embeddings), or the long ones."""
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
-    if short.numel() != dim // 2:
-        raise ValueError(f"longrope short_factor has {short.numel()} entries for {dim // 2} frequencies")
-    inv_freq = 1.0 / (short * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    name = "long_factor" if long else "short_factor"
+    factors = torch.tensor(scaling[name], dtype=torch.float32)
+    if factors.numel() != dim // 2:
+        raise ValueError(f"longrope {name} has {factors.numel()} entries for {dim // 2} frequencies")
+    inv_freq = 1.0 / (factors * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return inv_freq, float(attention_factor)
 
 
 def rope_length_limit(scaling: dict[str, Any] | None) -> int | None:
     """The longest sequence this rope serves as transformers does (None: any)."""
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type")
-    if kind == "dynamic":
+    if scaling and scaling.get("rope_type") == "dynamic":
         return int(scaling["max_position_embeddings"])
-    if kind == "longrope":
-        return int(scaling["original_max_position_embeddings"])
     return None
+
+
+def rope_switch_length(scaling: dict[str, Any] | None) -> int:
+    """longrope: the length past which a sequence runs on the long factors (0: no such switch)."""
+    if scaling and scaling.get("rope_type") == "longrope":
+        return int(scaling["original_max_position_embeddings"])
+    return 0
 
 
 def check_rope_length(scaling: dict[str, Any] | None, max_model_len: int) -> None:
