@@ -23,10 +23,13 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     """transformers' ACT2FN of the names ModelConfig keeps (worker/models/families/base.py ACTIVATIONS)."""
     if name == "silu":
         return F.silu(x)
-    if name == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu(x)
+    if name in ("gelu_tanh", "gelu"):
+        approximate = "tanh" if name == "gelu_tanh" else "none"
+        if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+            # NOTE: torch's CPU GELU on bf16 takes 8 ms for 16 x 2048 values (tanh; 1.1 ms exact) where the
+            # same in float32 takes 0.5 ms: computed in float32 and rounded once, as torch's bf16 op does
+            return F.gelu(x.float(), approximate=approximate).to(x.dtype)
+        return F.gelu(x, approximate=approximate)
     if name == "gelu_fast":
         return 0.5 * x * (1.0 + torch.tanh(x * math.sqrt(2 / math.pi) * (1.0 + 0.044715 * x * x)))
     if name == "relu":
