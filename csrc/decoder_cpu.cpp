@@ -1,27 +1,39 @@
-// The decoder layers of the Llama family in one call, for steps whose attention is all paged-kernel rows
-// (decode, and prefill chunks short enough for the paged kernel). The same kernels, in the same order, as
-// the Python layers in worker/models/llama.py with the csrc ops: the results are identical; what goes is
-// Python's per-op cost (module calls, views, bindings: ~100 us a layer, a tenth of a small decode step).
+// The decoder layers of a pre-norm, sandwich-norm or post-norm family in one call, for steps whose attention
+// is all paged-kernel rows (decode, and prefill chunks short enough for the paged kernel). The same kernels,
+// in the same order, as the Python layers in worker/models/decoder.py with the csrc ops: the results are
+// identical; what goes is Python's per-op cost (module calls, views, bindings: ~100 us a layer, a tenth of a
+// small decode step). worker/models/native.py says which models it runs and passes their weights.
 //
-// decoder_layers(x, layers, cos, sin, positions, kv_caches, slot_block_ids, slot_offsets, block_tables,
-//                seq_lens, config, scalars, out_rows) -> (output, residual): their sum is the hidden state
-//                after the last layer, of the rows out_rows names (all rows when None)
+// decoder_layers(x, layers, ropes, kv_caches, pools, config, layer_kinds, scalars, out_rows, lora_layers,
+//                lora_meta) -> (output, residual): their sum is the hidden state after the last layer, of the
+//                rows out_rows names (all rows when None)
 //
-// x:         [T, hidden]  the embedded tokens; becomes the residual stream (modified in place)
-// layers:    per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm, qkv_pairs,
-//            o_pairs, gate_up_pairs, down_pairs]; an empty tensor is an absent bias, norm or packing.
-//            A 3-d packing is linear_rows' (batch-invariant: every row count takes it; out features a
-//            multiple of 16), a 5-d one linear_amx's (batch-invariant too: pack_pairs' viewed
-//            [N / 64, K / 32, 16, 64, 2]). Products of at most config.pairs_rows rows use the pairs packing where given;
-//            the others oneDNN's packed weights when config.packed, else at::linear on plain [out, in] ones.
-// block_tables, seq_lens: one paged-attention row per token, as paged_decode_attention takes them
-// config:    num_heads, num_kv_heads, head_dim, packed (0/1), pairs_rows; floats: eps, scale
-// out_rows:  int64 [n], the rows whose hidden state the step scores (sampled tokens, prompt logprobs). Past
-//            the last layer's KV write no other row is read, so its attention, o and MLP run on those rows
-//            alone (as llama.cpp's inp_out_ids does): in a prefill step most of a layer's products.
+// x:          [T, hidden]  the embedded tokens; becomes the residual stream (modified in place)
+// layers:     per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm, qkv_pairs,
+//             o_pairs, gate_up_pairs, down_pairs, post_attn_norm, post_mlp_norm, o_bias, gate_up_bias,
+//             down_bias]; an empty tensor is an
+//             absent bias, norm or packing. A norm's weight of float32 under a bf16 x is Gemma's 1 + w
+//             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
+//             count takes it; out features a multiple of 16), a 5-d one linear_amx's (batch-invariant too:
+//             pack_pairs' viewed [N / 64, K / 32, 16, 64, 2]). Products of at most config.pairs_rows rows
+//             use the pairs packing where given; the others oneDNN's packed weights when config.packed, else
+//             at::linear on plain [out, in] ones.
+// ropes:      cos, sin, positions of the global rotary, then of the local one where the model has it
+// pools:      slot_block_ids, slot_offsets, block_tables, seq_lens of the KV pool, then of the windowed
+//             layers' pool where the model keeps one (worker/kv_groups.py); block_tables and seq_lens give
+//             one paged-attention row per token, as paged_decode_attention takes them
+// config:     num_heads, num_kv_heads, head_dim, packed (0/1), pairs_rows, layout (0 pre, 1 sandwich:
+//             the attention's and the MLP's outputs normed before their adds, 2 post: no norm before them,
+//             their outputs normed), activation (0 SiLU, 1 GELU tanh), q/k norm (0 none, 1 per head, 2 over
+//             the whole projection)
+// layer_kinds: per layer window (0: none), rope (-1 none, 0 global, 1 local), pool (0, 1)
+// scalars:    eps, scale, attention soft-cap (0: none), residual multiplier
+// out_rows:   int64 [n], the rows whose hidden state the step scores (sampled tokens, prompt logprobs). Past
+//             the last layer's KV write no other row is read, so its attention, o and MLP run on those rows
+//             alone (as llama.cpp's inp_out_ids does): in a prefill step most of a layer's products.
 // lora_layers, lora_meta: a step with LoRA rows (worker/lora/slots.py): per layer [a, bt] of qkv, o,
-//            gate_up and down; meta [row_slots, then bounds and ranks of qkv, o, gate_up, down] (an empty
-//            ranks: no slot's adapter targets that product). lora_add follows each product they name.
+//             gate_up and down; meta [row_slots, then bounds and ranks of qkv, o, gate_up, down] (an empty
+//             ranks: no slot's adapter targets that product). lora_add follows each product they name.
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,8 +45,11 @@ namespace {
 
 enum Weight {
   kInputNorm, kQkv, kQkvBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm,
-  kQkvPairs, kOPairs, kGateUpPairs, kDownPairs, kNumWeights
+  kQkvPairs, kOPairs, kGateUpPairs, kDownPairs, kPostAttnNorm, kPostMlpNorm, kOBias, kGateUpBias,
+  kDownBias, kNumWeights
 };
+enum Layout { kPre, kSandwich, kPost };
+enum QkNorm { kNoQkNorm, kHeadNorm, kProjNorm };
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -92,21 +107,30 @@ struct LayerLora {
 }  // namespace
 
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
-                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
-                                          std::vector<torch::Tensor> kv_caches, torch::Tensor slot_block_ids,
-                                          torch::Tensor slot_offsets, torch::Tensor block_tables,
-                                          torch::Tensor seq_lens, std::vector<int64_t> config,
-                                          std::vector<double> scalars, std::optional<torch::Tensor> out_rows,
+                                          std::vector<torch::Tensor> ropes, std::vector<torch::Tensor> kv_caches,
+                                          std::vector<torch::Tensor> pools, std::vector<int64_t> config,
+                                          std::vector<int64_t> layer_kinds, std::vector<double> scalars,
+                                          std::optional<torch::Tensor> out_rows,
                                           std::optional<std::vector<std::vector<torch::Tensor>>> lora_layers,
                                           std::optional<std::vector<torch::Tensor>> lora_meta) {
-  TORCH_CHECK(config.size() == 5 && scalars.size() == 2,
-              "config: heads, kv heads, head_dim, packed, pairs_rows; eps, scale");
+  TORCH_CHECK(config.size() == 8 && scalars.size() == 4,
+              "config: heads, kv heads, head_dim, packed, pairs_rows, layout, activation, q/k norm; "
+              "scalars: eps, scale, soft-cap, residual multiplier");
   TORCH_CHECK(layers.size() == kv_caches.size() && !layers.empty(), "one KV cache per layer");
-  TORCH_CHECK(x.dim() == 2 && block_tables.size(0) == x.size(0) && seq_lens.size(0) == x.size(0),
-              "one attention row per token");
+  TORCH_CHECK(layer_kinds.size() == 3 * layers.size(), "window, rope and pool per layer");
+  TORCH_CHECK((ropes.size() == 3 || ropes.size() == 6) && (pools.size() == 4 || pools.size() == 8),
+              "ropes: cos, sin, positions, once or twice; pools: slots, offsets, tables, lengths, once or twice");
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
+  for (size_t p = 0; p < pools.size(); p += 4)
+    TORCH_CHECK(pools[p + 2].size(0) == x.size(0) && pools[p + 3].size(0) == x.size(0),
+                "one attention row per token");
   const int64_t heads = config[0], kv_heads = config[1], head_dim = config[2];
   const Product linear{config[3] != 0, config[4]};
-  const double eps = scalars[0], scale = scalars[1];
+  const int64_t layout = config[5], activation = config[6], qk_norm = config[7];
+  TORCH_CHECK(layout >= kPre && layout <= kPost && (activation == 0 || activation == 1) && qk_norm >= 0 &&
+                  qk_norm <= kProjNorm,
+              "unknown layout, activation or q/k norm");
+  const double eps = scalars[0], scale = scalars[1], softcap = scalars[2], multiplier = scalars[3];
   const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(!out_rows || (out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong),
               "out_rows must be int64 [n]");
@@ -114,52 +138,76 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
   TORCH_CHECK(!lora_layers || (lora_layers->size() == layers.size() && lora_meta->size() == 9),
               "LoRA factors per layer; meta: row_slots, then bounds and ranks of four products");
   at::Tensor lora_rows = lora_meta ? (*lora_meta)[0] : at::Tensor();
+  const auto scaled = [&](at::Tensor t) { return multiplier != 1.0 ? t.mul(multiplier) : t; };
 
   at::Tensor hidden, residual;
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& w = layers[l];
     TORCH_CHECK(w.size() == kNumWeights, "each layer has ", int(kNumWeights), " weight slots");
+    const int64_t window = layer_kinds[3 * l], rope = layer_kinds[3 * l + 1], pool = 4 * layer_kinds[3 * l + 2];
+    TORCH_CHECK(rope < 0 || 3 * rope + 2 < int64_t(ropes.size()), "layer ", l, " takes a rope not given");
+    TORCH_CHECK(pool + 3 < int64_t(pools.size()), "layer ", l, " takes a KV pool not given");
     LayerLora lora;
     if (lora_layers) lora = LayerLora{&(*lora_layers)[l], &*lora_meta};
-    if (l == 0) {
+    at::Tensor h;
+    if (layout == kPost) {  // attention reads the stream itself
+      residual = l == 0 ? x : at::add(hidden, residual);
+      h = residual;
+    } else if (l == 0) {
       residual = x;
-      hidden = rms_norm(x, w[kInputNorm], eps);
+      h = rms_norm(x, w[kInputNorm], eps);
     } else {
       fused_add_rms_norm(hidden, residual, w[kInputNorm], eps);  // hidden: the norm; residual: the sum
+      h = hidden;
     }
-    at::Tensor qkv = linear(hidden, w[kQkv], w[kQkvBias], w[kQkvPairs]);  // [T, q + 2 kv]
-    lora.add(0, hidden, qkv, lora_rows);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+    at::Tensor qkv = linear(h, w[kQkv], w[kQkvBias], w[kQkvPairs]);  // [T, q + 2 kv]
+    lora.add(0, h, qkv, lora_rows);
+    at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+    if (qk_norm == kProjNorm) {
+      q = rms_norm(q, w[kQNorm], eps);
+      k = rms_norm(k, w[kKNorm], eps);
+    }
+    q = q.view({tokens, heads, head_dim});
+    k = k.view({tokens, kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
-    if (w[kQNorm].numel() && w[kKNorm].numel()) {
+    if (qk_norm == kHeadNorm) {
       q = head_norm(q, w[kQNorm], eps);
       k = head_norm(k, w[kKNorm], eps);
     }
-    rotary_embedding(q, k, cos, sin, positions);
-    write_kv(k, v, kv_caches[l], slot_block_ids, slot_offsets);
-    at::Tensor tables = block_tables, lens = seq_lens;
+    if (rope >= 0) rotary_embedding(q, k, ropes[3 * rope], ropes[3 * rope + 1], ropes[3 * rope + 2]);
+    write_kv(k, v, kv_caches[l], pools[pool], pools[pool + 1]);
+    at::Tensor tables = pools[pool + 2], lens = pools[pool + 3];
     int64_t rows = tokens;
     if (out_rows && l + 1 == layers.size()) {  // the last layer: only the scored rows go on
       q = q.index_select(0, *out_rows);
-      tables = block_tables.index_select(0, *out_rows);
-      lens = seq_lens.index_select(0, *out_rows);
+      tables = tables.index_select(0, *out_rows);
+      lens = lens.index_select(0, *out_rows);
       residual = residual.index_select(0, *out_rows);
       if (lora_layers) lora_rows = lora_rows.index_select(0, *out_rows);
       rows = out_rows->numel();
       if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
     }
     const at::Tensor attention =
-        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, 0, 0.0);  // [rows, heads, d]
-    const at::Tensor attended = attention.view({rows, q_size});
-    hidden = linear(attended, w[kO], at::Tensor(), w[kOPairs]);
+        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, window, softcap);
+    const at::Tensor attended = attention.view({rows, q_size});  // [rows, heads * d]
+    hidden = linear(attended, w[kO], w[kOBias], w[kOPairs]);
     lora.add(1, attended, hidden, lora_rows);
-    fused_add_rms_norm(hidden, residual, w[kPostNorm], eps);
-    at::Tensor gate_up = linear(hidden, w[kGateUp], at::Tensor(), w[kGateUpPairs]);
-    lora.add(2, hidden, gate_up, lora_rows);
-    const at::Tensor activated = silu_and_mul(gate_up);
-    hidden = linear(activated, w[kDown], at::Tensor(), w[kDownPairs]);
+    if (w[kPostAttnNorm].numel()) hidden = rms_norm(hidden, w[kPostAttnNorm], eps);
+    hidden = scaled(hidden);
+    if (layout == kPost) {  // the MLP reads the stream
+      residual = at::add(hidden, residual);
+      h = residual;
+    } else {
+      fused_add_rms_norm(hidden, residual, w[kPostNorm], eps);
+      h = hidden;
+    }
+    at::Tensor gate_up = linear(h, w[kGateUp], w[kGateUpBias], w[kGateUpPairs]);
+    lora.add(2, h, gate_up, lora_rows);
+    const at::Tensor activated = activation == 0 ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
+    hidden = linear(activated, w[kDown], w[kDownBias], w[kDownPairs]);
     lora.add(3, activated, hidden, lora_rows);
+    if (w[kPostMlpNorm].numel()) hidden = rms_norm(hidden, w[kPostMlpNorm], eps);
+    hidden = scaled(hidden);
   }
   return {hidden, residual};
 }

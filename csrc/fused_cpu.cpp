@@ -3,13 +3,15 @@
 // rounding to the model dtype between steps, so float32 results equal the torch reference's up to
 // summation order and bf16 results round the same way (references: worker/models/layers.py).
 //
-// rms_norm(x, weight, eps) -> out              out = weight * dtype(x * rsqrt(mean(x^2) + eps))
+// rms_norm(x, weight, eps) -> out              out = weight * dtype(x * rsqrt(mean(x^2) + eps)); a float32
+//                                              weight on bf16/fp16 x: dtype(x * rsqrt(..) * weight) (Gemma)
 // fused_add_rms_norm(x, residual, weight, eps) in place: residual = dtype(x + residual);
 //                                              x = rms_norm(residual)
 // rotary_embedding(q, k, cos, sin, positions)  in place, rotate-half convention; q [T, Hq, D] and
 //                                              k [T, Hk, D] may be row-strided views (of a fused qkv);
 //                                              cos/sin [max_position, D] float32
 // silu_and_mul(gate_up) -> out                 gate_up [T, 2I]: out = dtype(dtype(silu(gate)) * up)
+// gelu_tanh_and_mul(gate_up) -> out            the same with GELU's tanh form (Gemma), tanh from exp_f32
 // write_kv(k, v, kv_cache, block_ids, offsets) kv_cache[block_ids[t], 0|1, offsets[t]] = k[t] | v[t]
 // argmax_rows(logits) -> [B] int64            float32 or bf16 [B, V]: the first index of each row's maximum
 //                                              (torch.argmax for rows without NaN)
@@ -22,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -71,16 +74,35 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float value) {
 // Rows [begin, end) of work of `width` elements each: enough rows a task that waking a thread pays.
 inline int64_t grain_for(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
 
-template <typename scalar_t>
-void rms_norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t hidden, float eps) {
+// weight of x's dtype: Llama's rounding, weight * dtype(x * inv). A float32 weight with a narrower x: Gemma's,
+// dtype(x * inv * weight), one rounding (the weight is 1 + w, made once at load). In float32 the two agree.
+template <typename scalar_t, typename weight_t>
+void rms_norm_row(const scalar_t* x, const weight_t* weight, scalar_t* out, int64_t hidden, float eps) {
   float sum = 0.f;
   for (int64_t i = 0; i < hidden; ++i) {
     const float v = to_float(x[i]);
     sum += v * v;
   }
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-  for (int64_t i = 0; i < hidden; ++i)
-    out[i] = from_float<scalar_t>(to_float(weight[i]) * round_to<scalar_t>(to_float(x[i]) * inv));
+  if constexpr (std::is_same_v<scalar_t, weight_t>) {
+    for (int64_t i = 0; i < hidden; ++i)
+      out[i] = from_float<scalar_t>(to_float(weight[i]) * round_to<scalar_t>(to_float(x[i]) * inv));
+  } else {
+    for (int64_t i = 0; i < hidden; ++i) out[i] = from_float<scalar_t>(to_float(x[i]) * inv * weight[i]);
+  }
+}
+
+// Calls f(weight pointer) with the weight as x's dtype or as float32 (an offset norm's 1 + w).
+template <typename scalar_t, typename F>
+void with_weight(const torch::Tensor& weight, const torch::Tensor& x, F&& f) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(-1) &&
+                  (weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat),
+              "weight must be a contiguous [hidden] of x's dtype or float32");
+  if (weight.scalar_type() == x.scalar_type()) {
+    f(weight.data_ptr<scalar_t>());
+  } else {
+    f(weight.data_ptr<float>());
+  }
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -91,16 +113,15 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "weight must be a contiguous [hidden] of x's dtype");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t rows = x.size(0), hidden = x.size(1), stride = x.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_for(hidden), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * stride, wp, op + r * hidden, hidden, eps);
+    with_weight<scalar_t>(weight, x, [&](const auto* wp) {
+      at::parallel_for(0, rows, grain_for(hidden), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * stride, wp, op + r * hidden, hidden, eps);
+      });
     });
   });
   return out;
@@ -109,21 +130,20 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() && x.dim() == 2,
               "x and residual must be contiguous [rows, hidden] of one shape");
-  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && weight.scalar_type() == x.scalar_type() &&
-                  weight.is_contiguous() && weight.numel() == x.size(1),
-              "x, residual and weight must share a dtype; weight [hidden]");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type(), "x and residual must share a dtype");
   const int64_t rows = x.size(0), hidden = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* rp = residual.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_for(hidden), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* xr = xp + r * hidden;
-        scalar_t* rr = rp + r * hidden;
-        for (int64_t i = 0; i < hidden; ++i) rr[i] = from_float<scalar_t>(to_float(xr[i]) + to_float(rr[i]));
-        rms_norm_row(rr, wp, xr, hidden, eps);
-      }
+    with_weight<scalar_t>(weight, x, [&](const auto* wp) {
+      at::parallel_for(0, rows, grain_for(hidden), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          scalar_t* xr = xp + r * hidden;
+          scalar_t* rr = rp + r * hidden;
+          for (int64_t i = 0; i < hidden; ++i) rr[i] = from_float<scalar_t>(to_float(xr[i]) + to_float(rr[i]));
+          rms_norm_row(rr, wp, xr, hidden, eps);
+        }
+      });
     });
   });
 }
@@ -197,6 +217,31 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
         for (int64_t i = 0; i < inter; ++i) {
           const float g = to_float(gate[i]);
           o[i] = from_float<scalar_t>(round_to<scalar_t>(g / (1.f + exp_f32(-g))) * to_float(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gelu_tanh_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_for(inter), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = in + r * stride;
+        const scalar_t* up = gate + inter;
+        scalar_t* o = op + r * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = to_float(gate[i]);
+          const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi) (g + 0.044715 g^3)
+          const float t = 1.f - 2.f / (exp_f32(2.f * y) + 1.f);               // tanh(y)
+          o[i] = from_float<scalar_t>(round_to<scalar_t>(0.5f * g * (1.f + t)) * to_float(up[i]));
         }
       }
     });

@@ -33,6 +33,7 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
                       torch::Tensor positions);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor block_ids,
               torch::Tensor offsets);
 torch::Tensor argmax_rows(torch::Tensor logits);
@@ -40,10 +41,9 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor row_slots,
               torch::Tensor bounds, torch::Tensor ranks);
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
-                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
-                                          std::vector<torch::Tensor> kv_caches, torch::Tensor slot_block_ids,
-                                          torch::Tensor slot_offsets, torch::Tensor block_tables,
-                                          torch::Tensor seq_lens, std::vector<int64_t> config,
-                                          std::vector<double> scalars, std::optional<torch::Tensor> out_rows,
+                                          std::vector<torch::Tensor> ropes, std::vector<torch::Tensor> kv_caches,
+                                          std::vector<torch::Tensor> pools, std::vector<int64_t> config,
+                                          std::vector<int64_t> layer_kinds, std::vector<double> scalars,
+                                          std::optional<torch::Tensor> out_rows,
                                           std::optional<std::vector<std::vector<torch::Tensor>>> lora_layers,
                                           std::optional<std::vector<torch::Tensor>> lora_meta);

@@ -81,6 +81,7 @@ class CpuOps(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
     ) -> None: ...
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def lora_add(
         self,
         x: torch.Tensor,
@@ -97,15 +98,11 @@ class CpuOps(Protocol):
         self,
         x: torch.Tensor,
         layers: list[list[torch.Tensor]],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
+        ropes: list[torch.Tensor],
         kv_caches: list[torch.Tensor],
-        slot_block_ids: torch.Tensor,
-        slot_offsets: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
+        pools: list[torch.Tensor],
         config: list[int],
+        layer_kinds: list[int],
         scalars: list[float],
         out_rows: torch.Tensor | None,
         lora_layers: list[list[torch.Tensor]] | None,

@@ -21,7 +21,7 @@ from worker.model_config import ModelConfig
 from worker.models.checkpoint import load_checkpoint
 from worker.models.decoder import DecoderLayer
 from worker.models.layers import Embedding, Linear, can_pack, pairs_onto_huge_pages
-from worker.models.native import native_shape, native_stack_serves, native_weights
+from worker.models.native import layer_kinds, native_shape, native_stack_serves, native_weights
 from worker.models.norms import OffsetRMSNorm, make_norm
 from worker.models.rope import RotaryEmbedding
 from worker.parallel.sharding import vocab_shard
@@ -101,21 +101,32 @@ class CausalLM(nn.Module):
             kind: rotary.prepare(positions, x.dtype, self.ops, metadata.long_rope)
             for kind, rotary in self.rotaries.items()
         }
+        window_group = metadata.window_group  # the windowed layers' pool, where they have one
         if self.native_layers is not None:
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
-            if rows is not None:  # every layer in one native call: the same kernels, no Python between them
+            pools = [metadata.slot_block_ids, metadata.slot_offsets, *rows] if rows is not None else None
+            if pools is not None and window_group is not None:
+                window_rows = backend.paged_rows(window_group, x.shape[0], kv_caches[0].shape[2])
+                pools = (
+                    pools + [window_group.slot_block_ids, window_group.slot_offsets, *window_rows]
+                    if window_rows is not None
+                    else None
+                )
+            if pools is not None:  # every layer in one native call: the same kernels, no Python between them
                 assert self.ops is not None  # finalize() builds native_layers only with the kernels
-                rope = ropes["global"]
+                rope_tables = [t for kind in ("global", "local") if kind in ropes
+                               for t in (ropes[kind].cos, ropes[kind].sin, ropes[kind].positions)]  # fmt: skip
                 first = cast(DecoderLayer, self.layers[0])
                 x, residual = self.ops.decoder_layers(
-                    x, self.native_layers, rope.cos, rope.sin, rope.positions, kv_caches, metadata.slot_block_ids,
-                    metadata.slot_offsets, *rows, native_shape(first), [self.config.rms_norm_eps, first.self_attn.scale],
+                    x, self.native_layers, rope_tables, kv_caches, pools, native_shape(first, self.config),
+                    layer_kinds(self.layers, window_group is not None),
+                    [self.config.rms_norm_eps, first.self_attn.scale, self.config.attn_softcap,
+                     self.config.residual_multiplier],
                     out_rows, *(lora.native() if lora is not None else (None, None)),
                 )  # fmt: skip
                 return x + residual
         stream: torch.Tensor | None = None  # the residual stream before the last layer's output
         last = len(self.layers) - 1
-        window_group = metadata.window_group  # the windowed layers' pool, where they have one
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             pool = window_group if window_group is not None and self.config.is_sliding(i) else metadata
             x, stream = layer(

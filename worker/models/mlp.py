@@ -62,6 +62,8 @@ class MLP(nn.Module):
         """[num_tokens, 2 * inter] -> act(gate) * up, [num_tokens, inter]."""
         if self.act == "silu":
             return silu_and_mul(gate_up, self.ops)
+        if self.act == "gelu_tanh" and self.ops is not None and gate_up.device.type == "cpu":
+            return self.ops.gelu_tanh_and_mul(gate_up)  # csrc: the decoder stack's kernel too
         gate, up = gate_up.chunk(2, dim=-1)
         return activation(self.act, gate) * up
 

@@ -1,11 +1,17 @@
 """The csrc decoder stack (csrc/decoder_cpu.cpp): which models it runs, and each layer's weights in its order.
 
-It runs a pre-norm decoder with RMSNorms, a SiLU-gated MLP without biases, q/k/v biases and per-head q/k
-RMSNorms where a family has them, full rotate-half rotary, and no window or soft-capping; any query scale.
-Any other family runs the Python layers (the same kernels where they apply, with Python between them).
+It runs the "pre", "sandwich" and "post" layouts with RMSNorms (Gemma's 1 + w ones too), a SiLU- or
+GELU(tanh)-gated MLP, biases on any product, q/k norms per head or over the projection, full
+rotate-half rotary with a local base for the sliding layers and NoPE layers, sliding windows (in the
+windowed layers' own pool where the model keeps one), attention soft-capping, any query scale and a
+residual multiplier: Llama, Mistral, Qwen2/3, Gemma 1/2/3, Granite, OLMo 2/3 and SmolLM3. The others (LayerNorms,
+parallel layouts, plain MLPs, partial or interleaved rotary, per-head norm weights) run the Python layers, with the same kernels where they apply and Python between them
+(benchmarks/family_steps.py measures what that costs).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
@@ -13,37 +19,58 @@ from torch import nn
 from worker.model_config import ModelConfig
 from worker.models.decoder import DecoderLayer
 from worker.models.layers import Linear
+from worker.models.norms import Norm, OffsetRMSNorm
+
+LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+QK_NORMS = {"": 0, "head": 1, "proj": 2}
 
 
 def native_stack_serves(config: ModelConfig) -> bool:
     return (
-        config.norm == "rms"
-        and config.layout == "pre"
+        config.norm in ("rms", "rms_offset")
+        and config.layout in LAYOUTS
         and config.mlp == "gated"
-        and config.hidden_act == "silu"
-        and not (config.o_bias or config.mlp_bias)
-        and config.qk_norm in ("", "head")
-        and not (
-            config.rotary_dim or config.rope_interleaved or config.nope_layers or config.rope_local_theta
-        )
-        and not (config.sliding_window or config.attn_softcap)
-        and config.residual_multiplier == 1.0
+        and config.hidden_act in ACTIVATIONS
+        and config.qk_norm in QK_NORMS
+        and not (config.rotary_dim or config.rope_interleaved)
     )
 
 
-def native_shape(layer: DecoderLayer) -> list[int]:
-    """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows."""
+def native_shape(layer: DecoderLayer, config: ModelConfig) -> list[int]:
+    """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows, layout, activation, q/k norm."""
     attention, down = layer.self_attn, layer.mlp.down_proj
     packed = int(down.packed is not None)
-    return [attention.num_heads, attention.num_kv_heads, attention.head_dim, packed, down.pairs_rows]
+    return [
+        attention.num_heads, attention.num_kv_heads, attention.head_dim, packed, down.pairs_rows,
+        LAYOUTS[config.layout], ACTIVATIONS[config.hidden_act], QK_NORMS[config.qk_norm],
+    ]  # fmt: skip
+
+
+def layer_kinds(layers: nn.ModuleList, windowed_pool: bool) -> list[int]:
+    """Per layer: its window (0: none), its rope (-1 none, 0 global, 1 local), its KV pool (1: the windowed
+    layers' own, where windowed_pool)."""
+    kinds: list[int] = []
+    for layer in layers:
+        attention = cast(DecoderLayer, layer).self_attn
+        rope = -1 if not attention.uses_rope else 1 if attention.rope_kind == "local" else 0
+        kinds += [attention.window, rope, int(windowed_pool and attention.window > 0)]
+    return kinds
+
+
+def norm_weight(norm: Norm | None) -> torch.Tensor:
+    """What the stack's rms_norm takes: the weight, or Gemma's 1 + w in float32; empty for no norm."""
+    if norm is None:
+        return torch.empty(0)
+    if isinstance(norm, OffsetRMSNorm):
+        assert norm.scale is not None, "finalize() the model first"
+        return norm.scale
+    return norm.weight.detach()
 
 
 def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     """One layer's weights in csrc/decoder_cpu.cpp's order; an empty tensor for an absent bias or norm."""
     attention, mlp, none = layer.self_attn, layer.mlp, torch.empty(0)
-    assert (
-        layer.input_layernorm is not None and layer.post_attention_layernorm is not None
-    )  # a pre-norm layer
 
     def weight(linear: Linear) -> torch.Tensor:
         return (linear.packed if linear.packed is not None else linear.weight).detach()
@@ -63,8 +90,10 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
     return [
-        layer.input_layernorm.weight.detach(), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
-        weight(attention.o_proj), layer.post_attention_layernorm.weight.detach(), weight(mlp.gate_up_proj),
-        weight(mlp.down_proj), optional(attention.q_norm, "weight"), optional(attention.k_norm, "weight"),
-        *(packing(linear) for linear in linears),
+        norm_weight(layer.input_layernorm), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
+        weight(attention.o_proj), norm_weight(layer.post_attention_layernorm), weight(mlp.gate_up_proj),
+        weight(mlp.down_proj), norm_weight(attention.q_norm), norm_weight(attention.k_norm),
+        *(packing(linear) for linear in linears), norm_weight(layer.post_attn_norm),
+        norm_weight(layer.post_mlp_norm), optional(attention.o_proj, "bias"), optional(mlp.gate_up_proj, "bias"),
+        optional(mlp.down_proj, "bias"),
     ]  # fmt: skip

@@ -2,7 +2,7 @@
 
 - "rms" (Llama): weight * dtype(x * rsqrt(mean(x^2) + eps)); the csrc kernels' rms_norm when built.
 - "rms_offset" (Gemma): dtype(x * rsqrt(mean(x^2) + eps) * (1 + weight)), all in float32; the checkpoint
-  holds the offset, `finalize()` turns it into 1 + weight in float32.
+  holds the offset, `finalize()` turns it into 1 + weight in float32, which csrc's rms_norm then takes.
 - "layer": F.layer_norm, with a bias where the checkpoint has one (GPT-NeoX, StarCoder2, StableLM).
 - "cohere": Command R's LayerNorm, its explicit float32 formula (mean, variance, no bias).
 
@@ -30,10 +30,10 @@ NORMS = ("rms", "rms_offset", "layer", "cohere")
 class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm: x * (1 + w), in float32."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.scale: torch.Tensor | None
         self.register_buffer(
             "scale", None, persistent=False
@@ -43,12 +43,18 @@ class OffsetRMSNorm(nn.Module):
         self.scale = 1.0 + self.weight.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and self.scale is not None and x.device.type == "cpu":
+            # csrc rms_norm's float32-weight form: the same formula, one rounding (csrc/fused_cpu.cpp)
+            return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.scale, self.eps).view(x.shape)
         scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * scale).to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ops is not None and self.scale is not None and x.device.type == "cpu":
+            self.ops.fused_add_rms_norm(x, residual, self.scale, self.eps)  # in place, as RMSNorm's
+            return x, residual
         residual = x + residual
         return self.forward(residual), residual
 
@@ -117,7 +123,7 @@ def make_norm(
         return RMSNorm(size, eps, dtype, ops)
     if kind == "rms_offset":
         assert not heads, "an RMS norm shares its weight across heads"
-        return OffsetRMSNorm(size, eps, dtype)
+        return OffsetRMSNorm(size, eps, dtype, ops)
     if kind == "layer":
         return LayerNorm(size, eps, dtype, bias and not heads, heads)
     if kind == "cohere":
