@@ -25,7 +25,8 @@
 // config:     num_heads, num_kv_heads, head_dim, packed (0/1), pairs_rows, layout (0 pre, 1 sandwich:
 //             the attention's and the MLP's outputs normed before their adds, 2 post: no norm before them,
 //             their outputs normed), activation (0 SiLU, 1 GELU tanh), q/k norm (0 none, 1 per head, 2 over
-//             the whole projection)
+//             the whole projection), interleaved rotary pairs (0/1; a rope's cos/sin may cover fewer dims
+//             than a head's: partial rotary)
 // layer_kinds: per layer window (0: none), rope (-1 none, 0 global, 1 local), pool (0, 1)
 // scalars:    eps, scale, attention soft-cap (0: none), residual multiplier
 // out_rows:   int64 [n], the rows whose hidden state the step scores (sampled tokens, prompt logprobs). Past
@@ -113,8 +114,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
                                           std::optional<torch::Tensor> out_rows,
                                           std::optional<std::vector<std::vector<torch::Tensor>>> lora_layers,
                                           std::optional<std::vector<torch::Tensor>> lora_meta) {
-  TORCH_CHECK(config.size() == 8 && scalars.size() == 4,
-              "config: heads, kv heads, head_dim, packed, pairs_rows, layout, activation, q/k norm; "
+  TORCH_CHECK(config.size() == 9 && scalars.size() == 4,
+              "config: heads, kv heads, head_dim, packed, pairs_rows, layout, activation, q/k norm, interleaved; "
               "scalars: eps, scale, soft-cap, residual multiplier");
   TORCH_CHECK(layers.size() == kv_caches.size() && !layers.empty(), "one KV cache per layer");
   TORCH_CHECK(layer_kinds.size() == 3 * layers.size(), "window, rope and pool per layer");
@@ -127,6 +128,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
   const int64_t heads = config[0], kv_heads = config[1], head_dim = config[2];
   const Product linear{config[3] != 0, config[4]};
   const int64_t layout = config[5], activation = config[6], qk_norm = config[7];
+  const bool interleaved = config[8] != 0;
   TORCH_CHECK(layout >= kPre && layout <= kPost && (activation == 0 || activation == 1) && qk_norm >= 0 &&
                   qk_norm <= kProjNorm,
               "unknown layout, activation or q/k norm");
@@ -174,7 +176,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       q = head_norm(q, w[kQNorm], eps);
       k = head_norm(k, w[kKNorm], eps);
     }
-    if (rope >= 0) rotary_embedding(q, k, ropes[3 * rope], ropes[3 * rope + 1], ropes[3 * rope + 2]);
+    if (rope >= 0) rotary_embedding(q, k, ropes[3 * rope], ropes[3 * rope + 1], ropes[3 * rope + 2], interleaved);
     write_kv(k, v, kv_caches[l], pools[pool], pools[pool + 1]);
     at::Tensor tables = pools[pool + 2], lens = pools[pool + 3];
     int64_t rows = tokens;

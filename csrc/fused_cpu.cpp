@@ -7,9 +7,10 @@
 //                                              weight on bf16/fp16 x: dtype(x * rsqrt(..) * weight) (Gemma)
 // fused_add_rms_norm(x, residual, weight, eps) in place: residual = dtype(x + residual);
 //                                              x = rms_norm(residual)
-// rotary_embedding(q, k, cos, sin, positions)  in place, rotate-half convention; q [T, Hq, D] and
-//                                              k [T, Hk, D] may be row-strided views (of a fused qkv);
-//                                              cos/sin [max_position, D] float32
+// rotary_embedding(q, k, cos, sin, positions, interleaved)  in place, rotate-half pairs (i, i + R / 2), or
+//                                              (2i, 2i + 1) interleaved; q [T, Hq, D] and k [T, Hk, D] may be
+//                                              row-strided views (of a fused qkv); cos/sin [max_position, R]
+//                                              float32, R <= D: the leading R dims rotate, the rest pass
 // silu_and_mul(gate_up) -> out                 gate_up [T, 2I]: out = dtype(dtype(silu(gate)) * up)
 // gelu_tanh_and_mul(gate_up) -> out            the same with GELU's tanh form (Gemma), tanh from exp_f32
 // write_kv(k, v, kv_cache, block_ids, offsets) kv_cache[block_ids[t], 0|1, offsets[t]] = k[t] | v[t]
@@ -150,20 +151,23 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 
 namespace {
 
+// Each head's leading `rotary` dims (all of them, or fewer: partial rotary) rotate in pairs (i, i + rotary / 2)
+// (HF's rotate_half), or (2i, 2i + 1) when interleaved (GLM, Command R); the rest of the head passes.
 template <typename scalar_t>
-void rotate_heads(scalar_t* base, int64_t row_stride, int64_t num_heads, int64_t head_dim, int64_t t,
-                  const float* cos, const float* sin) {
-  const int64_t half = head_dim / 2;
+void rotate_heads(scalar_t* base, int64_t row_stride, int64_t num_heads, int64_t head_dim, int64_t rotary,
+                  bool interleaved, int64_t t, const float* cos, const float* sin) {
+  const int64_t half = rotary / 2;
   scalar_t* row = base + t * row_stride;
   for (int64_t h = 0; h < num_heads; ++h) {
     scalar_t* x = row + h * head_dim;
     for (int64_t i = 0; i < half; ++i) {
-      const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-      const float c1 = round_to<scalar_t>(cos[i]), s1 = round_to<scalar_t>(sin[i]);
-      const float c2 = round_to<scalar_t>(cos[i + half]), s2 = round_to<scalar_t>(sin[i + half]);
+      const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+      const float x1 = to_float(x[a]), x2 = to_float(x[b]);
+      const float c1 = round_to<scalar_t>(cos[a]), s1 = round_to<scalar_t>(sin[a]);
+      const float c2 = round_to<scalar_t>(cos[b]), s2 = round_to<scalar_t>(sin[b]);
       // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product stored, then the sum.
-      x[i] = from_float<scalar_t>(round_to<scalar_t>(x1 * c1) + round_to<scalar_t>(-x2 * s1));
-      x[i + half] = from_float<scalar_t>(round_to<scalar_t>(x2 * c2) + round_to<scalar_t>(x1 * s2));
+      x[a] = from_float<scalar_t>(round_to<scalar_t>(x1 * c1) + round_to<scalar_t>(-x2 * s1));
+      x[b] = from_float<scalar_t>(round_to<scalar_t>(x2 * c2) + round_to<scalar_t>(x1 * s2));
     }
   }
 }
@@ -171,17 +175,17 @@ void rotate_heads(scalar_t* base, int64_t row_stride, int64_t num_heads, int64_t
 }  // namespace
 
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
-                      torch::Tensor positions) {
+                      torch::Tensor positions, bool interleaved) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2), "q, k shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
               "q and k heads must be contiguous within a token");
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k dtypes differ");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.size(1) == q.size(2),
-              "cos/sin must be contiguous float32 [max_position, head_dim]");
+                  sin.is_contiguous() && cos.size(1) <= q.size(2) && cos.size(1) % 2 == 0 && cos.sizes() == sin.sizes(),
+              "cos/sin must be contiguous float32 [max_position, rotary dims], at most head_dim, even");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == q.size(0), "int64 positions [T]");
   auto pos = positions.contiguous();
-  const int64_t tokens = q.size(0), head_dim = q.size(2), max_position = cos.size(0);
+  const int64_t tokens = q.size(0), head_dim = q.size(2), rotary = cos.size(1), max_position = cos.size(0);
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < max_position, "position out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
@@ -192,10 +196,10 @@ void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch
     const int64_t width = (q.size(1) + k.size(1)) * head_dim;
     at::parallel_for(0, tokens, grain_for(width), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const float* c = cp + pp[t] * head_dim;
-        const float* s = sp + pp[t] * head_dim;
-        rotate_heads(qp, q.stride(0), q.size(1), head_dim, t, c, s);
-        rotate_heads(kp, k.stride(0), k.size(1), head_dim, t, c, s);
+        const float* c = cp + pp[t] * rotary;
+        const float* s = sp + pp[t] * rotary;
+        rotate_heads(qp, q.stride(0), q.size(1), head_dim, rotary, interleaved, t, c, s);
+        rotate_heads(kp, k.stride(0), k.size(1), head_dim, rotary, interleaved, t, c, s);
       }
     });
   });

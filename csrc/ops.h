@@ -31,7 +31,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor b
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
-                      torch::Tensor positions);
+                      torch::Tensor positions, bool interleaved);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor block_ids,

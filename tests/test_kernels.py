@@ -324,18 +324,22 @@ def test_gelu_tanh_and_mul_matches_reference(ops, dtype) -> None:  # type: ignor
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_strided_qkv_views(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("rotary_dim,interleaved", [(64, False), (48, False), (64, True), (32, True)])
+def test_rotary_in_place_on_strided_qkv_views(ops, dtype, rotary_dim, interleaved) -> None:  # type: ignore[no-untyped-def]
+    """Whole heads or their leading dims (partial rotary: the rest pass), rotate-half or interleaved pairs."""
     from worker.models.rope import RotaryEmbedding
 
     tokens, heads, kv_heads, head_dim = 11, 6, 2, 64
-    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, torch.device("cpu"))
+    rotary = RotaryEmbedding(rotary_dim, 512, 10000.0, None, torch.device("cpu"), interleaved)
     generator = torch.Generator().manual_seed(7)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
     positions = torch.tensor([0, 1, 2, 5, 99, 100, 101, 300, 511, 7, 8])
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)  # row-strided views
     expected_q, expected_k = rotary.prepare(positions, dtype).apply(q, k)
+    passed = q[..., rotary_dim:].clone()
     actual_q, actual_k = rotary.prepare(positions, dtype, ops).apply(q, k)
+    assert actual_q[..., rotary_dim:].equal(passed)  # a partial rotary's other dims untouched
     assert actual_q.data_ptr() == q.data_ptr()  # in place
     _close(actual_q, expected_q)
     _close(actual_k, expected_k)

@@ -16,8 +16,8 @@ from worker.models.native import native_stack_serves
 
 NATIVE = [
     "llama_rope_linear", "llama_rope_llama3", "llama_rope_yarn", "llama_rope_dynamic", "llama_bias",
-    "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3", "gemma3_vlm", "phi3_longrope", "granite",
-    "olmo2", "olmo3", "smollm3",
+    "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3", "gemma3_vlm", "phi3", "phi3_longrope",
+    "granite", "olmo2", "olmo3", "smollm3", "glm", "glm4",
 ]  # fmt: skip
 
 
@@ -38,7 +38,8 @@ def test_the_families_the_stack_serves(tmp_path) -> None:  # type: ignore[no-unt
 )
 def test_the_stack_equals_the_python_layers_on_each_family(tmp_path, name: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
     """Windows (8 keys, in their own pool where the family mixes them with full layers), soft-caps, Gemma's
-    norms and GELU, post-norms, q/k norms over the projection, NoPE layers and the residual multiplier."""
+    norms and GELU, post-norms, q/k norms over the projection, NoPE layers, the residual multiplier, partial
+    and interleaved rotary, LongRoPE, biases."""
     if load_cpu_ops() is None:
         pytest.skip("no C++ compiler: the csrc kernels did not build")
     build_family(name, str(tmp_path))

@@ -78,7 +78,13 @@ class CpuOps(Protocol):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> None: ...
     def rotary_embedding(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        interleaved: bool,
     ) -> None: ...
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...

@@ -68,14 +68,12 @@ class CausalLM(nn.Module):
         """The rotary tables: "global" (every rotating layer, or the full ones) and, when the family gives
         its sliding layers a base of their own, "local"."""
         config = self.config
-        rotary_dim, partial = config.rotary_dim or config.head_dim, bool(config.rotary_dim)
+        rotary_dim = config.rotary_dim or config.head_dim
         bases = {"global": (config.rope_theta, config.rope_scaling)}
         if config.rope_local_theta:
             bases["local"] = (config.rope_local_theta, None)
         self.rotaries = {
-            kind: RotaryEmbedding(
-                rotary_dim, max_position, base, scaling, device, config.rope_interleaved, partial
-            )
+            kind: RotaryEmbedding(rotary_dim, max_position, base, scaling, device, config.rope_interleaved)
             for kind, (base, scaling) in bases.items()
         }
 

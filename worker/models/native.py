@@ -1,12 +1,13 @@
 """The csrc decoder stack (csrc/decoder_cpu.cpp): which models it runs, and each layer's weights in its order.
 
 It runs the "pre", "sandwich" and "post" layouts with RMSNorms (Gemma's 1 + w ones too), a SiLU- or
-GELU(tanh)-gated MLP, biases on any product, q/k norms per head or over the projection, full
-rotate-half rotary with a local base for the sliding layers and NoPE layers, sliding windows (in the
-windowed layers' own pool where the model keeps one), attention soft-capping, any query scale and a
-residual multiplier: Llama, Mistral, Qwen2/3, Gemma 1/2/3, Granite, OLMo 2/3 and SmolLM3. The others (LayerNorms,
-parallel layouts, plain MLPs, partial or interleaved rotary, per-head norm weights) run the Python layers, with the same kernels where they apply and Python between them
-(benchmarks/family_steps.py measures what that costs).
+GELU(tanh)-gated MLP, biases on any product, q/k norms per head or over the projection, rotary over whole
+heads or their leading dims, rotate-half or interleaved, with a local base for the sliding layers, NoPE
+layers, sliding windows (in the windowed layers' own pool where the model keeps one), attention
+soft-capping, any query scale and a residual multiplier: Llama, Mistral, Qwen2/3, Gemma 1/2/3, Granite,
+OLMo 2/3, SmolLM3, Phi-3/4 and GLM/GLM-4. The others (LayerNorms, the parallel layouts, plain MLPs,
+per-head norm weights) run the Python layers, with the same kernels where they apply and Python between
+them (benchmarks/family_steps.py measures what that costs).
 """
 
 from __future__ import annotations
@@ -33,17 +34,18 @@ def native_stack_serves(config: ModelConfig) -> bool:
         and config.mlp == "gated"
         and config.hidden_act in ACTIVATIONS
         and config.qk_norm in QK_NORMS
-        and not (config.rotary_dim or config.rope_interleaved)
     )
 
 
 def native_shape(layer: DecoderLayer, config: ModelConfig) -> list[int]:
-    """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows, layout, activation, q/k norm."""
+    """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows, layout, activation, q/k norm,
+    interleaved rotary (0/1)."""
     attention, down = layer.self_attn, layer.mlp.down_proj
     packed = int(down.packed is not None)
     return [
         attention.num_heads, attention.num_kv_heads, attention.head_dim, packed, down.pairs_rows,
         LAYOUTS[config.layout], ACTIVATIONS[config.hidden_act], QK_NORMS[config.qk_norm],
+        int(config.rope_interleaved),
     ]  # fmt: skip
 
 

@@ -34,10 +34,8 @@ class RotaryEmbedding:
         scaling: dict[str, Any] | None,
         device: torch.device,
         interleaved: bool = False,
-        partial: bool = False,
     ) -> None:
-        """partial: rotary_dim is less than the head's dims (only csrc's whole-head rotation is a kernel)."""
-        self.rotary_dim, self.interleaved, self.partial = rotary_dim, interleaved, partial
+        self.rotary_dim, self.interleaved = rotary_dim, interleaved
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         attention_factor = 1.0
         self.long_offset = 0  # >0: longrope: the long factors' rows start here
@@ -66,11 +64,11 @@ class RotaryEmbedding:
         long: torch.Tensor | None = None,  # [num_tokens] 1 where a longrope row runs on its long factors
     ) -> Rope:
         """The step's rotation, shared by the layers of this table: looked up once (torch) or indexed per
-        token (csrc, which rotates whole heads' (i, i + d / 2) pairs only)."""
+        token (csrc, partial and interleaved rotary too)."""
         if self.long_offset and long is not None:
             positions = positions + long * self.long_offset
-        if ops is not None and not (self.interleaved or self.partial):
-            return Rope(positions, self.cos, self.sin, ops, self.rotary_dim, False)
+        if ops is not None:
+            return Rope(positions, self.cos, self.sin, ops, self.rotary_dim, self.interleaved)
         cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         sin = self.sin[positions].to(dtype).unsqueeze(1)
         return Rope(positions, cos, sin, None, self.rotary_dim, self.interleaved)
@@ -92,7 +90,7 @@ class Rope:
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; csrc: in place."""
         if self.ops is not None:
-            self.ops.rotary_embedding(q, k, self.cos, self.sin, self.positions)
+            self.ops.rotary_embedding(q, k, self.cos, self.sin, self.positions, self.interleaved)
             return q, k
         return rotate(q, self.cos, self.sin, self.interleaved), rotate(
             k, self.cos, self.sin, self.interleaved
