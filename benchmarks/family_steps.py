@@ -117,7 +117,6 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         build("llama", f"{root}/llama")
-        llamas = {batch: engine(f"{root}/llama", args.dtype, batch, args.steps) for batch in (1, 16)}
         variants = [("llama, Python layers", "llama", False)] + [
             (n, n, True) for n in args.families if n != "llama"
         ]
@@ -128,17 +127,18 @@ def main() -> None:
             row: dict[str, Any] = {"family": label}
             for batch in (1, 16):
                 core = engine(folder, args.dtype, batch, args.steps, native)
+                # a fresh Llama beside each family: its contexts as long as the family's at every step
+                llama_core = engine(f"{root}/llama", args.dtype, batch, args.steps)
                 row["native_stack"] = core.executor.runner.model.native_layers is not None
-                mine, llama = compare(core, llamas[batch], args.steps)
+                mine, llama = compare(core, llama_core, args.steps)
                 core.shutdown()
+                llama_core.shutdown()
                 row[f"c{batch}_ms"], row[f"c{batch}_llama_ms"] = 1000 * mine, 1000 * llama
             rows.append(row)
             print(f"{label:24s} c=1 {row['c1_ms']:6.1f} ms vs llama {row['c1_llama_ms']:6.1f} "
                   f"({row['c1_ms'] / row['c1_llama_ms']:.2f}x)   c=16 {row['c16_ms']:6.1f} ms vs llama "
                   f"{row['c16_llama_ms']:6.1f} ({row['c16_ms'] / row['c16_llama_ms']:.2f}x)   "
                   f"{'csrc stack' if row['native_stack'] else 'Python layers'}", flush=True)  # fmt: skip
-        for core in llamas.values():
-            core.shutdown()
     pathlib.Path(args.out).write_text(
         json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows}, indent=2)
     )
