@@ -11,7 +11,8 @@
 // x:          [T, hidden]  the embedded tokens; becomes the residual stream (modified in place)
 // layers:     per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm, qkv_pairs,
 //             o_pairs, gate_up_pairs, down_pairs, post_attn_norm, post_mlp_norm, o_bias, gate_up_bias,
-//             down_bias]; an empty tensor is an
+//             down_bias, input_norm_bias, post_norm_bias] (a plain MLP's up product in gate_up's slots); an
+//             empty tensor is an
 //             absent bias, norm or packing. A norm's weight of float32 under a bf16 x is Gemma's 1 + w
 //             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
 //             count takes it; out features a multiple of 16), a 5-d one linear_amx's (batch-invariant too:
@@ -24,7 +25,11 @@
 //             one paged-attention row per token, as paged_decode_attention takes them
 // config:     num_heads, num_kv_heads, head_dim, packed (0/1), pairs_rows, layout (0 pre, 1 sandwich:
 //             the attention's and the MLP's outputs normed before their adds, 2 post: no norm before them,
-//             their outputs normed), activation (0 SiLU, 1 GELU tanh), q/k norm (0 none, 1 per head, 2 over
+//             their outputs normed, 3 parallel: out = (mlp(norm2(x)) + attn(norm1(x))) + x, GPT-NeoX's, 4
+//             parallel with one norm: (x + attn(norm(x))) + mlp(norm(x)), StableLM's), MLP (0 SiLU-gated,
+//             1 GELU(tanh)-gated, 2 GELU-gated, 3 GELU(tanh) plain, 4 GELU plain: the last three as the
+//             Python layers compute them, in float32 through ATen), norm (0 RMS, 1 LayerNorm through ATen,
+//             with the bias slots), q/k norm (0 none, 1 per head, 2 over
 //             the whole projection), interleaved rotary pairs (0/1; a rope's cos/sin may cover fewer dims
 //             than a head's: partial rotary)
 // layer_kinds: per layer window (0: none), rope (-1 none, 0 global, 1 local), pool (0, 1)
@@ -47,9 +52,10 @@ namespace {
 enum Weight {
   kInputNorm, kQkv, kQkvBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm,
   kQkvPairs, kOPairs, kGateUpPairs, kDownPairs, kPostAttnNorm, kPostMlpNorm, kOBias, kGateUpBias,
-  kDownBias, kNumWeights
+  kDownBias, kInputNormBias, kPostNormBias, kNumWeights
 };
-enum Layout { kPre, kSandwich, kPost };
+enum Layout { kPre, kSandwich, kPost, kParallel, kParallelShared };
+enum Activation { kSiluGated, kGeluTanhGated, kGeluGated, kGeluTanhPlain, kGeluPlain };
 enum QkNorm { kNoQkNorm, kHeadNorm, kProjNorm };
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
@@ -114,8 +120,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
                                           std::optional<torch::Tensor> out_rows,
                                           std::optional<std::vector<std::vector<torch::Tensor>>> lora_layers,
                                           std::optional<std::vector<torch::Tensor>> lora_meta) {
-  TORCH_CHECK(config.size() == 9 && scalars.size() == 4,
-              "config: heads, kv heads, head_dim, packed, pairs_rows, layout, activation, q/k norm, interleaved; "
+  TORCH_CHECK(config.size() == 10 && scalars.size() == 4,
+              "config: heads, kv heads, head_dim, packed, pairs_rows, layout, MLP, q/k norm, interleaved, norm; "
               "scalars: eps, scale, soft-cap, residual multiplier");
   TORCH_CHECK(layers.size() == kv_caches.size() && !layers.empty(), "one KV cache per layer");
   TORCH_CHECK(layer_kinds.size() == 3 * layers.size(), "window, rope and pool per layer");
@@ -128,10 +134,10 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
   const int64_t heads = config[0], kv_heads = config[1], head_dim = config[2];
   const Product linear{config[3] != 0, config[4]};
   const int64_t layout = config[5], activation = config[6], qk_norm = config[7];
-  const bool interleaved = config[8] != 0;
-  TORCH_CHECK(layout >= kPre && layout <= kPost && (activation == 0 || activation == 1) && qk_norm >= 0 &&
-                  qk_norm <= kProjNorm,
-              "unknown layout, activation or q/k norm");
+  const bool interleaved = config[8] != 0, layer_norms = config[9] != 0;
+  TORCH_CHECK(layout >= kPre && layout <= kParallelShared && activation >= kSiluGated &&
+                  activation <= kGeluPlain && qk_norm >= 0 && qk_norm <= kProjNorm,
+              "unknown layout, MLP or q/k norm");
   const double eps = scalars[0], scale = scalars[1], softcap = scalars[2], multiplier = scalars[3];
   const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(!out_rows || (out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong),
@@ -141,6 +147,25 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
               "LoRA factors per layer; meta: row_slots, then bounds and ranks of four products");
   at::Tensor lora_rows = lora_meta ? (*lora_meta)[0] : at::Tensor();
   const auto scaled = [&](at::Tensor t) { return multiplier != 1.0 ? t.mul(multiplier) : t; };
+  // A layer's input or post norm: RMS on the kernel, or LayerNorm through ATen (as F.layer_norm).
+  const auto norm = [&](const at::Tensor& t, const at::Tensor& weight, const at::Tensor& bias) {
+    if (!layer_norms) return rms_norm(t, weight, eps);
+    return at::layer_norm(t, {t.size(-1)}, weight, present(bias), eps);
+  };
+  // residual += x, then x = norm(residual): in place on the kernel (RMS), as new tensors otherwise.
+  const auto add_and_norm = [&](at::Tensor& t, at::Tensor& residual, const at::Tensor& weight,
+                                const at::Tensor& bias) {
+    if (!layer_norms) {
+      fused_add_rms_norm(t, residual, weight, eps);
+      return;
+    }
+    residual = at::add(t, residual);
+    t = norm(residual, weight, bias);
+  };
+  // activation(x) as worker/models/mlp.py computes it off the kernels: float32, rounded once
+  const auto gelu = [&](const at::Tensor& t, bool tanh) {
+    return at::gelu(t.to(at::kFloat), tanh ? "tanh" : "none").to(t.scalar_type());
+  };
 
   at::Tensor hidden, residual;
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -157,9 +182,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       h = residual;
     } else if (l == 0) {
       residual = x;
-      h = rms_norm(x, w[kInputNorm], eps);
+      h = norm(x, w[kInputNorm], w[kInputNormBias]);
     } else {
-      fused_add_rms_norm(hidden, residual, w[kInputNorm], eps);  // hidden: the norm; residual: the sum
+      add_and_norm(hidden, residual, w[kInputNorm], w[kInputNormBias]);  // hidden: the norm; residual: the sum
       h = hidden;
     }
     at::Tensor qkv = linear(h, w[kQkv], w[kQkvBias], w[kQkvPairs]);  // [T, q + 2 kv]
@@ -185,6 +210,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       tables = tables.index_select(0, *out_rows);
       lens = lens.index_select(0, *out_rows);
       residual = residual.index_select(0, *out_rows);
+      h = h.index_select(0, *out_rows);
       if (lora_layers) lora_rows = lora_rows.index_select(0, *out_rows);
       rows = out_rows->numel();
       if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
@@ -196,20 +222,37 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     lora.add(1, attended, hidden, lora_rows);
     if (w[kPostAttnNorm].numel()) hidden = rms_norm(hidden, w[kPostAttnNorm], eps);
     hidden = scaled(hidden);
-    if (layout == kPost) {  // the MLP reads the stream
+    at::Tensor attended_out;  // the parallel layouts: the attention branch, added after the MLP's
+    if (layout == kParallel) {
+      attended_out = hidden;
+      h = norm(residual, w[kPostNorm], w[kPostNormBias]);
+    } else if (layout == kParallelShared) {
+      residual = at::add(residual, hidden);  // (x + attn), the MLP's input the layer's one norm
+    } else if (layout == kPost) {  // the MLP reads the stream
       residual = at::add(hidden, residual);
       h = residual;
     } else {
-      fused_add_rms_norm(hidden, residual, w[kPostNorm], eps);
+      add_and_norm(hidden, residual, w[kPostNorm], w[kPostNormBias]);
       h = hidden;
     }
     at::Tensor gate_up = linear(h, w[kGateUp], w[kGateUpBias], w[kGateUpPairs]);
     lora.add(2, h, gate_up, lora_rows);
-    const at::Tensor activated = activation == 0 ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
+    at::Tensor activated;
+    if (activation == kSiluGated) {
+      activated = silu_and_mul(gate_up);
+    } else if (activation == kGeluTanhGated) {
+      activated = gelu_tanh_and_mul(gate_up);
+    } else if (activation == kGeluGated) {
+      const int64_t inter = gate_up.size(1) / 2;
+      activated = gelu(gate_up.narrow(1, 0, inter), false).mul(gate_up.narrow(1, inter, inter));
+    } else {
+      activated = gelu(gate_up, activation == kGeluTanhPlain);
+    }
     hidden = linear(activated, w[kDown], w[kDownBias], w[kDownPairs]);
     lora.add(3, activated, hidden, lora_rows);
     if (w[kPostMlpNorm].numel()) hidden = rms_norm(hidden, w[kPostMlpNorm], eps);
     hidden = scaled(hidden);
+    if (layout == kParallel) hidden = at::add(hidden, attended_out);  // (mlp + attn), x the residual
   }
   return {hidden, residual};
 }

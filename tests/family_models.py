@@ -167,6 +167,9 @@ BUILDERS: dict[str, Callable[[], Any]] = {
         use_parallel_residual=True,
     ),
     "stablelm_sequential": lambda: _model("StableLmConfig", "StableLmForCausalLM"),
+    "stablelm_parallel": lambda: _model(
+        "StableLmConfig", "StableLmForCausalLM", use_qkv_bias=True, use_parallel_residual=True
+    ),
 }
 
 

@@ -17,7 +17,8 @@ from worker.models.native import native_stack_serves
 NATIVE = [
     "llama_rope_linear", "llama_rope_llama3", "llama_rope_yarn", "llama_rope_dynamic", "llama_bias",
     "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3", "gemma3_vlm", "phi3", "phi3_longrope",
-    "granite", "olmo2", "olmo3", "smollm3", "glm", "glm4",
+    "granite", "olmo2", "olmo3", "smollm3", "glm", "glm4", "starcoder2", "gpt_neox", "gpt_neox_sequential",
+    "stablelm_sequential", "stablelm_parallel",
 ]  # fmt: skip
 
 
@@ -34,12 +35,29 @@ def test_the_families_the_stack_serves(tmp_path) -> None:  # type: ignore[no-unt
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     "name",
-    ["gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "phi3_longrope", "llama_bias"],
+    [
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "granite",
+        "olmo2",
+        "olmo3",
+        "smollm3",
+        "phi3",
+        "phi3_longrope",
+        "glm",
+        "glm4",
+        "llama_bias",
+        "starcoder2",
+        "gpt_neox",
+        "gpt_neox_sequential",
+        "stablelm_parallel",
+    ],  # fmt: skip
 )
 def test_the_stack_equals_the_python_layers_on_each_family(tmp_path, name: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
     """Windows (8 keys, in their own pool where the family mixes them with full layers), soft-caps, Gemma's
     norms and GELU, post-norms, q/k norms over the projection, NoPE layers, the residual multiplier, partial
-    and interleaved rotary, LongRoPE, biases."""
+    and interleaved rotary, LongRoPE, biases, LayerNorms, the parallel layouts and plain MLPs."""
     if load_cpu_ops() is None:
         pytest.skip("no C++ compiler: the csrc kernels did not build")
     build_family(name, str(tmp_path))

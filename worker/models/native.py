@@ -1,13 +1,14 @@
 """The csrc decoder stack (csrc/decoder_cpu.cpp): which models it runs, and each layer's weights in its order.
 
-It runs the "pre", "sandwich" and "post" layouts with RMSNorms (Gemma's 1 + w ones too), a SiLU- or
-GELU(tanh)-gated MLP, biases on any product, q/k norms per head or over the projection, rotary over whole
-heads or their leading dims, rotate-half or interleaved, with a local base for the sliding layers, NoPE
-layers, sliding windows (in the windowed layers' own pool where the model keeps one), attention
-soft-capping, any query scale and a residual multiplier: Llama, Mistral, Qwen2/3, Gemma 1/2/3, Granite,
-OLMo 2/3, SmolLM3, Phi-3/4 and GLM/GLM-4. The others (LayerNorms, the parallel layouts, plain MLPs,
-per-head norm weights) run the Python layers, with the same kernels where they apply and Python between
-them (benchmarks/family_steps.py measures what that costs).
+It runs the "pre", "sandwich" and "post" layouts with RMSNorms (Gemma's 1 + w ones too), and the "pre",
+"parallel" (GPT-NeoX) and "parallel_shared" (StableLM) ones with LayerNorms; SiLU-, GELU(tanh)- or
+GELU-gated MLPs and plain GELU ones; biases on any product; q/k norms per head or over the projection
+(with RMSNorms); rotary over whole heads or their leading dims, rotate-half or interleaved, with a local
+base for the sliding layers; NoPE layers; sliding windows (in the windowed layers' own pool where the model
+keeps one); attention soft-capping; any query scale and a residual multiplier. That is every family but
+Command R and StableLM with q/k norms (per-head norm weights, Command R's own LayerNorm), which run the
+Python layers, with the same kernels where they apply and Python between them (benchmarks/family_steps.py
+measures what that costs).
 """
 
 from __future__ import annotations
@@ -22,30 +23,34 @@ from worker.models.decoder import DecoderLayer
 from worker.models.layers import Linear
 from worker.models.norms import Norm, OffsetRMSNorm
 
-LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2}
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2, "parallel": 3, "parallel_shared": 4}
+MLPS = {("gated", "silu"): 0, ("gated", "gelu_tanh"): 1, ("gated", "gelu"): 2, ("plain", "gelu_tanh"): 3,
+        ("plain", "gelu"): 4}  # fmt: skip
 QK_NORMS = {"": 0, "head": 1, "proj": 2}
 
 
 def native_stack_serves(config: ModelConfig) -> bool:
+    if (config.mlp, config.hidden_act) not in MLPS or config.layout not in LAYOUTS:
+        return False
+    if config.norm in ("rms", "rms_offset"):  # every layout but the parallel ones (no family has both)
+        return config.qk_norm in QK_NORMS and config.layout in ("pre", "sandwich", "post")
+    # LayerNorms (through ATen): before the branches or parallel, without q/k norms
     return (
-        config.norm in ("rms", "rms_offset")
-        and config.layout in LAYOUTS
-        and config.mlp == "gated"
-        and config.hidden_act in ACTIVATIONS
-        and config.qk_norm in QK_NORMS
+        config.norm == "layer"
+        and not config.qk_norm
+        and config.layout in ("pre", "parallel", "parallel_shared")
     )
 
 
 def native_shape(layer: DecoderLayer, config: ModelConfig) -> list[int]:
-    """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows, layout, activation, q/k norm,
-    interleaved rotary (0/1)."""
+    """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows, layout, MLP, q/k norm,
+    interleaved rotary (0/1), LayerNorms (0/1)."""
     attention, down = layer.self_attn, layer.mlp.down_proj
     packed = int(down.packed is not None)
     return [
         attention.num_heads, attention.num_kv_heads, attention.head_dim, packed, down.pairs_rows,
-        LAYOUTS[config.layout], ACTIVATIONS[config.hidden_act], QK_NORMS[config.qk_norm],
-        int(config.rope_interleaved),
+        LAYOUTS[config.layout], MLPS[(config.mlp, config.hidden_act)], QK_NORMS[config.qk_norm],
+        int(config.rope_interleaved), int(config.norm == "layer"),
     ]  # fmt: skip
 
 
@@ -89,13 +94,15 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
             return linear.pairs.view(groups, kpairs // 16, 16, width, two)
         return optional(linear, "rows" if linear.rows is not None else "pairs")
 
-    linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    up = mlp.gate_up_proj if mlp.gated else mlp.up_proj  # a plain MLP's up product in gate_up's slots
+    linears = (attention.qkv_proj, attention.o_proj, up, mlp.down_proj)
 
     return [
         norm_weight(layer.input_layernorm), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
-        weight(attention.o_proj), norm_weight(layer.post_attention_layernorm), weight(mlp.gate_up_proj),
+        weight(attention.o_proj), norm_weight(layer.post_attention_layernorm), weight(up),
         weight(mlp.down_proj), norm_weight(attention.q_norm), norm_weight(attention.k_norm),
         *(packing(linear) for linear in linears), norm_weight(layer.post_attn_norm),
-        norm_weight(layer.post_mlp_norm), optional(attention.o_proj, "bias"), optional(mlp.gate_up_proj, "bias"),
-        optional(mlp.down_proj, "bias"),
+        norm_weight(layer.post_mlp_norm), optional(attention.o_proj, "bias"), optional(up, "bias"),
+        optional(mlp.down_proj, "bias"), optional(layer.input_layernorm, "bias"),
+        optional(layer.post_attention_layernorm, "bias"),
     ]  # fmt: skip
