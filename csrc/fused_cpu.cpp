@@ -205,12 +205,16 @@ void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+namespace {
+
+// out = dtype(dtype(act(gate)) * up) for gate_up [T, 2I]: the gated MLPs' middle, act in float32.
+template <typename Act>
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, Act act) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
   auto out = torch::empty({rows, inter}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "act_and_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_for(inter), [&](int64_t begin, int64_t end) {
@@ -218,39 +222,26 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
         const scalar_t* gate = in + r * stride;
         const scalar_t* up = gate + inter;
         scalar_t* o = op + r * inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = to_float(gate[i]);
-          o[i] = from_float<scalar_t>(round_to<scalar_t>(g / (1.f + exp_f32(-g))) * to_float(up[i]));
-        }
+        for (int64_t i = 0; i < inter; ++i)
+          o[i] = from_float<scalar_t>(round_to<scalar_t>(act(to_float(gate[i]))) * to_float(up[i]));
       }
     });
   });
   return out;
 }
 
+}  // namespace
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  return act_and_mul(gate_up, [](float g) { return g / (1.f + exp_f32(-g)); });
+}
+
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({rows, inter}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gelu_tanh_and_mul", [&] {
-    const scalar_t* in = gate_up.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_for(inter), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* gate = in + r * stride;
-        const scalar_t* up = gate + inter;
-        scalar_t* o = op + r * inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = to_float(gate[i]);
-          const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi) (g + 0.044715 g^3)
-          const float t = 1.f - 2.f / (exp_f32(2.f * y) + 1.f);               // tanh(y)
-          o[i] = from_float<scalar_t>(round_to<scalar_t>(0.5f * g * (1.f + t)) * to_float(up[i]));
-        }
-      }
-    });
+  return act_and_mul(gate_up, [](float g) {
+    const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi) (g + 0.044715 g^3)
+    const float t = 1.f - 2.f / (exp_f32(2.f * y) + 1.f);               // tanh(y)
+    return 0.5f * g * (1.f + t);
   });
-  return out;
 }
 
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor block_ids,
