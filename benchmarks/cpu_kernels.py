@@ -102,7 +102,7 @@ def prefill_attention(ops: Any, rounds: int) -> None:
 
     def layers(query: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
         for cache in caches:
-            ops.paged_decode_attention(query, cache, table, seq_lens, 0.125, 0, 0.0)
+            ops.paged_decode_attention(query, cache, table, seq_lens, 0.125, 0, 0.0, torch.empty(0))
 
     print("prefill attention, 30 layers, rows one by one ('none') against the tiles:")
     for name, chunks in cases.items():

@@ -30,6 +30,7 @@ SHAPE = dict(
     bos_token_id=None, eos_token_id=None,
 )  # fmt: skip
 WINDOWS = ["sliding_attention", "full_attention"] * 15
+MOE = {"num_hidden_layers": 16, "head_dim": 64, "num_experts_per_tok": 4}
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
@@ -47,7 +48,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 9}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    # mixtures of experts, ~270M parameters with ~70M active (16 layers, 32 experts, 4 a token, each 256
+    # wide), and the dense model of their active size (MLP 4 x 256): benchmarks/moe_steps.py
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**MOE, "num_experts": 32, "moe_intermediate_size": 256,
+                                                            "norm_topk_prob": True}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {**MOE, "num_local_experts": 32, "intermediate_size": 256,
+                                                      "sliding_window": 128}),
+    "qwen3_dense_active": ("Qwen3Config", "Qwen3ForCausalLM", {"num_hidden_layers": 16, "head_dim": 64,
+                                                               "intermediate_size": 1024}),
 }  # fmt: skip
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "qwen3_dense_active")  # of another size: moe_steps.py compares them
 
 
 def build(name: str, folder: str) -> None:
@@ -109,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--families", nargs="*", default=[n for n in FAMILIES if n not in MOE_FAMILIES])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="benchmarks/results/family_steps.json")

@@ -216,7 +216,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
     }
     const at::Tensor attention =
-        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, window, softcap);
+        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, window, softcap, torch::Tensor());
     const at::Tensor attended = attention.view({rows, q_size});  // [rows, heads * d]
     hidden = linear(attended, w[kO], w[kOBias], w[kOPairs]);
     lora.add(1, attended, hidden, lora_rows);

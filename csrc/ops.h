@@ -7,7 +7,8 @@
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap);
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                                     torch::Tensor sinks);
 // How paged_decode_attention runs bf16 prefill rows as tiles: "amx", "avx512_bf16", or "" (row by row).
 std::string prefill_tiles();
 // Chooses that ("auto": the best the build and CPU allow, "none", "avx512_bf16", "amx"); returns prefill_tiles().
@@ -27,6 +28,11 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor bi
 // Batch-invariant products, float32 or bf16 (csrc/gemm_rows_cpu.cpp): each row's sums in one fixed order.
 torch::Tensor pack_rows(torch::Tensor weight);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t out_features);
+
+// A mixture-of-experts layer's experts in one call (csrc/moe_cpu.cpp): grouped by expert, weighted sum back.
+torch::Tensor fused_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13,
+                            torch::Tensor w2, torch::Tensor b13, torch::Tensor b2, int64_t activation, double alpha,
+                            double limit, torch::Tensor shared, torch::Tensor shared_gate);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

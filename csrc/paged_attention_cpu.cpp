@@ -8,6 +8,9 @@
 // window:       > 0: a row sees only its last `window` keys (a sliding-window layer: keys p - window < k <= p,
 //               as Hugging Face's sliding masks); 0: all of them
 // softcap:      > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)
+// sinks:        [num_heads] float32, or empty: each head's attention sink, a logit in the softmax's sum with
+//               no value (gpt-oss): p_t = exp(s_t - m) / (sum_u exp(s_u - m) + exp(sink - m)), m the max of
+//               the scores and the sink
 // returns       [num_rows, num_heads, head_dim]
 //
 // A row is a decode token or a token of a prefill chunk. Decode rows: a task is one row and a run of
@@ -49,14 +52,17 @@ inline float load<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
   return value;
 }
 
-// Exact softmax of one head's scores, in place (max first, so exp never overflows).
-static inline void softmax_in_place(float* s, int64_t len) {
-  const float max_score = *std::max_element(s, s + len);
+// Exact softmax of one head's scores, in place (max first, so exp never overflows); `sink` (a head's
+// attention sink, or null) joins the max and the sum.
+static inline void softmax_in_place(float* s, int64_t len, const float* sink = nullptr) {
+  float max_score = *std::max_element(s, s + len);
+  if (sink != nullptr) max_score = std::max(max_score, *sink);
   float sum = 0.f;
   for (int64_t t = 0; t < len; ++t) {
     s[t] = exp_f32(s[t] - max_score);
     sum += s[t];
   }
+  if (sink != nullptr) sum += exp_f32(*sink - max_score);
   const float inv = 1.f / sum;
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;
 }
@@ -65,6 +71,8 @@ struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, heads_per_task;
   int64_t window = 0;   // keys a row sees at most (0: all)
   float softcap = 0.f;  // score soft-capping (0: none)
+  const float* sinks = nullptr;  // [num_heads] attention sinks (null: none)
+  const float* sink(int64_t head) const { return sinks != nullptr ? sinks + head : nullptr; }
   int64_t first_key(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
 
@@ -124,7 +132,7 @@ static void decode_attention_impl(const scalar_t* query, const scalar_t* cache, 
       }
       for (int64_t h = 0; h < num_q; ++h) {
         soft_cap(scores.data() + h * len, len, shape.softcap);
-        softmax_in_place(scores.data() + h * len, len);
+        softmax_in_place(scores.data() + h * len, len, shape.sink(first_kv * group + h));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = 0; i < len; ++i) {
@@ -234,7 +242,8 @@ int64_t key_rows(const scalar_t* cache, const int64_t* table, int64_t len, int64
 // ms a layer; the rows' own 12-token lead alone leaves most of the read exposed).
 template <typename scalar_t, int HEAD_DIM, int GROUP>
 void attend_row(const scalar_t* q_src, const scalar_t* const* keys, int64_t len, const scalar_t* const* next,
-                int64_t next_len, scalar_t* dst, const Shape& shape, float scale, std::vector<float>& scores) {
+                int64_t next_len, scalar_t* dst, const Shape& shape, float scale, std::vector<float>& scores,
+                int64_t first_head) {
   constexpr int V = HEAD_DIM / 16;
   const int64_t half_stride = shape.block_size * shape.num_kv_heads * HEAD_DIM;
   const int64_t next_per_token = (next_len + len - 1) / len;  // the next task's rows asked for a token
@@ -270,7 +279,7 @@ void attend_row(const scalar_t* q_src, const scalar_t* const* keys, int64_t len,
   }
   for (int g = 0; g < GROUP; ++g) {
     soft_cap(scores.data() + g * padded, len, shape.softcap);
-    softmax_in_place(scores.data() + g * padded, len);
+    softmax_in_place(scores.data() + g * padded, len, shape.sink(first_head + g));
   }
   // Values weighted by the probabilities, accumulated in registers.
   __m512 acc[GROUP][V];
@@ -302,7 +311,7 @@ void decode_row(const scalar_t* q_src, const scalar_t* cache, const int64_t* tab
                 scalar_t* dst, const Shape& shape, float scale, RowScratch<scalar_t>& scratch) {
   const int64_t seen = key_rows<scalar_t, HEAD_DIM>(cache, table, len, kv, shape, scratch.keys);
   attend_row<scalar_t, HEAD_DIM, GROUP>(q_src, scratch.keys.data(), seen, nullptr, 0, dst, shape, scale,
-                                        scratch.scores);
+                                        scratch.scores, kv * GROUP);
 }
 
 template <typename scalar_t, int HEAD_DIM, int GROUP>
@@ -322,7 +331,7 @@ void decode(const scalar_t* query, const scalar_t* cache, const int64_t* tables,
       const int64_t offset = (seq * shape.num_heads + kv * GROUP) * HEAD_DIM;
       const int64_t next_len = task + 1 < end ? rows_of(task + 1, scratch.next) : 0;
       attend_row<scalar_t, HEAD_DIM, GROUP>(query + offset, scratch.keys.data(), len, scratch.next.data(), next_len,
-                                            out + offset, shape, scale, scratch.scores);
+                                            out + offset, shape, scale, scratch.scores, kv * GROUP);
       std::swap(scratch.keys, scratch.next);
       len = next_len;
     }
@@ -773,7 +782,8 @@ static Tiles current_tiles() {
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                                     torch::Tensor sinks) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [seqs, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 5-d tensor");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
@@ -785,6 +795,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   Shape shape{query.size(0), query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), tables.size(1), 0,
               window, static_cast<float>(softcap)};
   TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0 && kv_cache.size(4) == shape.head_dim, "shape mismatch");
+  const bool has_sinks = sinks.defined() && sinks.numel() > 0;
+  TORCH_CHECK(!has_sinks || (sinks.scalar_type() == at::kFloat && sinks.numel() == shape.num_heads),
+              "sinks must be float32 [num_heads] or empty");
+  const torch::Tensor sinks_c = has_sinks ? sinks.contiguous() : torch::Tensor();
+  shape.sinks = has_sinks ? sinks_c.data_ptr<float>() : nullptr;
   // Few sequences: split each over its kv heads so that every thread has work.
   shape.heads_per_task = shape.num_seqs >= 4 * at::get_num_threads() ? shape.num_kv_heads : 1;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
@@ -797,8 +812,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     const auto avx = avx512::pick<scalar_t>(shape.head_dim, group);
     if (avx.decode != nullptr) {
       // Rows of prefill chunks (runs of rows that share a table, lengths growing by one): as tiles.
-      // NOTE: a window or soft-capping takes the rows' path (the tiles read every key from the first)
-      const auto tiled = window || softcap ? nullptr : avx.tiled[static_cast<int>(current_tiles())];
+      // NOTE: a window, soft-capping or sinks take the rows' path (the tiles read every key from the first)
+      const auto tiled = window || softcap || has_sinks ? nullptr : avx.tiled[static_cast<int>(current_tiles())];
       if (tiled != nullptr) {
         const auto tiles = avx512::find_tiles(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                               shape.num_seqs, shape.max_blocks);

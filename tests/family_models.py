@@ -170,6 +170,45 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "stablelm_parallel": lambda: _model(
         "StableLmConfig", "StableLmForCausalLM", use_qkv_bias=True, use_parallel_residual=True
     ),
+    "mixtral": lambda: _model(
+        "MixtralConfig", "MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2, sliding_window=8
+    ),
+    "qwen2_moe": lambda: _model(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=2,
+    ),  # fmt: skip
+    "qwen3_moe": lambda: _model(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),  # fmt: skip
+    "gpt_oss": lambda: _model(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=8,
+        swiglu_limit=1.2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 1.5e5,
+        },
+    ),  # fmt: skip
 }
 
 

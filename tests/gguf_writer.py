@@ -17,6 +17,12 @@ LAYER = {
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.qkv_proj": "attn_qkv",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "block_sparse_moe.gate": "ffn_gate_inp", "block_sparse_moe.experts.w1": "ffn_gate_exps",
+    "block_sparse_moe.experts.w3": "ffn_up_exps", "block_sparse_moe.experts.w2": "ffn_down_exps",
 }  # fmt: skip
 ARCH_LAYER = {
     "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -56,6 +62,13 @@ def write_gguf(folder: str, arch: str, path: str) -> None:
             data = _permute(data, heads if ".q_proj." in name else kv_heads)
         if arch == "gptneox" and ".query_key_value." in name:  # per head [q k v] -> [q of all | k | v]
             data = data.reshape(heads, 3, -1, *data.shape[1:]).swapaxes(0, 1).reshape(data.shape)
+        if ".experts." in name:  # one expert's product -> the layer's [experts, out, in] (convert_hf_to_gguf)
+            stem, _, rest = name.partition(".experts.")
+            expert, _, part = rest.partition(".")
+            stacked.setdefault(f"{stem}.experts.{part.removesuffix('.weight')}", {})[int(expert)] = data
+            continue
+        if name.endswith("shared_expert_gate.weight"):  # [1, hidden] -> [hidden], as llama.cpp reads it
+            data = data.reshape(-1)
         if arch == "stablelm" and "_layernorm.norms." in name:
             which, head = ("q" if ".q_layernorm." in name else "k"), int(name.split(".")[-2])
             stacked.setdefault(f"{name.split('.self_attn.')[0]}.self_attn.{which}_norm", {})[head] = data
@@ -126,5 +139,15 @@ def _metadata(writer: Any, arch: str, config: dict[str, Any]) -> None:
         writer.add_float32(f"{arch}.logit_scale", config["logits_scaling"])
     if arch == "command-r":
         writer.add_float32(f"{arch}.logit_scale", config["logit_scale"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_uint32(f"{arch}.expert_count", experts)
+        writer.add_uint32(f"{arch}.expert_used_count", config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_uint32(f"{arch}.expert_feed_forward_length", config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_uint32(
+                f"{arch}.expert_shared_feed_forward_length", config["shared_expert_intermediate_size"]
+            )
     if arch == "gptneox":
         writer.add_bool(f"{arch}.use_parallel_residual", config.get("use_parallel_residual", True))

@@ -167,6 +167,7 @@ def test_parallel_flags_as_vllm_spells_them(tmp_path) -> None:  # type: ignore[n
     ]
     for bad, flag in (
         (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
+        (dict(enable_expert_parallel=True), "--enable-expert-parallel"),
         (dict(tensor_parallel_size=2, nnodes=3, master_port=29501), "--nnodes"),
         (dict(tensor_parallel_size=2, nnodes=2), "--master-port"),
         (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=29501), "--node-rank"),

@@ -42,6 +42,15 @@ BUILDERS: dict[str, tuple[str, Any]] = {
     "gptneox": ("gptneox", lambda: _model("GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.5, num_key_value_heads=4)),
     "stablelm": ("stablelm", lambda: _model(
         "StableLmConfig", "StableLmForCausalLM", use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True)),
+    # mixtures of experts: Mixtral is llama.cpp's llama with experts; qwen2moe with its shared expert and a
+    # dense layer (decoder_sparse_step 2)
+    "mixtral": ("llama", lambda: _model("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2moe": ("qwen2moe", lambda: _model(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=2)),
+    "qwen3moe": ("qwen3moe", lambda: _model(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True)),
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from worker.attention.torch_ref import TorchAttentionBackend
 from worker.host_memory import HUGE_PAGE_BYTES
 from worker.models.layers import Linear, pairs_onto_huge_pages, use_pairs
 
+NO_SINKS = torch.empty(0)
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 EVERY_DTYPE = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # Query-head groups of 3, 1 and 4; head_dim 64, 32 (portable kernel) and 128; blocks of 16, 8 and 32.
@@ -39,7 +40,7 @@ def test_paged_decode_attention_matches_reference(
     check_paged_rows(ops, query, cache, tables, seq_lens)
 
 
-def check_paged_rows(ops, query, cache, tables, seq_lens, window=0, softcap=0.0) -> None:  # type: ignore[no-untyped-def]
+def check_paged_rows(ops, query, cache, tables, seq_lens, window=0, softcap=0.0, sinks=None) -> None:  # type: ignore[no-untyped-def]
     """The kernel's rows (one block table and length each) against the reference, row by row."""
     metadata = AttentionMetadata(
         num_decode_tokens=query.shape[0],
@@ -49,8 +50,12 @@ def check_paged_rows(ops, query, cache, tables, seq_lens, window=0, softcap=0.0)
         decode_seq_lens=seq_lens,
     )
     scale = query.shape[-1] ** -0.5
-    expected = TorchAttentionBackend().decode(query.float(), cache.float(), metadata, scale, window, softcap)
-    actual = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, window, softcap)
+    expected = TorchAttentionBackend().decode(
+        query.float(), cache.float(), metadata, scale, window, softcap, sinks
+    )
+    actual = ops.paged_decode_attention(
+        query, cache, tables, seq_lens, scale, window, softcap, NO_SINKS if sinks is None else sinks
+    )
     assert actual.dtype == query.dtype and actual.shape == query.shape
     tolerance = TOLERANCE[query.dtype]
     torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
@@ -131,9 +136,9 @@ def test_each_kind_of_prefill_tiles_matches_reference(
     )
     check_paged_rows(ops, query, cache, tables, seq_lens)
     scale = head_dim**-0.5
-    tiled = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, 0, 0.0)
+    tiled = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, 0, 0.0, NO_SINKS)
     ops.use_prefill_tiles("none")
-    rows = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, 0, 0.0)
+    rows = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, 0, 0.0, NO_SINKS)
     assert ops.prefill_tiles() == ""
     assert torch.equal(tiled, rows) == (head_dim == 32)
 

@@ -46,3 +46,24 @@ def test_gelu_tanh_and_mul_matches_reference(ops, dtype) -> None:  # type: ignor
     _close(ops.gelu_tanh_and_mul(gate_up), activation("gelu_tanh", gate) * up)
     wide = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * 1536]  # rows strided in a wider tensor
     assert ops.gelu_tanh_and_mul(wide).equal(ops.gelu_tanh_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,window",
+    [(8, 2, 64, 16, 0), (8, 2, 64, 16, 5), (4, 4, 32, 8, 0), (16, 4, 64, 32, 20)],
+)
+def test_attention_sinks_match_reference(
+    ops, dtype, num_heads, num_kv_heads, head_dim, block_size, window
+) -> None:  # type: ignore[no-untyped-def]
+    """gpt-oss's sinks (a logit per head in the softmax's sum, some above every score, some far below), with
+    and without a window, on decode rows and prefill chunks' rows, the register kernel's and the portable
+    one's (fewer rows than tasks)."""
+    from tests.test_kernels import check_paged_rows, prefill_rows
+
+    rows = prefill_rows(num_heads, num_kv_heads, head_dim, block_size, dtype, seed=num_heads + window)
+    sinks = torch.linspace(-6.0, 4.0, num_heads)
+    check_paged_rows(ops, *rows, window=window, sinks=sinks)
+    query, cache, tables, seq_lens = rows
+    few = slice(0, 3)
+    check_paged_rows(ops, query[few], cache, tables[few], seq_lens[few], window=window, sinks=sinks)

@@ -42,6 +42,7 @@ SOURCES = [
         "gemm_rows_cpu.cpp",
         "gemm_amx_cpu.cpp",
         "lora_cpu.cpp",
+        "moe_cpu.cpp",
     )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
@@ -61,6 +62,7 @@ class CpuOps(Protocol):
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor,
     ) -> torch.Tensor: ...
     def prefill_tiles(self) -> str: ...
     def use_prefill_tiles(self, kind: str) -> str: ...
@@ -99,6 +101,21 @@ class CpuOps(Protocol):
         ranks: torch.Tensor,
     ) -> None: ...
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
+    def fused_experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        b13: torch.Tensor,
+        b2: torch.Tensor,
+        activation: int,
+        alpha: float,
+        limit: float,
+        shared: torch.Tensor,
+        shared_gate: torch.Tensor,
+    ) -> torch.Tensor: ...
     def parallel_threads(self) -> int: ...
     def decoder_layers(
         self,

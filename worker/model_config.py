@@ -63,6 +63,25 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # each branch's output times this before its residual add (Granite)
     logits_scale: float = 1.0  # logits times this (Granite's 1 / logits_scaling, Command R's logit_scale)
     final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2); 0: none
+    attention_sinks: bool = False  # a learned logit per head in the softmax's sum, with no value (gpt-oss)
+    # ---- mixture of experts (worker/models/moe.py) ----
+    num_experts: int = 0  # 0: every layer's MLP is dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's
+    moe_router: str = "softmax"  # "softmax" then top k (Mixtral, Qwen); "topk_softmax" (gpt-oss)
+    norm_topk_prob: bool = True  # the top k's weights renormalized to sum to 1
+    router_bias: bool = False
+    expert_bias: bool = False  # biases on the experts' products (gpt-oss)
+    moe_act: str = "silu"  # the experts' gated activation: "silu", "gelu_tanh", "swiglu_clamped" (gpt-oss)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_expert_intermediate_size: int = (
+        0  # a shared expert beside the routed ones, sigmoid-gated (Qwen2-MoE)
+    )
+    dense_layers: list[int] = field(default_factory=list)  # layers of a MoE model whose MLP is dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def kv_window(self) -> int:

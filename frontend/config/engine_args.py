@@ -173,6 +173,11 @@ class EngineArgs:
         "pipeline stages: only 1 (not implemented)",
         aliases=[("-pp", int, "the same as --pipeline-parallel-size")],
     )
+    enable_expert_parallel: bool = option(
+        False,
+        "expert parallelism: not implemented (a mixture-of-experts model runs its experts on one worker)",
+        aliases=[("-ep", True, "the same as --enable-expert-parallel")],
+    )
     data_parallel_size: int = option(
         1,
         "engines, each with its own workers and KV cache, behind the same API servers (routed by load and "
@@ -298,6 +303,11 @@ class EngineArgs:
             raise ConfigError(
                 "--pipeline-parallel-size",
                 "pipeline parallelism is not implemented (only 1); split the model with --tensor-parallel-size",
+            )
+        if self.enable_expert_parallel:
+            raise ConfigError(
+                "--enable-expert-parallel",
+                "expert parallelism is not implemented; a mixture-of-experts model runs its experts on one worker",
             )
         if self.nnodes < 1 or size % self.nnodes:
             raise ConfigError("--nnodes", f"must divide --tensor-parallel-size ({size}), got {self.nnodes}")

@@ -59,6 +59,7 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int = 0,  # > 0: a query at position p sees keys p - window < k <= p (a sliding layer)
         softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap) before the softmax
+        sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's attention sink (gpt-oss)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -78,6 +78,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
         return self.ops.paged_decode_attention(
@@ -88,6 +89,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             scale,
             window,
             softcap,
+            _sinks(sinks),
         )
 
     def paged_rows(
@@ -125,23 +127,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         output: torch.Tensor,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        """A layer with a window or soft-capping: every chunk's rows through the paged kernel (each row
+        """A layer with a window, soft-capping or sinks: every chunk's rows through the paged kernel (each row
         reads its window's keys alone). Otherwise, short chunks: one paged-kernel call, a query row per token (16 fresh prompts of ~100 tokens
         took 198 ms in 480 SDPA calls a step, 97 ms this way). Longer chunks after a cached context
         (prefix-cache hits, later chunks of long prompts), when there are several: batched SDPA calls
         over their KV read back from the cache (the new tokens are already written), one call per group
         instead of one per chunk; when they all begin with the same cached blocks, those keys are
         attended to once for all their rows (cascade, merged by log-sum-exp). The rest: SDPA per chunk."""
-        every_row = bool(window or softcap)
+        every_row = bool(window or softcap) or sinks is not None
         paged, singles, groups = step_plan(
             metadata, kv_cache.shape[2], TILED_PREFILL_PAIRS if every_row else self.paged_pairs
         )
         if paged is not None:
             rows = paged.rows
             out = self.ops.paged_decode_attention(
-                query[rows].contiguous(), kv_cache, paged.tables, paged.seq_lens, scale, window, softcap
-            )
+                query[rows].contiguous(), kv_cache, paged.tables, paged.seq_lens, scale, window, softcap,
+                _sinks(sinks),
+            )  # fmt: skip
             output[rows] = out
         for chunk in singles:
             self.prefill_chunk(query, key, value, kv_cache, chunk, scale, output)
@@ -329,3 +333,11 @@ def _plan_group(chunks: list[PrefillChunk], block_size: int) -> PrefillGroup:
     mask = torch.arange(keys_len)[None, None, :] <= limit[:, :, None]  # [B, n, S]
     valid = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # [B, n]
     return PrefillGroup(tables, keys_len, rows, mask.unsqueeze(1), valid, rows[valid])
+
+
+NO_SINKS = torch.empty(0)
+
+
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor:
+    """What paged_decode_attention takes: the sinks in float32, or an empty tensor for none."""
+    return NO_SINKS if sinks is None else sinks.float()

@@ -106,11 +106,12 @@ class FlashInferBackend:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if scale != self.scale or window or softcap:  # cuda_backend() gives such models the torch backend
+        if scale != self.scale or window or softcap or sinks is not None:  # cuda_backend(): the torch backend
             raise ValueError(
                 f"FlashInfer was planned with softmax scale {self.scale}, no window and no soft-capping; a "
-                f"layer asks scale {scale}, window {window}, soft-cap {softcap}"
+                f"layer asks scale {scale}, window {window}, soft-cap {softcap}, sinks {sinks is not None}"
             )
         kv_cache[metadata.slot_block_ids, 0, metadata.slot_offsets] = key
         kv_cache[metadata.slot_block_ids, 1, metadata.slot_offsets] = value

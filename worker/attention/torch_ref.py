@@ -1,9 +1,9 @@
 """Reference paged attention in plain torch: the oracle every faster backend is tested against.
 
 A layer may ask for a sliding window (`window` > 0: a query at position p sees keys p - window < k <= p,
-as Hugging Face's sliding masks) and for soft-capped scores (`softcap` > 0: s -> softcap * tanh(s /
-softcap) before the softmax, Gemma 2's); soft-capping runs Hugging Face's eager attention, which SDPA
-cannot express.
+as Hugging Face's sliding masks), for soft-capped scores (`softcap` > 0: s -> softcap * tanh(s /
+softcap) before the softmax, Gemma 2's) and for attention sinks (a logit per head in the softmax's sum,
+with no value: gpt-oss's); the last two run Hugging Face's eager attention, which SDPA cannot express.
 """
 
 from __future__ import annotations
@@ -27,15 +27,18 @@ class TorchAttentionBackend:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.write_kv(key, value, kv_cache, metadata)
         num_decode = metadata.num_decode_tokens
         if num_decode == query.shape[0]:  # decode only: no output to assemble
-            return self.decode(query, kv_cache, metadata, scale, window, softcap)
+            return self.decode(query, kv_cache, metadata, scale, window, softcap, sinks)
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         if num_decode:
-            output[:num_decode] = self.decode(query[:num_decode], kv_cache, metadata, scale, window, softcap)
-        self.prefill(query, key, value, kv_cache, metadata, scale, output, window, softcap)
+            output[:num_decode] = self.decode(
+                query[:num_decode], kv_cache, metadata, scale, window, softcap, sinks
+            )
+        self.prefill(query, key, value, kv_cache, metadata, scale, output, window, softcap, sinks)
         return output
 
     def paged_rows(
@@ -59,6 +62,7 @@ class TorchAttentionBackend:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query: [num_decode, num_heads, head_dim], one token per sequence -> same shape."""
         assert metadata.decode_block_tables is not None and metadata.decode_seq_lens is not None
@@ -79,8 +83,8 @@ class TorchAttentionBackend:
             if window:
                 mask &= keys >= seq_lens[:, None] - window
             mask = metadata.scratch[("decode_mask", window)] = mask[:, None, None, :]
-        if softcap:
-            return eager_attention(query.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
+        if softcap or sinks is not None:
+            return eager_attention(query.unsqueeze(2), k, v, mask, scale, softcap, sinks).squeeze(2)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [B, num_heads, 1, head_dim]
@@ -97,11 +101,12 @@ class TorchAttentionBackend:
         output: torch.Tensor,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Each prefill chunk attends to its cached context and, causally, to itself; writes into output."""
         for chunk in metadata.prefills:
-            if window or softcap:
-                self.prefill_chunk_eager(query, kv_cache, chunk, scale, output, window, softcap)
+            if window or softcap or sinks is not None:
+                self.prefill_chunk_eager(query, kv_cache, chunk, scale, output, window, softcap, sinks)
             else:
                 self.prefill_chunk(query, key, value, kv_cache, chunk, scale, output)
 
@@ -143,28 +148,41 @@ class TorchAttentionBackend:
         output: torch.Tensor,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        """A chunk of a layer with a window or soft-capping: Hugging Face's eager attention over the
-        chunk's keys and values read back from the cache (its own written first)."""
+        """A chunk of a layer with a window, soft-capping or sinks: Hugging Face's eager attention over
+        the chunk's keys and values read back from the cache (its own written first)."""
         start, end = chunk.token_start, chunk.token_end
         k, v = (part.transpose(0, 1)[None] for part in chunk_keys_values(kv_cache, chunk))  # [1, kvh, S, d]
         q = query[start:end].transpose(0, 1)[None]  # [1, heads, n, d]
-        out = eager_attention(q, k, v, window_mask(chunk, window)[None, None], scale, softcap)
+        out = eager_attention(q, k, v, window_mask(chunk, window)[None, None], scale, softcap, sinks)
         output[start:end] = out[0].transpose(0, 1)
 
 
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hugging Face's eager attention: q [B, heads, n, d], k/v [B, kv_heads, S, d], mask bool
     broadcastable to [B, heads, n, S] (True: seen) -> [B, heads, n, d]. Scores scaled, soft-capped when
-    softcap > 0, masked, then a float32 softmax cast back to q's dtype before the values."""
+    softcap > 0, masked, then a float32 softmax cast back to q's dtype before the values; sinks
+    [heads]: one more logit per head in the softmax, whose probability is dropped (gpt-oss)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, heads, n, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # [B, heads, n, S + 1], the sink last
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+        return torch.matmul(probs, v)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 

@@ -37,15 +37,16 @@ def cuda_backend(requested: str, config: ModelConfig, dtype: torch.dtype, device
         installed,
         nvcc_found(),
     )
-    if name == "flashinfer" and (config.sliding_window or config.attn_softcap):
+    if name == "flashinfer" and (config.sliding_window or config.attn_softcap or config.attention_sinks):
         # NOTE: our FlashInfer plan serves one kind of layer; a model whose layers differ (Gemma's windows
         # on some of them) needs a plan per kind, not built yet
         if requested == "flashinfer":
             raise DeviceError(
-                "--attention-backend flashinfer: sliding windows and soft-capped scores are not planned yet"
+                "--attention-backend flashinfer: sliding windows, soft-capped scores and attention sinks are not "
+                "planned yet"
             )
         name = "torch"
-        reasons.append("sliding windows and soft-capped scores take the torch backend on CUDA so far")
+        reasons.append("sliding windows, soft-capped scores and sinks take the torch backend on CUDA so far")
     if reasons:
         logger.info("attention on CUDA: %s (%s)", name, "; ".join(reasons))
     if name == "flashinfer":

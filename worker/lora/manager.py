@@ -32,6 +32,10 @@ class LoraManager:
     ) -> None:
         if model_config.is_encoder:
             raise UnsupportedModelError("--enable-lora serves decoders; this model is an encoder")
+        if model_config.num_experts:
+            raise UnsupportedModelError(
+                f"--enable-lora: {model_config.architecture}'s mixture-of-experts layers have no LoRA slots yet"
+            )
         if model_config.mlp != "gated":
             raise UnsupportedModelError(
                 f"--enable-lora: {model_config.architecture}'s plain MLP (no gate) has no LoRA slots yet"

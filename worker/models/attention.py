@@ -4,7 +4,8 @@ the layer's window, scale and soft-capping, and the output product.
 q/k norms (ModelConfig.qk_norm): "head" normalizes each head with one [head_dim] weight (Qwen3, Gemma 3),
 "head_each" with a weight per head (Command R, StableLM), "proj" the whole q and k projections before
 they are split into heads (OLMo 2); all before rotary, as transformers does. A NoPE layer (SmolLM3) skips
-rotary; a sliding layer (ModelConfig.is_sliding) sees its window's keys only.
+rotary; a sliding layer (ModelConfig.is_sliding) sees its window's keys only; attention sinks (gpt-oss) add
+a logit per head to the softmax's sum.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class Attention(nn.Module):
         self.scale = config.query_scale
         self.window = config.sliding_window if config.is_sliding(index) else 0
         self.softcap = config.attn_softcap
+        self.sinks = (
+            nn.Parameter(torch.empty(self.num_heads, dtype=dtype), requires_grad=False)
+            if config.attention_sinks
+            else None
+        )
         self.uses_rope = index not in config.nope_layers
         self.rope_kind = "local" if config.rope_local_theta and config.is_sliding(index) else "global"
         hidden = config.hidden_size
@@ -96,7 +102,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.uses_rope:
             q, k = ropes[self.rope_kind].apply(q, k)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap)
+        if self.sinks is None:
+            out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap)
+        else:
+            out = backend.forward(
+                q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap, self.sinks
+            )
         if out_rows is not None:
             out = out.index_select(0, out_rows)  # [rows, heads, head_dim]
         out = out.reshape(-1, self.q_size)

@@ -21,6 +21,7 @@ from worker.model_config import ModelConfig
 from worker.models.checkpoint import load_checkpoint
 from worker.models.decoder import DecoderLayer
 from worker.models.layers import Embedding, Linear, can_pack, pairs_onto_huge_pages
+from worker.models.moe import Experts
 from worker.models.native import layer_kinds, native_shape, native_stack_serves, native_weights
 from worker.models.norms import OffsetRMSNorm, make_norm
 from worker.models.rope import RotaryEmbedding
@@ -161,6 +162,9 @@ class CausalLM(nn.Module):
                 module.finalize()
         if not pack:
             return
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.pack()
         self.batch_invariant = batch_invariant and self.ops is not None
         if batch_invariant and self.ops is None:
             logger.warning("batch-invariant products need the csrc kernels; this model runs torch's")

@@ -6,6 +6,7 @@ naming it, never a model that runs on uninitialized weights."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -14,6 +15,8 @@ from torch import nn
 from worker.model_config import ModelConfig
 from worker.models.families import BY_NAME
 
+# one expert's product, by our names (a family renames its own onto these)
+EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.")
 # tensors a checkpoint may hold that no family computes with: rotary caches, a VLM's vision side, GPT-NeoX's
 # old mask buffers
@@ -41,10 +44,15 @@ def load_checkpoint(
     """model: a CausalLM of `config`."""
     family = BY_NAME.get(config.family)
     params = dict(model.named_parameters())
+    # rows filled: per row (an expert's rows for [experts, rows, cols] tensors), per element of a vector
     filled = {
-        name: torch.zeros(param.shape[0] if param.dim() else 1, dtype=torch.int32)
+        name: torch.zeros(tuple(param.shape[:2]) if param.dim() == 3 else param.shape[0] if param.dim() else 1,
+                          dtype=torch.int32)
         for name, param in params.items()
-    }
+    }  # fmt: skip
+    moe_inter = config.moe_intermediate_size
+    if family is not None and family.combine is not None:
+        weights = family.combine(weights, config)
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     stacked = {
         "q_proj": ("qkv_proj", 0, q_size),
@@ -61,6 +69,18 @@ def load_checkpoint(
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         name, _, row = name.partition("#")
+        if expert := EXPERT.match(name):  # one expert's product into the stacked [experts, ...] tensor
+            prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
+            target = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in the model")
+            start = moe_inter if part == "up_proj" else 0
+            size = param.shape[1] if part == "down_proj" else moe_inter
+            with torch.no_grad():
+                param[index, start : start + size].copy_(tensor)
+            filled[target][index, start : start + size] += 1
+            continue
         target, rows = name, None
         for part, (merged, start, size) in stacked.items():
             if f".{part}." in name:
@@ -69,6 +89,9 @@ def load_checkpoint(
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in the model")
+        if target.endswith("gate_up_proj.weight") and rows is not None:  # a shared expert's width is its own
+            half = param.shape[0] // 2
+            rows = (0 if ".gate_proj." in name else half, half)
         if family is not None and family.convert is not None:
             tensor = family.convert(target, tensor, config)
         with torch.no_grad():

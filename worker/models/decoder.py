@@ -25,6 +25,7 @@ from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
 from worker.models.attention import Attention
 from worker.models.mlp import MLP
+from worker.models.moe import SparseMoE
 from worker.models.norms import Norm, make_norm
 from worker.models.rope import Rope
 
@@ -65,7 +66,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm: Norm | None = norm() if two_norms else None
         self.post_attn_norm: Norm | None = norm() if config.layout in ("sandwich", "post") else None
         self.post_mlp_norm: Norm | None = norm() if config.layout in ("sandwich", "post") else None
-        self.mlp = MLP(config, dtype, ops, index, tp)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, dtype, ops, index, tp)
+            if config.is_moe_layer(index)
+            else MLP(config, dtype, ops, index, tp)
+        )
 
     def forward(
         self,

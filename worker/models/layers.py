@@ -91,6 +91,9 @@ class Linear(nn.Linear):
     amx = False  # pairs serve every row count on AMX tiles (csrc linear_amx; batch-invariant products)
     pairs_rows = PAIRS_ROWS  # products of up to this many rows take the pairs layout, when there is one
     ops: CpuOps | None = None
+    # a width short of a multiple of 16 may take linear_rows padded (a MoE router's 8 experts); not for the
+    # products of the decoder stack, which reads the width off the packing
+    pad_rows = False
 
     def reset_parameters(self) -> None:
         """Nothing: every weight comes from the checkpoint (`load_weights` checks that none is missing)."""
@@ -113,15 +116,15 @@ class Linear(nn.Linear):
                 return "amx"
             if out_features % 64 == 0 and in_features % 2 == 0:
                 return "pairs"
-        if self.weight.dtype in (torch.float32, torch.bfloat16) and out_features % 16 == 0:
+        if self.weight.dtype in (torch.float32, torch.bfloat16) and (out_features % 16 == 0 or self.pad_rows):
             return "rows"
         return None
 
     @property
     def rows_shape(self) -> tuple[int, int, int]:
-        """linear_rows' layout of this weight: [out / 16, in, 16]."""
+        """linear_rows' layout of this weight: [ceil(out / 16), in, 16]."""
         out_features, in_features = self.weight.shape
-        return (out_features // 16, in_features, 16)
+        return (-(-out_features // 16), in_features, 16)
 
     def pack_invariant(self, ops: CpuOps, slot: torch.Tensor | None = None) -> None:
         """Pack for invariant_kernel(ops), which must not be None; slot: where the rows layout goes (a
@@ -134,8 +137,10 @@ class Linear(nn.Linear):
             assert kind == "rows", "a shape no batch-invariant kernel takes"
             groups, in_features, _ = self.rows_shape
             rows = slot if slot is not None else torch.empty(self.rows_shape, dtype=weight.dtype)
-            # [out, in] -> [out / 16, 16, in] -> [out / 16, in, 16] in one strided pass: pack_rows' layout
-            rows.copy_(weight.view(groups, 16, in_features).transpose(1, 2))
+            if weight.shape[0] % 16:  # padded with zero columns
+                rows.copy_(ops.pack_rows(weight))
+            else:  # [out, in] -> [out / 16, 16, in] -> [out / 16, in, 16] in one strided pass: pack_rows'
+                rows.copy_(weight.view(groups, 16, in_features).transpose(1, 2))
             self.rows = rows
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)

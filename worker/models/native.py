@@ -21,6 +21,7 @@ from torch import nn
 from worker.model_config import ModelConfig
 from worker.models.decoder import DecoderLayer
 from worker.models.layers import Linear
+from worker.models.mlp import MLP
 from worker.models.norms import Norm, OffsetRMSNorm
 
 LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2, "parallel": 3, "parallel_shared": 4}
@@ -30,6 +31,8 @@ QK_NORMS = {"": 0, "head": 1, "proj": 2}
 
 
 def native_stack_serves(config: ModelConfig) -> bool:
+    if config.num_experts:  # the experts run in csrc (fused_experts), the layers around them in Python
+        return False
     if (config.mlp, config.hidden_act) not in MLPS or config.layout not in LAYOUTS:
         return False
     if config.norm in ("rms", "rms_offset"):  # every layout but the parallel ones (no family has both)
@@ -45,6 +48,7 @@ def native_stack_serves(config: ModelConfig) -> bool:
 def native_shape(layer: DecoderLayer, config: ModelConfig) -> list[int]:
     """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows, layout, MLP, q/k norm,
     interleaved rotary (0/1), LayerNorms (0/1)."""
+    assert isinstance(layer.mlp, MLP)  # native_stack_serves no mixture of experts
     attention, down = layer.self_attn, layer.mlp.down_proj
     packed = int(down.packed is not None)
     return [
@@ -78,6 +82,7 @@ def norm_weight(norm: Norm | None) -> torch.Tensor:
 def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     """One layer's weights in csrc/decoder_cpu.cpp's order; an empty tensor for an absent bias or norm."""
     attention, mlp, none = layer.self_attn, layer.mlp, torch.empty(0)
+    assert isinstance(mlp, MLP)  # native_stack_serves no mixture of experts
 
     def weight(linear: Linear) -> torch.Tensor:
         return (linear.packed if linear.packed is not None else linear.weight).detach()

@@ -2,7 +2,10 @@
 
 Column-parallel (split by output rows): q, k, v and gate, up, and the vocabulary of the embedding and the
 lm_head; row-parallel (split by input columns): o and down, each followed by one all-reduce. Norms are
-replicated. When the ranks outnumber the KV heads, each KV head is replicated on size / num_kv_heads
+replicated. Experts are split by width, each rank holding a slice of every expert (and of the shared
+expert) and the whole router: every rank does its share of every routed token's work whatever the routing
+picks, where a split by expert leaves ranks idle when a step's tokens favour a few experts; the layer's sum
+is all-reduced once, as a dense MLP's. When the ranks outnumber the KV heads, each KV head is replicated on size / num_kv_heads
 ranks, as vLLM does; a head count that neither divides nor is divided by the size is refused at start.
 """
 
@@ -45,13 +48,17 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         raise ShardingError(
             f"--tensor-parallel-size {size} does not divide the model's intermediate size {inter}"
         )
+    for what, width in (("experts' width", config.moe_intermediate_size),
+                        ("shared expert's width", config.shared_expert_intermediate_size)):  # fmt: skip
+        if width % size:
+            raise ShardingError(f"--tensor-parallel-size {size} does not divide the model's {what} {width}")
 
 
 def unshardable(config: ModelConfig) -> str:
     """Why a decoder family's layers do not shard yet ("" when they do): a bias after a row-parallel
     product would be added once per rank, a norm over a whole projection needs every rank's sum of squares,
     per-head norm weights and fused checkpoint tensors need slicing of their own."""
-    if config.o_bias or config.mlp_bias:
+    if config.o_bias or config.mlp_bias or config.expert_bias:
         return "has biases on its row-parallel products (o_proj, down_proj)"
     if config.qk_norm == "proj":
         return "normalizes q and k over the whole projection"
@@ -73,6 +80,8 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
         num_heads=config.num_heads // size,
         num_kv_heads=max(1, config.num_kv_heads // size),
         intermediate_size=config.intermediate_size // size,
+        moe_intermediate_size=config.moe_intermediate_size // size,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // size,
     )
 
 
@@ -110,6 +119,14 @@ class Shard:
             if len(part) < rows:  # the last shard's padding: rows no token id reaches
                 part = torch.cat([part, part.new_zeros(rows - len(part), *part.shape[1:])])
             return part
+        if ".experts." in name or ".shared_expert." in name:  # by width, as a dense MLP
+            shared = ".shared_expert." in name
+            width = (
+                self.config.shared_expert_intermediate_size if shared else self.config.moe_intermediate_size
+            )
+            width //= self.size
+            dim = 1 if name.split(".")[-2] in ("down_proj", "w2") else 0  # Mixtral's w1 / w3 / w2
+            return tensor.narrow(dim, self.rank * width, width)
         for key, (dim, start, length) in self.slices.items():
             if f".{key}." in name:
                 # NOTE: o and down carry no bias in these families; one would be added size times

@@ -7,8 +7,10 @@ from worker.models.families.cohere import COHERE
 from worker.models.families.gemma import GEMMA, GEMMA2, GEMMA3
 from worker.models.families.glm import GLM, GLM4
 from worker.models.families.gpt_neox import GPT_NEOX
+from worker.models.families.gpt_oss import GPT_OSS
 from worker.models.families.granite import GRANITE
 from worker.models.families.llama import LLAMA, MISTRAL
+from worker.models.families.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from worker.models.families.olmo import OLMO2, OLMO3
 from worker.models.families.phi3 import PHI3
 from worker.models.families.qwen import QWEN2, QWEN3
@@ -18,7 +20,8 @@ from worker.models.families.starcoder2 import STARCODER2
 
 FAMILIES = (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, GRANITE, OLMO2, OLMO3, SMOLLM3, GLM, GLM4,
-    COHERE, STARCODER2, GPT_NEOX, STABLELM,
+    COHERE, STARCODER2, GPT_NEOX, STABLELM, MIXTRAL, QWEN2_MOE, QWEN3_MOE,
+    GPT_OSS,
 )  # fmt: skip
 BY_ARCHITECTURE = {architecture: family for family in FAMILIES for architecture in family.architectures}
 BY_NAME = {family.name: family for family in FAMILIES}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,9 @@ class Family:
     gguf_names: dict[str, str] = field(default_factory=dict)
     # a checkpoint tensor (by our name) as our layout holds it, when the two differ (GPT-NeoX's fused qkv)
     convert: Callable[[str, Any, ModelConfig], Any] | None = None
+    # the checkpoint's (name, tensor) stream before any of that, where tensors combine (gpt-oss's MXFP4
+    # blocks and scales into one weight)
+    combine: Callable[[Iterable[tuple[str, Any]], ModelConfig], Iterator[tuple[str, Any]]] | None = None
 
     def config(self, hf: HFConfig, eos: list[int], torch_dtype: str) -> ModelConfig:
         common = decoder_config(hf, self.default_rope_theta)

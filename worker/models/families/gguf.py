@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from worker.model_config import ModelConfig, UnsupportedModelError
-from worker.models.families import BY_GGUF
+from worker.models.families import BY_GGUF, BY_NAME
 from worker.models.families.base import embedding_scale
 
 # llama.cpp's per-layer tensor names -> the HF checkpoint's (after "model.layers.N.")
@@ -38,6 +38,15 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # mixtures of experts: the router, every expert's products stacked [experts, out, in], a shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # where an architecture's names differ from the table above
@@ -80,7 +89,12 @@ class Metadata:
 
 def gguf_config(reader: Any) -> ModelConfig:
     meta = Metadata(reader)
-    family = BY_GGUF.get(meta.arch)
+    # Mixtral is llama.cpp's llama with experts
+    family = (
+        BY_NAME["mixtral"]
+        if meta.arch == "llama" and meta.arch_get("expert_count")
+        else BY_GGUF.get(meta.arch)
+    )
     if family is None:
         raise UnsupportedModelError(
             f"unsupported GGUF architecture {meta.arch!r}; supported: {sorted(BY_GGUF)}"
@@ -115,7 +129,30 @@ def gguf_config(reader: Any) -> ModelConfig:
         architecture=meta.arch,
     )
     fields.update(ARCH_OPTIONS.get(meta.arch, _none)(meta, fields))
+    if meta.arch_get("expert_count"):
+        fields.update(_experts(meta, fields))
     return ModelConfig(**fields)
+
+
+def _experts(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts: llama.cpp's metadata, its dense layers those without a router, and top-k
+    weights renormalized as llama.cpp does per architecture (qwen2moe alone does not)."""
+    if meta.arch not in ("llama", "qwen2moe", "qwen3moe"):
+        raise UnsupportedModelError(f"GGUF {meta.arch}: experts are not supported for this architecture")
+    layers = range(fields["num_layers"])
+    shared = int(meta.arch_get("expert_shared_feed_forward_length", 0) or 0)
+    return {
+        "num_experts": int(meta.arch_get("expert_count")),
+        "num_experts_per_tok": int(meta.arch_get("expert_used_count")),
+        "moe_intermediate_size": int(
+            meta.arch_get("expert_feed_forward_length") or fields["intermediate_size"]
+        ),
+        "norm_topk_prob": meta.arch != "qwen2moe",
+        "shared_expert_intermediate_size": shared
+        if any(n.endswith("ffn_up_shexp.weight") for n in meta.tensors)
+        else 0,
+        "dense_layers": [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in meta.tensors],
+    }
 
 
 def _rope_scaling(meta: Metadata, rotary: int) -> dict[str, Any] | None:
@@ -286,6 +323,11 @@ def _as_hf(
     if arch == "gptneox" and ".query_key_value." in name:  # [q | k | v] of all heads -> per head
         heads = config.num_heads
         weights = weights.reshape(3, heads, -1, *weights.shape[1:]).swapaxes(0, 1).reshape(weights.shape)
+    if ".experts." in name:  # [experts, out, in] -> one tensor per expert, as HF checkpoints hold them
+        stem, _, part = name.rpartition(".experts.")
+        for expert, rows in enumerate(weights):
+            yield f"{stem}.experts.{expert}.{part}", torch.from_numpy(np.array(rows, dtype=np.float32))
+        return
     if arch == "stablelm" and name.endswith(("q_norm.weight", "k_norm.weight")):  # stacked -> one per head
         which = "q" if name.endswith("q_norm.weight") else "k"
         for head, row in enumerate(weights.reshape(-1, config.head_dim)):

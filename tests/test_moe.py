@@ -1,0 +1,184 @@
+"""Mixture-of-experts models beyond their token-exactness against HF (tests/test_families.py has that for
+mixtral, qwen2_moe, qwen3_moe and gpt_oss): gpt-oss's MXFP4 experts, batch-invariant greedy with the
+fused experts step, and what is refused by name (LoRA, tensor parallel, another quantization)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from engine_core.engine_core import EngineCore
+from protocol.config import EngineConfig, WorkerConfig
+from protocol.messages import AddRequest
+from protocol.sampling import SamplingParams
+from tests.family_models import VOCAB, build_family
+from tests.hf_oracle import compare_greedy, hf_greedy
+from worker.executor import InprocExecutor
+
+MAX_TOKENS = 10
+
+
+def greedy(
+    folder: str, prompts: list[list[int]], dtype: str, batch: int, **worker: object
+) -> dict[int, list]:
+    """(token, logprob) per step of each prompt, `batch` prompts at a time arriving a step apart."""
+    config = WorkerConfig(model=folder, dtype=dtype, block_size=16, max_model_len=256, **worker)  # type: ignore[arg-type]
+    core = EngineCore(EngineConfig(worker=config, max_num_batched_tokens=48), InprocExecutor(config))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    out: dict[int, list] = {i: [] for i in range(len(prompts))}
+
+    def step() -> None:
+        for _, output in core.step():
+            assert output.new_logprobs is not None
+            row = [values[0] for values in output.new_logprobs.logprobs]
+            out[int(output.request_id)].extend(zip(output.new_token_ids, row, strict=True))
+
+    for start in range(0, len(prompts), batch):
+        for i in range(start, min(start + batch, len(prompts))):
+            core.add_request(AddRequest(request_id=str(i), prompt_token_ids=prompts[i], sampling_params=params,
+                                        arrival_time=i))  # fmt: skip
+            step()
+        while core.has_unfinished_requests():
+            step()
+    assert core.scheduler.kv_cache.pool.num_free_blocks == core.scheduler.config.num_kv_blocks
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_moe_greedy_is_batch_invariant(tmp_path, name: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """Each prompt alone, then all 12 in flight together (their prefills in 48-token steps beside the
+    others' decode rows, so experts are shared by rows of other requests): the same tokens and logprobs,
+    bit for bit."""
+    from worker.csrc_ops import load_cpu_ops
+
+    if load_cpu_ops() is None:
+        pytest.skip("no C++ compiler: batch invariance needs the csrc kernels")
+    build_family(name, str(tmp_path))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 60))] for _ in range(12)]
+    alone = greedy(str(tmp_path), prompts, dtype, batch=1)
+    together = greedy(str(tmp_path), prompts, dtype, batch=12)
+    assert all(len(steps) == MAX_TOKENS for steps in alone.values())
+    assert together == alone
+
+
+def test_mxfp4_dequantization_equals_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from worker.models.mxfp4 import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(110, 140, (3, 40, 4), dtype=torch.uint8, generator=generator)
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [3, 128, 40]
+    assert dequantize_mxfp4(blocks, scales, torch.bfloat16).transpose(1, 2).equal(expected)
+    with pytest.raises(ValueError, match="do not pair"):
+        dequantize_mxfp4(blocks, scales[..., :3], torch.bfloat16)
+
+
+def _mxfp4(tensor: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 blocks and scales with `tensor`'s [E, rows, cols] shape (its values unused)."""
+    experts, rows, cols = tensor.shape
+    blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(121, 126, (experts, rows, cols // 32), dtype=torch.uint8, generator=generator)
+    return blocks, scales
+
+
+def test_gpt_oss_mxfp4_experts_serve_as_their_dequantized_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales (as the released ones): our greedy
+    tokens equal HF's on the same weights dequantized by transformers' own function."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    build_family("gpt_oss", str(tmp_path / "plain"))
+    weights = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    generator = torch.Generator().manual_seed(1)
+    packed, dense = {}, {}
+    for name, tensor in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # stored as [E, out, in / 32, 16]: the checkpoint's [E, in, out] is its dequantized transpose
+            blocks, scales = _mxfp4(tensor.transpose(1, 2), generator)
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            packed[name] = dense[name] = tensor
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    for folder, tensors, extra in (("packed", packed, {"quantization_config": {"quant_method": "mxfp4"}}),
+                                   ("dense", dense, {})):  # fmt: skip
+        (tmp_path / folder).mkdir()
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / folder / "model.safetensors")
+        )
+        (tmp_path / folder / "config.json").write_text(json.dumps({**config, **extra}))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    prompt = [random.Random(4).randrange(VOCAB) for _ in range(30)]
+    ours = greedy(str(tmp_path / "packed"), [prompt], "float32", batch=1)[0]
+    expected = hf_greedy(hf, prompt, MAX_TOKENS, None)
+    assert [token for token, _ in ours] == expected.token_ids
+
+
+BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("architecture", "fields", "named"),
+    [
+        ("Qwen2MoeForCausalLM", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ("Qwen3MoeForCausalLM", {"num_experts": 0}, "num_experts"),
+        ("GptOssForCausalLM", {"quantization_config": {"quant_method": "gptq"}}, "gptq"),
+        ("DeepseekV3ForCausalLM", {}, "unsupported architecture"),
+    ],
+)
+def test_an_moe_config_we_do_not_run_is_refused_by_name(tmp_path, architecture, fields, named) -> None:  # type: ignore[no-untyped-def]
+    from worker.config_files import load_model_config
+    from worker.model_config import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture], **BASE, **fields}))
+    with pytest.raises(UnsupportedModelError, match=named):
+        load_model_config(str(tmp_path))
+
+
+def test_lora_and_what_tensor_parallel_does_not_shard_are_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from protocol.lora import LoraConfig
+    from worker.config_files import load_model_config
+    from worker.lora.manager import LoraManager
+    from worker.model_config import UnsupportedModelError
+    from worker.parallel.sharding import ShardingError, check_shardable
+
+    build_family("qwen3_moe", str(tmp_path / "qwen3_moe"))
+    config = load_model_config(str(tmp_path / "qwen3_moe"))
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        LoraManager(LoraConfig(max_loras=1, max_lora_rank=8), config, torch.float32)
+    check_shardable(config, 2)  # experts 32 wide: TP=2 shards them
+    with pytest.raises(ShardingError, match="experts' width 33"):
+        check_shardable(dataclasses.replace(config, moe_intermediate_size=33), 2)
+    build_family("gpt_oss", str(tmp_path / "gpt_oss"))
+    with pytest.raises(ShardingError, match="biases on its row-parallel products"):
+        check_shardable(load_model_config(str(tmp_path / "gpt_oss")), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_experts_shard_by_width_and_equal_tp1_and_hf(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
+    """TP=2 through the offline API (two gloo ranks): each rank a half of every expert's width (and of
+    Qwen2-MoE's shared expert), the router whole; the tokens of TP=1 and of HF."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_tensor_parallel import greedy as llm_greedy
+
+    build_family(name, str(tmp_path))
+    rng = random.Random(8)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 40))] for _ in range(4)]
+    sharded = llm_greedy(str(tmp_path), 2, prompts, max_num_batched_tokens=16, max_model_len=256)
+    assert sharded == llm_greedy(str(tmp_path), 1, prompts, max_num_batched_tokens=16, max_model_len=256)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for prompt, ours in zip(prompts, sharded, strict=True):
+        compare_greedy(ours, hf_greedy(hf, prompt, len(ours), None))

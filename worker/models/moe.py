@@ -1,0 +1,175 @@
+"""A mixture-of-experts MLP: a router scores the experts for each token, its top k run, and their outputs,
+weighted, are summed (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss); a shared expert, gated by a sigmoid, may
+run on every token beside them (Qwen2-MoE).
+
+Routers (ModelConfig.moe_router): "softmax" takes the top k of the softmax over all experts (in float32),
+renormalized to sum to 1 where norm_topk_prob (Mixtral always; Qwen by its config); "topk_softmax" takes
+the top k logits and softmaxes those (gpt-oss, whose router has a bias).
+
+The experts run in one csrc call (csrc/moe_cpu.cpp fused_experts: each expert present takes its rows in
+one product, and each row's experts are summed in ascending expert id, the order transformers' loop adds
+them); `Experts.reference` is that loop in torch, the path without the kernels and the kernel's oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model_config import ModelConfig
+from worker.models.layers import Linear
+from worker.models.mlp import MLP, activation
+
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+    from worker.lora.slots import LoraBatch
+    from worker.parallel.group import TensorParallelGroup
+
+ROUTERS = ("softmax", "topk_softmax")
+# the experts' gated activations, by fused_experts' number: "swiglu_clamped" is gpt-oss's
+EXPERT_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_clamped": 2}
+NO_BIAS = torch.empty(0)
+
+
+class Experts(nn.Module):
+    """Every expert's gated MLP: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], optional
+    biases [E, 2I] and [E, H]; packed once for fused_experts by pack()."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None) -> None:
+        super().__init__()
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.act = config.moe_act
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), False)
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), False)
+        self.gate_up_proj_bias = (
+            nn.Parameter(torch.empty(experts, 2 * inter, dtype=dtype), False) if config.expert_bias else None
+        )
+        self.down_proj_bias = (
+            nn.Parameter(torch.empty(experts, hidden, dtype=dtype), False) if config.expert_bias else None
+        )
+        self.ops = ops
+        self.w13: torch.Tensor | None = None  # packed for fused_experts
+        self.w2: torch.Tensor | None = None
+
+    def pack(self, pairs: bool = True) -> None:
+        """Pack every expert's two products for fused_experts: pack_pairs' layout for bf16 where the kernels
+        have AVX-512 BF16 and the shapes allow (and `pairs`), else pack_rows' (float32, or bf16 elsewhere)."""
+        ops = self.ops
+        if ops is None or self.gate_up_proj.dtype not in (torch.float32, torch.bfloat16):
+            return
+        gate_up, down = self.gate_up_proj.detach(), self.down_proj.detach()
+        (_, inter2, hidden), inter = gate_up.shape, down.shape[2]
+        pairs = (
+            pairs
+            and gate_up.dtype == torch.bfloat16
+            and ops.pairs_available()
+            and inter2 % 64 == 0
+            and hidden % 64 == 0
+            and inter % 2 == 0
+        )
+        pack = ops.pack_pairs if pairs else ops.pack_rows
+        self.w13 = torch.stack([pack(w) for w in gate_up])
+        self.w2 = torch.stack([pack(w) for w in down])
+        empty = torch.empty(0, dtype=gate_up.dtype)
+        self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
+        self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, H]; ids [T, K] int64, each row's experts; weights [T, K] float32 -> [T, H]. shared: a
+        shared expert's output [T, H], added times sigmoid(shared_gate [T, 1]) (or 1 without a gate)."""
+        if self.w13 is None:
+            out = self.reference(x, ids, weights)
+            if shared is not None:
+                out = out + (torch.sigmoid(shared_gate) * shared if shared_gate is not None else shared)
+            return out
+        assert self.ops is not None and self.w2 is not None
+        b13 = self.gate_up_proj_bias if self.gate_up_proj_bias is not None else NO_BIAS
+        b2 = self.down_proj_bias if self.down_proj_bias is not None else NO_BIAS
+        return self.ops.fused_experts(
+            x, ids, weights, self.w13, self.w2, b13, b2, EXPERT_ACTIVATIONS[self.act], self.alpha, self.limit,
+            NO_BIAS if shared is None else shared,
+            NO_BIAS if shared_gate is None else shared_gate.float().view(-1),
+        )  # fmt: skip
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """transformers' loop: each expert hit, in ascending id, adds its weighted rows into a zero sum."""
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for expert in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == expert)
+            gate_up = F.linear(x[rows], self.gate_up_proj[expert], self._bias(self.gate_up_proj_bias, expert))
+            gate, up = gate_up.chunk(2, dim=-1)
+            if self.act == "swiglu_clamped":
+                gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+                hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            else:
+                hidden = activation(self.act, gate) * up
+            y = F.linear(hidden, self.down_proj[expert], self._bias(self.down_proj_bias, expert))
+            out.index_add_(0, rows, y.float() * weights[rows, slot, None])
+        return out.to(x.dtype)
+
+    @staticmethod
+    def _bias(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+        return bias[expert] if bias is not None else None
+
+
+class SparseMoE(nn.Module):
+    """The MLP of a mixture-of-experts layer: router (`gate`, as checkpoints name it), experts, and the
+    optional shared expert with its sigmoid gate."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: CpuOps | None,
+        index: int = 0,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp  # config holds this rank's slice of every expert's width; the sum is all-reduced
+        if config.moe_router not in ROUTERS:
+            raise ValueError(f"unknown router {config.moe_router!r}; known: {', '.join(ROUTERS)}")
+        self.top_k, self.router = config.num_experts_per_tok, config.moe_router
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=config.router_bias, dtype=dtype)
+        self.gate.pad_rows = True
+        self.experts = Experts(config, dtype, ops)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if config.shared_expert_intermediate_size:
+            shared = dataclasses.replace(config, intermediate_size=config.shared_expert_intermediate_size)
+            self.shared_expert = MLP(shared, dtype, ops, index)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False, dtype=dtype)
+            self.shared_expert_gate.pad_rows = True
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (ids [T, K] int64, weights [T, K] float32)."""
+        logits = self.gate(x)  # [T, E]
+        if self.router == "topk_softmax":
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return ids, F.softmax(top.float(), dim=-1)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        ids, weights = self.route(x)
+        if self.shared_expert is None:
+            out = self.experts(x, ids, weights)
+        else:
+            assert self.shared_expert_gate is not None
+            out = self.experts(x, ids, weights, self.shared_expert(x), self.shared_expert_gate(x))
+        return out if self.tp is None else self.tp.all_reduce(out)
