@@ -32,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_amx", &linear_amx, "x W^T (+ bias) on AMX tiles, the same bits at any row count (CPU)");
   m.def("pack_rows", &pack_rows, "A float32 or bf16 [N, K] weight in linear_rows' layout");
   m.def("linear_rows", &linear_rows, "x W^T (+ bias) with each row's sums in one fixed order (CPU)");
+  m.def("route_experts", &route_experts, "A mixture-of-experts router's experts and weights per row (CPU)");
   m.def("fused_experts", &fused_experts, "A mixture-of-experts layer's experts, grouped by expert (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "Residual add then RMSNorm, in place (CPU)");

@@ -11,9 +11,12 @@
 // x:          [T, hidden]  the embedded tokens; becomes the residual stream (modified in place)
 // layers:     per layer [input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, q_norm, k_norm, qkv_pairs,
 //             o_pairs, gate_up_pairs, down_pairs, post_attn_norm, post_mlp_norm, o_bias, gate_up_bias,
-//             down_bias, input_norm_bias, post_norm_bias] (a plain MLP's up product in gate_up's slots); an
-//             empty tensor is an
-//             absent bias, norm or packing. A norm's weight of float32 under a bf16 x is Gemma's 1 + w
+//             down_bias, input_norm_bias, post_norm_bias, then a mixture of experts' router, router_bias,
+//             router_packing, w13, w2, b13, b2, shared_gate, shared_gate_packing, score_bias, moe_ints
+//             [kind, top_k, renormalize, groups, top_groups, activation], moe_floats [scaling, alpha, limit],
+//             then sinks] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
+//             the MLP's, its routing as route_experts and its experts as fused_experts take them); an empty
+//             tensor is an absent bias, norm, packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under a bf16 x is Gemma's 1 + w
 //             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
 //             count takes it; out features a multiple of 16), a 5-d one linear_amx's (batch-invariant too:
 //             pack_pairs' viewed [N / 64, K / 32, 16, 64, 2]). Products of at most config.pairs_rows rows
@@ -52,7 +55,8 @@ namespace {
 enum Weight {
   kInputNorm, kQkv, kQkvBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm,
   kQkvPairs, kOPairs, kGateUpPairs, kDownPairs, kPostAttnNorm, kPostMlpNorm, kOBias, kGateUpBias,
-  kDownBias, kInputNormBias, kPostNormBias, kNumWeights
+  kDownBias, kInputNormBias, kPostNormBias, kRouter, kRouterBias, kRouterPacking, kW13, kW2, kB13, kB2,
+  kSharedGate, kSharedGatePacking, kScoreBias, kMoeInts, kMoeFloats, kSinks, kNumWeights
 };
 enum Layout { kPre, kSandwich, kPost, kParallel, kParallelShared };
 enum Activation { kSiluGated, kGeluTanhGated, kGeluGated, kGeluTanhPlain, kGeluPlain };
@@ -216,7 +220,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
     }
     const at::Tensor attention =
-        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, window, softcap, torch::Tensor());
+        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, window, softcap, w[kSinks]);
     const at::Tensor attended = attention.view({rows, q_size});  // [rows, heads * d]
     hidden = linear(attended, w[kO], w[kOBias], w[kOPairs]);
     lora.add(1, attended, hidden, lora_rows);
@@ -235,21 +239,45 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       add_and_norm(hidden, residual, w[kPostNorm], w[kPostNormBias]);
       h = hidden;
     }
-    at::Tensor gate_up = linear(h, w[kGateUp], w[kGateUpBias], w[kGateUpPairs]);
-    lora.add(2, h, gate_up, lora_rows);
-    at::Tensor activated;
-    if (activation == kSiluGated) {
-      activated = silu_and_mul(gate_up);
-    } else if (activation == kGeluTanhGated) {
-      activated = gelu_tanh_and_mul(gate_up);
-    } else if (activation == kGeluGated) {
-      const int64_t inter = gate_up.size(1) / 2;
-      activated = gelu(gate_up.narrow(1, 0, inter), false).mul(gate_up.narrow(1, inter, inter));
+    // the dense MLP, or a mixture of experts' shared expert (LoRA: dense models only)
+    const auto mlp = [&](const at::Tensor& in) {
+      at::Tensor gate_up = linear(in, w[kGateUp], w[kGateUpBias], w[kGateUpPairs]);
+      lora.add(2, in, gate_up, lora_rows);
+      at::Tensor activated;
+      if (activation == kSiluGated) {
+        activated = silu_and_mul(gate_up);
+      } else if (activation == kGeluTanhGated) {
+        activated = gelu_tanh_and_mul(gate_up);
+      } else if (activation == kGeluGated) {
+        const int64_t inter = gate_up.size(1) / 2;
+        activated = gelu(gate_up.narrow(1, 0, inter), false).mul(gate_up.narrow(1, inter, inter));
+      } else {
+        activated = gelu(gate_up, activation == kGeluTanhPlain);
+      }
+      at::Tensor out = linear(activated, w[kDown], w[kDownBias], w[kDownPairs]);
+      lora.add(3, activated, out, lora_rows);
+      return out;
+    };
+    if (w[kW13].numel()) {  // a mixture of experts (worker/models/moe.py SparseMoE)
+      const int64_t* moe = w[kMoeInts].data_ptr<int64_t>();
+      const double* numbers = w[kMoeFloats].data_ptr<double>();
+      const int64_t experts = w[kW13].size(0);
+      const at::Tensor logits =  // a router packed for linear_rows is padded to 16 columns: asked for its own
+          w[kRouterPacking].dim() == 3 ? linear_rows(h, w[kRouterPacking], w[kRouterBias], experts)
+                                       : linear(h, w[kRouter], w[kRouterBias], w[kRouterPacking]);
+      const auto routed = route_experts(logits, moe[0], moe[1], moe[2] != 0, numbers[0], w[kScoreBias], moe[3], moe[4]);
+      at::Tensor shared, shared_gate;
+      if (w[kDown].numel() || w[kDownPairs].numel()) {
+        shared = mlp(h);
+        if (w[kSharedGate].numel() || w[kSharedGatePacking].numel())
+          shared_gate = linear(h, w[kSharedGate], w[kScoreBias].new_empty({0}), w[kSharedGatePacking]).narrow(1, 0, 1).to(at::kFloat)
+                            .reshape({-1});
+      }
+      hidden = fused_experts(h, routed[0], routed[1], w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1], numbers[2],
+                             shared.defined() ? shared : at::Tensor(), shared_gate.defined() ? shared_gate : at::Tensor());
     } else {
-      activated = gelu(gate_up, activation == kGeluTanhPlain);
+      hidden = mlp(h);
     }
-    hidden = linear(activated, w[kDown], w[kDownBias], w[kDownPairs]);
-    lora.add(3, activated, hidden, lora_rows);
     if (w[kPostMlpNorm].numel()) hidden = rms_norm(hidden, w[kPostMlpNorm], eps);
     hidden = scaled(hidden);
     if (layout == kParallel) hidden = at::add(hidden, attended_out);  // (mlp + attn), x the residual

@@ -29,6 +29,10 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor bi
 torch::Tensor pack_rows(torch::Tensor weight);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t out_features);
 
+// A mixture-of-experts router's choice per row (csrc/route_cpu.cpp): (ids [T, K] int64, weights [T, K] float32).
+std::vector<torch::Tensor> route_experts(torch::Tensor logits, int64_t kind, int64_t top_k, bool renormalize,
+                                         double scaling, torch::Tensor score_bias, int64_t groups,
+                                         int64_t top_groups);
 // A mixture-of-experts layer's experts in one call (csrc/moe_cpu.cpp): grouped by expert, weighted sum back.
 torch::Tensor fused_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13,
                             torch::Tensor w2, torch::Tensor b13, torch::Tensor b2, int64_t activation, double alpha,

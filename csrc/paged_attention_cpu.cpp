@@ -2,7 +2,10 @@
 // Reference: worker/attention/torch_ref.py (decode).
 //
 // query:        [num_rows, num_heads, head_dim]                       (contiguous)
-// kv_cache:     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (contiguous; 0 = key, 1 = value)
+// kv_cache:     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (contiguous; 0 = key, 1 = value), or
+//               [num_blocks, 1, block_size, 1, head_dim]: multi-head latent attention's cache, whose one
+//               row a token is its key and its value both (the caller keeps the value dims it needs;
+//               worker/models/mla.py). That one takes the portable kernel.
 // block_tables: [num_rows, max_blocks] int64
 // seq_lens:     [num_rows] int64, the row's position + 1: keys 0..seq_lens - 1 are its own and earlier
 // window:       > 0: a row sees only its last `window` keys (a sliding-window layer: keys p - window < k <= p,
@@ -72,6 +75,7 @@ struct Shape {
   int64_t window = 0;   // keys a row sees at most (0: all)
   float softcap = 0.f;  // score soft-capping (0: none)
   const float* sinks = nullptr;  // [num_heads] attention sinks (null: none)
+  int64_t halves = 2;  // 2: key and value halves; 1: the key row is the value row (latent attention)
   const float* sink(int64_t head) const { return sinks != nullptr ? sinks + head : nullptr; }
   int64_t first_key(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
@@ -95,17 +99,17 @@ template <typename scalar_t, int HEAD_DIM>
 static void decode_attention_impl(const scalar_t* query, const scalar_t* cache, const int64_t* tables,
                                   const int64_t* seq_lens, scalar_t* out, Shape shape, float scale) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : shape.head_dim;
-  TORCH_CHECK(head_dim <= 512, "head_dim above 512 is not supported");
+  TORCH_CHECK(head_dim <= 1024, "head_dim above 1024 is not supported");
   const int64_t group = shape.num_heads / shape.num_kv_heads;
   const int64_t kv_heads = shape.heads_per_task;           // kv heads handled by one task
   const int64_t num_q = kv_heads * group;                   // query heads handled by one task
   const int64_t tasks_per_seq = shape.num_kv_heads / kv_heads;
   const int64_t token_stride = shape.num_kv_heads * head_dim;
-  const int64_t half_stride = shape.block_size * token_stride;
-  const int64_t block_stride = 2 * half_stride;
+  const int64_t half_stride = shape.halves == 2 ? shape.block_size * token_stride : 0;  // key -> value
+  const int64_t block_stride = shape.halves * shape.block_size * token_stride;
   at::parallel_for(0, shape.num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(num_q * head_dim), acc(num_q * head_dim), scores;
-    alignas(64) float row_f[HEAD_DIM > 0 ? HEAD_DIM : 512];
+    alignas(64) float row_f[HEAD_DIM > 0 ? HEAD_DIM : 1024];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / tasks_per_seq, first_kv = (task % tasks_per_seq) * kv_heads;
       const int64_t first = shape.first_key(seq_lens[seq]);  // the window's first key
@@ -792,8 +796,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(query);
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
+  TORCH_CHECK(kv_cache.size(1) == 2 || (kv_cache.size(1) == 1 && kv_cache.size(3) == 1),
+              "kv_cache: [blocks, 2, block_size, kv_heads, head_dim] or a latent [blocks, 1, block_size, 1, width]");
   Shape shape{query.size(0), query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), tables.size(1), 0,
               window, static_cast<float>(softcap)};
+  shape.halves = kv_cache.size(1);
   TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0 && kv_cache.size(4) == shape.head_dim, "shape mismatch");
   const bool has_sinks = sinks.defined() && sinks.numel() > 0;
   TORCH_CHECK(!has_sinks || (sinks.scalar_type() == at::kFloat && sinks.numel() == shape.num_heads),
@@ -810,7 +817,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
 #if defined(__AVX512F__)
     const int64_t group = shape.num_heads / shape.num_kv_heads;
     const auto avx = avx512::pick<scalar_t>(shape.head_dim, group);
-    if (avx.decode != nullptr) {
+    if (avx.decode != nullptr && shape.halves == 2) {
       // Rows of prefill chunks (runs of rows that share a table, lengths growing by one): as tiles.
       // NOTE: a window, soft-capping or sinks take the rows' path (the tiles read every key from the first)
       const auto tiled = window || softcap || has_sinks ? nullptr : avx.tiled[static_cast<int>(current_tiles())];

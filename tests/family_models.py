@@ -209,6 +209,54 @@ BUILDERS: dict[str, Callable[[], Any]] = {
             "rope_theta": 1.5e5,
         },
     ),  # fmt: skip
+    # multi-head latent attention and grouped routing; V3 with a compressed q, YaRN with mscale_all_dim
+    "deepseek_v2": lambda: _model(
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5,
+        kv_lora_rank=24,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        num_key_value_heads=4,
+    ),  # fmt: skip
+    "deepseek_v3": lambda: _model(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=24,
+        q_lora_rank=20,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        num_key_value_heads=4,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "rope_theta": 1e4,
+        },
+    ),  # fmt: skip
 }
 
 

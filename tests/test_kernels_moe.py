@@ -106,3 +106,32 @@ def test_a_shared_expert_is_added_as_transformers_adds_it(ops, dtype, gated) -> 
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert not actual.equal(fused(x, ids, weights)), "the shared expert changes the output"
+
+
+@pytest.mark.parametrize("router", ["softmax", "topk_softmax", "softmax_grouped", "sigmoid_grouped"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_experts_matches_the_torch_routers(ops, router: str, renormalize: bool) -> None:  # type: ignore[no-untyped-def]
+    """csrc route_experts against SparseMoE.route_reference (transformers' routers): the same experts for
+    each row and their weights; and a row's choice the same alone as among the others."""
+    from worker.models.moe import SparseMoE
+
+    config = dataclasses.replace(BASE, num_experts=16, num_experts_per_tok=4, moe_router=router,
+                                 norm_topk_prob=renormalize, n_group=4, topk_group=2,
+                                 routed_scaling_factor=1.5)  # fmt: skip
+    moe = SparseMoE(config, torch.float32, ops)
+    generator = torch.Generator().manual_seed(11)
+    if moe.score_bias is not None:
+        moe.score_bias.data.copy_(0.1 * torch.randn(16, generator=generator))
+    logits = 2 * torch.randn(23, 16, generator=generator)
+    expected_ids, expected_weights = moe.route_reference(logits)
+    bias = moe.score_bias if moe.score_bias is not None else torch.empty(0)
+    kind = ["softmax", "topk_softmax", "softmax_grouped", "sigmoid_grouped"].index(router)
+    ids, weights = ops.route_experts(logits, kind, 4, renormalize, 1.5, bias, 4, 2)
+    order, expected_order = ids.argsort(dim=-1), expected_ids.argsort(dim=-1)
+    assert ids.gather(1, order).equal(expected_ids.gather(1, expected_order))
+    torch.testing.assert_close(
+        weights.gather(1, order), expected_weights.gather(1, expected_order), atol=1e-6, rtol=1e-5
+    )
+    for row in (0, 7, 22):
+        alone = ops.route_experts(logits[row : row + 1], kind, 4, renormalize, 1.5, bias, 4, 2)
+        assert alone[0].equal(ids[row : row + 1]) and alone[1].equal(weights[row : row + 1])

@@ -48,7 +48,7 @@ def greedy(
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_moe_greedy_is_batch_invariant(tmp_path, name: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
     """Each prompt alone, then all 12 in flight together (their prefills in 48-token steps beside the
@@ -126,6 +126,7 @@ def test_gpt_oss_mxfp4_experts_serve_as_their_dequantized_weights(tmp_path) -> N
 BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16}  # fmt: skip
+MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}
 
 
 @pytest.mark.parametrize(
@@ -134,7 +135,10 @@ BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidde
         ("Qwen2MoeForCausalLM", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
         ("Qwen3MoeForCausalLM", {"num_experts": 0}, "num_experts"),
         ("GptOssForCausalLM", {"quantization_config": {"quant_method": "gptq"}}, "gptq"),
-        ("DeepseekV3ForCausalLM", {}, "unsupported architecture"),
+        ("DeepseekV3ForCausalLM", {}, "kv_lora_rank"),
+        ("DeepseekV2ForCausalLM", {**MLA, "topk_method": "noaux_tc"}, "topk_method"),
+        ("DeepseekV2ForCausalLM", {**MLA, "norm_topk_prob": True}, "norm_topk_prob"),
+        ("DeepseekV2ForCausalLM", {**MLA, "moe_layer_freq": 2}, "moe_layer_freq"),
     ],
 )
 def test_an_moe_config_we_do_not_run_is_refused_by_name(tmp_path, architecture, fields, named) -> None:  # type: ignore[no-untyped-def]
@@ -160,6 +164,9 @@ def test_lora_and_what_tensor_parallel_does_not_shard_are_refused_by_name(tmp_pa
     check_shardable(config, 2)  # experts 32 wide: TP=2 shards them
     with pytest.raises(ShardingError, match="experts' width 33"):
         check_shardable(dataclasses.replace(config, moe_intermediate_size=33), 2)
+    build_family("deepseek_v2", str(tmp_path / "deepseek_v2"))
+    with pytest.raises(ShardingError, match="multi-head latent attention"):
+        check_shardable(load_model_config(str(tmp_path / "deepseek_v2")), 2)
     build_family("gpt_oss", str(tmp_path / "gpt_oss"))
     with pytest.raises(ShardingError, match="biases on its row-parallel products"):
         check_shardable(load_model_config(str(tmp_path / "gpt_oss")), 2)
@@ -182,3 +189,18 @@ def test_experts_shard_by_width_and_equal_tp1_and_hf(tmp_path, name: str) -> Non
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     for prompt, ours in zip(prompts, sharded, strict=True):
         compare_greedy(ours, hf_greedy(hf, prompt, len(ours), None))
+
+
+def test_the_latent_pool_holds_a_row_a_token(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek's pool: one latent row (kv_lora_rank + qk_rope_head_dim = 32) a token and layer, no value
+    half: the same bytes hold 4 heads x 24 x 2 / 32 = 6 times the tokens a grouped-query cache of its
+    heads would."""
+    build_family("deepseek_v3", str(tmp_path))
+    budget = 1 << 20
+    config = WorkerConfig(model=str(tmp_path), dtype="float32", block_size=16, kv_cache_memory_bytes=budget)
+    runner = InprocExecutor(config).runner  # type: ignore[attr-defined]
+    assert all(tuple(cache.shape[1:]) == (1, 16, 1, 32) for cache in runner.kv_caches)
+    layers = len(runner.kv_caches)
+    assert runner.num_kv_blocks == budget // (16 * 32 * 4 * layers)
+    grouped = budget // (2 * 16 * 4 * 24 * 4 * layers)  # keys and values of its 4 heads of 24
+    assert runner.num_kv_blocks >= 6 * grouped

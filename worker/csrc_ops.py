@@ -43,6 +43,7 @@ SOURCES = [
         "gemm_amx_cpu.cpp",
         "lora_cpu.cpp",
         "moe_cpu.cpp",
+        "route_cpu.cpp",
     )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
@@ -101,6 +102,17 @@ class CpuOps(Protocol):
         ranks: torch.Tensor,
     ) -> None: ...
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
+    def route_experts(
+        self,
+        logits: torch.Tensor,
+        kind: int,
+        top_k: int,
+        renormalize: bool,
+        scaling: float,
+        score_bias: torch.Tensor,
+        groups: int,
+        top_groups: int,
+    ) -> list[torch.Tensor]: ...
     def fused_experts(
         self,
         x: torch.Tensor,

@@ -75,10 +75,29 @@ class ModelConfig:
     moe_act: str = "silu"  # the experts' gated activation: "silu", "gelu_tanh", "swiglu_clamped" (gpt-oss)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    shared_expert_intermediate_size: int = (
-        0  # a shared expert beside the routed ones, sigmoid-gated (Qwen2-MoE)
-    )
+    # a shared expert beside the routed ones (Qwen2-MoE, DeepSeek); gated: times sigmoid(a learned gate)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     dense_layers: list[int] = field(default_factory=list)  # layers of a MoE model whose MLP is dense
+    # DeepSeek's routers: experts in n_group groups, the top topk_group groups' experts eligible; the chosen
+    # weights times routed_scaling_factor; "sigmoid_grouped" adds a learned bias to the scores it chooses by
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # ---- multi-head latent attention (DeepSeek-V2/V3; worker/models/mla.py) ----
+    kv_lora_rank: int = 0  # > 0: MLA, the cache holds a latent row a token (kv_entry)
+    q_lora_rank: int = 0  # 0: one q_proj
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def kv_entry(self) -> tuple[int, int, int]:
+        """A layer's cache per token: (halves, heads, width). Keys and values of the KV heads, or MLA's one
+        latent row (no value half: the values are the latents' leading kv_lora_rank dims)."""
+        if self.kv_lora_rank:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers

@@ -181,10 +181,9 @@ class ModelRunner:
             shapes: list[tuple[int, ...]] = [
                 (
                     self.pools.blocks_of(mc, i) + bool(graph_sizes),
-                    2,
+                    mc.kv_entry[0],
                     self.block_size,
-                    mc.num_kv_heads,
-                    mc.head_dim,
+                    *mc.kv_entry[1:],
                 )
                 for i in range(mc.num_layers)
             ]
@@ -265,9 +264,8 @@ class ModelRunner:
 
     def _num_blocks_for(self, num_bytes: int) -> int:
         mc = self.model_config
-        bytes_per_block = (
-            2 * self.block_size * mc.num_kv_heads * mc.head_dim * mc.num_layers * self.dtype.itemsize
-        )
+        halves, heads, width = mc.kv_entry
+        bytes_per_block = halves * self.block_size * heads * width * mc.num_layers * self.dtype.itemsize
         return max(num_bytes // bytes_per_block, 1)
 
     def model_info(self) -> ModelInfo:

@@ -28,6 +28,8 @@ DEFAULT_UTILIZATION = 0.9
 def cuda_backend(requested: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  block_size: int) -> AttentionBackend:  # fmt: skip
     """FlashInfer, else xformers, else torch's SDPA over the same cache; a log line says why not the first."""
+    if config.kv_lora_rank:
+        raise DeviceError("multi-head latent attention (DeepSeek-V2/V3) runs on the CPU worker only so far")
     installed = {name for name in ("flashinfer", "xformers") if importlib.util.find_spec(name) is not None}
     dtype_name = str(dtype).removeprefix("torch.")
     name, reasons = choose_cuda_backend(

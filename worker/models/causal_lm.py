@@ -21,6 +21,7 @@ from worker.model_config import ModelConfig
 from worker.models.checkpoint import load_checkpoint
 from worker.models.decoder import DecoderLayer
 from worker.models.layers import Embedding, Linear, can_pack, pairs_onto_huge_pages
+from worker.models.mla import LatentAttention
 from worker.models.moe import Experts
 from worker.models.native import layer_kinds, native_shape, native_stack_serves, native_weights
 from worker.models.norms import OffsetRMSNorm, make_norm
@@ -69,7 +70,7 @@ class CausalLM(nn.Module):
         """The rotary tables: "global" (every rotating layer, or the full ones) and, when the family gives
         its sliding layers a base of their own, "local"."""
         config = self.config
-        rotary_dim = config.rotary_dim or config.head_dim
+        rotary_dim = config.qk_rope_head_dim or config.rotary_dim or config.head_dim  # MLA: its rope part
         bases = {"global": (config.rope_theta, config.rope_scaling)}
         if config.rope_local_theta:
             bases["local"] = (config.rope_local_theta, None)
@@ -158,7 +159,7 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         for module in self.modules():
-            if isinstance(module, OffsetRMSNorm):
+            if isinstance(module, (OffsetRMSNorm, LatentAttention)):
                 module.finalize()
         if not pack:
             return

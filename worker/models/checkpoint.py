@@ -83,7 +83,7 @@ def load_checkpoint(
             continue
         target, rows = name, None
         for part, (merged, start, size) in stacked.items():
-            if f".{part}." in name:
+            if f".{part}." in name and name not in params:  # (MLA's q_proj is a product of its own)
                 target, rows = name.replace(part, merged), (start, size)
                 break
         param = params.get(target)

@@ -24,6 +24,7 @@ from torch import nn
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
 from worker.models.attention import Attention
+from worker.models.mla import LatentAttention
 from worker.models.mlp import MLP
 from worker.models.moe import SparseMoE
 from worker.models.norms import Norm, make_norm
@@ -61,7 +62,11 @@ class DecoderLayer(nn.Module):
         # names by role: input_layernorm before attention, post_attention_layernorm before the MLP (Llama's
         # names), post_attn_norm and post_mlp_norm on the two outputs
         self.input_layernorm: Norm | None = norm() if config.layout != "post" else None
-        self.self_attn = Attention(config, dtype, ops, index, tp)
+        self.self_attn: Attention | LatentAttention = (
+            LatentAttention(config, dtype, ops, index)
+            if config.kv_lora_rank
+            else Attention(config, dtype, ops, index, tp)
+        )
         two_norms = config.layout in ("pre", "sandwich", "parallel")
         self.post_attention_layernorm: Norm | None = norm() if two_norms else None
         self.post_attn_norm: Norm | None = norm() if config.layout in ("sandwich", "post") else None

@@ -5,23 +5,26 @@ It runs the "pre", "sandwich" and "post" layouts with RMSNorms (Gemma's 1 + w on
 GELU-gated MLPs and plain GELU ones; biases on any product; q/k norms per head or over the projection
 (with RMSNorms); rotary over whole heads or their leading dims, rotate-half or interleaved, with a local
 base for the sliding layers; NoPE layers; sliding windows (in the windowed layers' own pool where the model
-keeps one); attention soft-capping; any query scale and a residual multiplier. That is every family but
-Command R and StableLM with q/k norms (per-head norm weights, Command R's own LayerNorm), which run the
-Python layers, with the same kernels where they apply and Python between them (benchmarks/family_steps.py
+keeps one); attention soft-capping and sinks; any query scale and a residual multiplier; mixtures of experts
+(route_experts and fused_experts in the MLP's place, a shared expert in the MLP's slots). That is every family but
+Command R and StableLM with q/k norms (per-head norm weights, Command R's own LayerNorm) and DeepSeek's
+latent attention, which run the Python layers, with the same kernels where they apply and Python between them (benchmarks/family_steps.py
 measures what that costs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
 from torch import nn
 
 from worker.model_config import ModelConfig
+from worker.models.attention import Attention
 from worker.models.decoder import DecoderLayer
 from worker.models.layers import Linear
-from worker.models.mlp import MLP
+from worker.models.moe import EXPERT_ACTIVATIONS, ROUTERS, SparseMoE
 from worker.models.norms import Norm, OffsetRMSNorm
 
 LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2, "parallel": 3, "parallel_shared": 4}
@@ -31,7 +34,7 @@ QK_NORMS = {"": 0, "head": 1, "proj": 2}
 
 
 def native_stack_serves(config: ModelConfig) -> bool:
-    if config.num_experts:  # the experts run in csrc (fused_experts), the layers around them in Python
+    if config.kv_lora_rank:  # latent attention: the Python layers
         return False
     if (config.mlp, config.hidden_act) not in MLPS or config.layout not in LAYOUTS:
         return False
@@ -48,11 +51,11 @@ def native_stack_serves(config: ModelConfig) -> bool:
 def native_shape(layer: DecoderLayer, config: ModelConfig) -> list[int]:
     """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows, layout, MLP, q/k norm,
     interleaved rotary (0/1), LayerNorms (0/1)."""
-    assert isinstance(layer.mlp, MLP)  # native_stack_serves no mixture of experts
-    attention, down = layer.self_attn, layer.mlp.down_proj
-    packed = int(down.packed is not None)
+    assert isinstance(layer.self_attn, Attention)  # native_stack_serves no latent attention
+    attention, o = layer.self_attn, layer.self_attn.o_proj
+    packed = int(o.packed is not None)
     return [
-        attention.num_heads, attention.num_kv_heads, attention.head_dim, packed, down.pairs_rows,
+        attention.num_heads, attention.num_kv_heads, attention.head_dim, packed, o.pairs_rows,
         LAYOUTS[config.layout], MLPS[(config.mlp, config.hidden_act)], QK_NORMS[config.qk_norm],
         int(config.rope_interleaved), int(config.norm == "layer"),
     ]  # fmt: skip
@@ -64,6 +67,7 @@ def layer_kinds(layers: nn.ModuleList, windowed_pool: bool) -> list[int]:
     kinds: list[int] = []
     for layer in layers:
         attention = cast(DecoderLayer, layer).self_attn
+        assert isinstance(attention, Attention)  # native_stack_serves no latent attention
         rope = -1 if not attention.uses_rope else 1 if attention.rope_kind == "local" else 0
         kinds += [attention.window, rope, int(windowed_pool and attention.window > 0)]
     return kinds
@@ -80,34 +84,67 @@ def norm_weight(norm: Norm | None) -> torch.Tensor:
 
 
 def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
-    """One layer's weights in csrc/decoder_cpu.cpp's order; an empty tensor for an absent bias or norm."""
+    """One layer's weights in csrc/decoder_cpu.cpp's order; an empty tensor for an absent bias or norm. A
+    mixture-of-experts layer's MLP slots hold its shared expert (empty without one), then its own slots."""
     attention, mlp, none = layer.self_attn, layer.mlp, torch.empty(0)
-    assert isinstance(mlp, MLP)  # native_stack_serves no mixture of experts
+    assert isinstance(attention, Attention)  # native_stack_serves no latent attention
+    moe = mlp if isinstance(mlp, SparseMoE) else None
+    dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp
 
-    def weight(linear: Linear) -> torch.Tensor:
+    def weight(linear: Linear | None) -> torch.Tensor:
+        if linear is None:
+            return none
         return (linear.packed if linear.packed is not None else linear.weight).detach()
 
     def optional(module: nn.Module | None, name: str) -> torch.Tensor:
         tensor = getattr(module, name, None) if module is not None else None
         return tensor.detach() if tensor is not None else none
 
-    def packing(linear: Linear) -> torch.Tensor:
+    def packing(linear: Linear | None) -> torch.Tensor:
         """csrc's packing of a product: linear_rows' 3-d, linear_amx's 5-d view of the pairs, the pairs 4-d."""
+        if linear is None:
+            return none
         if linear.amx:
             assert linear.pairs is not None
             groups, kpairs, width, two = linear.pairs.shape
             return linear.pairs.view(groups, kpairs // 16, 16, width, two)
         return optional(linear, "rows" if linear.rows is not None else "pairs")
 
-    up = mlp.gate_up_proj if mlp.gated else mlp.up_proj  # a plain MLP's up product in gate_up's slots
-    linears = (attention.qkv_proj, attention.o_proj, up, mlp.down_proj)
-
+    up = None if dense is None else dense.gate_up_proj if dense.gated else dense.up_proj  # plain: up's
+    down = None if dense is None else dense.down_proj
+    linears = (attention.qkv_proj, attention.o_proj, up, down)
     return [
         norm_weight(layer.input_layernorm), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
         weight(attention.o_proj), norm_weight(layer.post_attention_layernorm), weight(up),
-        weight(mlp.down_proj), norm_weight(attention.q_norm), norm_weight(attention.k_norm),
+        weight(down), norm_weight(attention.q_norm), norm_weight(attention.k_norm),
         *(packing(linear) for linear in linears), norm_weight(layer.post_attn_norm),
         norm_weight(layer.post_mlp_norm), optional(attention.o_proj, "bias"), optional(up, "bias"),
-        optional(mlp.down_proj, "bias"), optional(layer.input_layernorm, "bias"),
+        optional(down, "bias"), optional(layer.input_layernorm, "bias"),
         optional(layer.post_attention_layernorm, "bias"),
+        *(moe_weights(moe, weight, packing) if moe is not None else [none] * 12),
+        attention.sinks.detach().float() if attention.sinks is not None else none,
+    ]  # fmt: skip
+
+
+def moe_weights(
+    moe: SparseMoE,
+    weight: Callable[[Linear | None], torch.Tensor],
+    packing: Callable[[Linear | None], torch.Tensor],
+) -> list[torch.Tensor]:
+    """A mixture-of-experts layer's slots: router (weight, bias, packing), the experts' packings and biases,
+    the shared expert's gate (weight, packing), DeepSeek's score bias, and the router's and experts' numbers
+    ([kind, top_k, renormalize, groups, top_groups, activation] and [scaling, alpha, limit])."""
+    experts, none = moe.experts, torch.empty(0)
+    assert experts.w13 is not None and experts.w2 is not None, "pack the experts first"
+
+    def optional(tensor: torch.Tensor | None) -> torch.Tensor:
+        return tensor.detach() if tensor is not None else none
+
+    ints = [ROUTERS.index(moe.router), moe.top_k, int(moe.norm_topk_prob), moe.groups, moe.top_groups,
+            EXPERT_ACTIVATIONS[experts.act]]  # fmt: skip
+    return [
+        weight(moe.gate), optional(moe.gate.bias), packing(moe.gate), experts.w13, experts.w2,
+        optional(experts.gate_up_proj_bias), optional(experts.down_proj_bias), weight(moe.shared_expert_gate),
+        packing(moe.shared_expert_gate), optional(moe.score_bias), torch.tensor(ints, dtype=torch.int64),
+        torch.tensor([moe.scaling, experts.alpha, experts.limit], dtype=torch.float64),
     ]  # fmt: skip

@@ -58,6 +58,8 @@ def unshardable(config: ModelConfig) -> str:
     """Why a decoder family's layers do not shard yet ("" when they do): a bias after a row-parallel
     product would be added once per rank, a norm over a whole projection needs every rank's sum of squares,
     per-head norm weights and fused checkpoint tensors need slicing of their own."""
+    if config.kv_lora_rank:
+        return "has multi-head latent attention, which is not sharded yet"
     if config.o_bias or config.mlp_bias or config.expert_bias:
         return "has biases on its row-parallel products (o_proj, down_proj)"
     if config.qk_norm == "proj":

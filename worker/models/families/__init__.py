@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from worker.models.families.base import Family, HFConfig
 from worker.models.families.cohere import COHERE
+from worker.models.families.deepseek import DEEPSEEK
 from worker.models.families.gemma import GEMMA, GEMMA2, GEMMA3
 from worker.models.families.glm import GLM, GLM4
 from worker.models.families.gpt_neox import GPT_NEOX
@@ -21,7 +22,7 @@ from worker.models.families.starcoder2 import STARCODER2
 FAMILIES = (
     LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, GRANITE, OLMO2, OLMO3, SMOLLM3, GLM, GLM4,
     COHERE, STARCODER2, GPT_NEOX, STABLELM, MIXTRAL, QWEN2_MOE, QWEN3_MOE,
-    GPT_OSS,
+    GPT_OSS, DEEPSEEK,
 )  # fmt: skip
 BY_ARCHITECTURE = {architecture: family for family in FAMILIES for architecture in family.architectures}
 BY_NAME = {family.name: family for family in FAMILIES}

@@ -152,6 +152,7 @@ def _experts(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
         if any(n.endswith("ffn_up_shexp.weight") for n in meta.tensors)
         else 0,
         "dense_layers": [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in meta.tensors],
+        "shared_expert_gate": any(n.endswith("ffn_gate_inp_shexp.weight") for n in meta.tensors),
     }
 
 

@@ -16,8 +16,9 @@ from worker.models.families.qwen import qwen2_options, qwen3_options
 
 
 def experts(hf: HFConfig, **extra: Any) -> dict[str, Any]:
-    """The fields every MoE config spells alike (num_experts is num_local_experts in some)."""
-    count = hf.get("num_experts") or hf.get("num_local_experts")
+    """The fields every MoE config spells alike (num_experts is num_local_experts or n_routed_experts in
+    some)."""
+    count = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
     if not count:
         raise hf.fail("num_experts is missing or 0")
     hf.refuse("output_router_logits", (False,), "router logits are a training output")
@@ -50,6 +51,7 @@ def qwen2_moe_options(hf: HFConfig, common: dict[str, Any]) -> dict[str, Any]:
         "attention_bias": bool(hf.get("qkv_bias", True)),
         **experts(hf, **qwen_sparse_layers(hf)),
         "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size", 0)),
+        "shared_expert_gate": True,
     }
 
 
