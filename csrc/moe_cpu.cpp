@@ -103,14 +103,23 @@ void experts_product(const std::vector<Pass>& passes, const torch::Tensor& x, co
             xp[(i * kpairs + kp) * MAX_ROWS + r] = xs[(passes[i].first + r) * kpairs + kp];
     });
     const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
+    const auto weights_of = [&](int64_t unit) {
+      return wp + (passes[unit / groups].expert * groups + unit % groups) * kpairs * GROUP;
+    };
     at::parallel_for(0, static_cast<int64_t>(passes.size()) * groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t i = unit / groups, g = unit % groups;
         const Pass& p = passes[i];
+        // the thread's next unit's lines asked for into L2 one a dim pair, while this one runs: a decode
+        // step's experts come from memory, and a unit alone is too short to hide its first reads (unless
+        // the next unit is another pass over the same lines, already here)
+        const uint32_t* here = weights_of(unit);
+        const uint32_t* next = unit + 1 < end ? weights_of(unit + 1) : nullptr;
+        const bool ahead = next != nullptr && next != here;
         pairs_kernel::GROUP_ROWS<_MM_HINT_T1>[p.rows](
-            xp.data() + i * kpairs * MAX_ROWS, wp + (p.expert * groups + g) * kpairs * GROUP, kpairs,
-            bias != nullptr ? bias + p.expert * n + g * GROUP : nullptr, out + p.first * n + g * GROUP, n, nullptr,
-            0, 1);
+            xp.data() + i * kpairs * MAX_ROWS, here, kpairs,
+            bias != nullptr ? bias + p.expert * n + g * GROUP : nullptr, out + p.first * n + g * GROUP, n,
+            ahead ? next : nullptr, ahead ? kpairs : 0, 1);
       }
     });
     return;
