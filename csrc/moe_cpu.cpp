@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -62,6 +63,19 @@ inline float act_of(int activation, float gate, float up, float alpha, float lim
   return (u + 1.f) * (g / (1.f + exp_f32(-alpha * g)));
 }
 
+// The units of a product, (pass, group), expert by expert and group by group: a group's lines serve all of
+// its expert's passes (a prefill's hundreds of rows) while they are in cache, as linear_pairs' blocks do.
+std::vector<std::pair<int64_t, int64_t>> unit_order(const std::vector<Pass>& passes, int64_t groups) {
+  std::vector<std::pair<int64_t, int64_t>> units;
+  units.reserve(passes.size() * groups);
+  for (size_t first = 0, last; first < passes.size(); first = last) {
+    for (last = first; last < passes.size() && passes[last].expert == passes[first].expert;) ++last;
+    for (int64_t g = 0; g < groups; ++g)
+      for (size_t i = first; i < last; ++i) units.emplace_back(static_cast<int64_t>(i), g);
+  }
+  return units;
+}
+
 // One product of every pass: y[a, :] = x_a W_e^T (+ b_e) for the sorted assignments a, rounded to T.
 // x: the assignments' rows in float32 [A, k] (rows layout) or bf16 [A, k] (pairs layout).
 template <typename T>
@@ -74,11 +88,12 @@ void experts_product(const std::vector<Pass>& passes, const torch::Tensor& x, co
     const int64_t groups = packed.size(1);
     const float* xs = x.data_ptr<float>();
     const T* w = packed.data_ptr<T>();
-    at::parallel_for(0, static_cast<int64_t>(passes.size()) * groups, 1, [&](int64_t begin, int64_t end) {
+    const auto units = unit_order(passes, groups);
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
       float sums[rows_kernel::MAX_ROWS * COLS];
       for (int64_t unit = begin; unit < end; ++unit) {
-        const Pass& p = passes[unit / groups];
-        const int64_t g = unit % groups, cols = std::min(COLS, n - g * COLS);
+        const Pass& p = passes[units[unit].first];
+        const int64_t g = units[unit].second, cols = std::min(COLS, n - g * COLS);
         rows_kernel::GROUP_PASS<T>[p.rows](xs + p.first * k, k, w + (p.expert * groups + g) * k * COLS, sums);
         const float* b = bias != nullptr ? bias + p.expert * n + g * COLS : nullptr;
         for (int64_t m = 0; m < p.rows; ++m)
@@ -103,12 +118,13 @@ void experts_product(const std::vector<Pass>& passes, const torch::Tensor& x, co
             xp[(i * kpairs + kp) * MAX_ROWS + r] = xs[(passes[i].first + r) * kpairs + kp];
     });
     const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
+    const auto units = unit_order(passes, groups);
     const auto weights_of = [&](int64_t unit) {
-      return wp + (passes[unit / groups].expert * groups + unit % groups) * kpairs * GROUP;
+      return wp + (passes[units[unit].first].expert * groups + units[unit].second) * kpairs * GROUP;
     };
-    at::parallel_for(0, static_cast<int64_t>(passes.size()) * groups, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t i = unit / groups, g = unit % groups;
+        const int64_t i = units[unit].first, g = units[unit].second;
         const Pass& p = passes[i];
         // the thread's next unit's lines asked for into L2 one a dim pair, while this one runs: a decode
         // step's experts come from memory, and a unit alone is too short to hide its first reads (unless

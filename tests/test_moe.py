@@ -164,19 +164,17 @@ def test_lora_and_what_tensor_parallel_does_not_shard_are_refused_by_name(tmp_pa
     check_shardable(config, 2)  # experts 32 wide: TP=2 shards them
     with pytest.raises(ShardingError, match="experts' width 33"):
         check_shardable(dataclasses.replace(config, moe_intermediate_size=33), 2)
-    build_family("deepseek_v2", str(tmp_path / "deepseek_v2"))
-    with pytest.raises(ShardingError, match="multi-head latent attention"):
-        check_shardable(load_model_config(str(tmp_path / "deepseek_v2")), 2)
     build_family("gpt_oss", str(tmp_path / "gpt_oss"))
     with pytest.raises(ShardingError, match="biases on its row-parallel products"):
         check_shardable(load_model_config(str(tmp_path / "gpt_oss")), 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "deepseek_v3"])
 def test_experts_shard_by_width_and_equal_tp1_and_hf(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
     """TP=2 through the offline API (two gloo ranks): each rank a half of every expert's width (and of
-    Qwen2-MoE's shared expert), the router whole; the tokens of TP=1 and of HF."""
+    the shared expert), the router whole; DeepSeek's latent attention split by heads, its latent and
+    cache whole on each rank; the tokens of TP=1 and of HF."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_tensor_parallel import greedy as llm_greedy

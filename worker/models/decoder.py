@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         # names), post_attn_norm and post_mlp_norm on the two outputs
         self.input_layernorm: Norm | None = norm() if config.layout != "post" else None
         self.self_attn: Attention | LatentAttention = (
-            LatentAttention(config, dtype, ops, index)
+            LatentAttention(config, dtype, ops, index, tp)
             if config.kv_lora_rank
             else Attention(config, dtype, ops, index, tp)
         )

@@ -33,6 +33,7 @@ NO_BIAS = torch.empty(0)
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
     from worker.lora.slots import LoraBatch
+    from worker.parallel.group import TensorParallelGroup
 
 
 class Weight(nn.Module):
@@ -44,9 +45,19 @@ class Weight(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None, index: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        ops: CpuOps | None,
+        index: int = 0,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.index, self.ops = index, ops
+        self.tp = (
+            tp  # config holds this rank's heads; every rank holds the whole latent; o's sums all-reduced
+        )
         self.num_heads, self.rank = config.num_heads, config.kv_lora_rank
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.scale = config.query_scale
@@ -140,7 +151,7 @@ class LatentAttention(nn.Module):
             attended = latent_attention(q_latent, kv_cache, metadata, self.scale, self.rank, out_rows)
         values = self.absorbed(attended, self.uv_rows, self.w_uv, self.v_dim)  # [rows, heads, v]
         out: torch.Tensor = self.o_proj(values.reshape(-1, self.num_heads * self.v_dim))
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def paged_rows(

@@ -2,7 +2,8 @@
 
 Column-parallel (split by output rows): q, k, v and gate, up, and the vocabulary of the embedding and the
 lm_head; row-parallel (split by input columns): o and down, each followed by one all-reduce. Norms are
-replicated. Experts are split by width, each rank holding a slice of every expert (and of the shared
+replicated. Multi-head latent attention splits its heads (q, kv_b's per-head keys and values, o) and keeps
+the latent products (q_a, kv_a) and its cache whole on every rank. Experts are split by width, each rank holding a slice of every expert (and of the shared
 expert) and the whole router: every rank does its share of every routed token's work whatever the routing
 picks, where a split by expert leaves ranks idle when a step's tokens favour a few experts; the layer's sum
 is all-reduced once, as a dense MLP's. When the ranks outnumber the KV heads, each KV head is replicated on size / num_kv_heads
@@ -58,8 +59,6 @@ def unshardable(config: ModelConfig) -> str:
     """Why a decoder family's layers do not shard yet ("" when they do): a bias after a row-parallel
     product would be added once per rank, a norm over a whole projection needs every rank's sum of squares,
     per-head norm weights and fused checkpoint tensors need slicing of their own."""
-    if config.kv_lora_rank:
-        return "has multi-head latent attention, which is not sharded yet"
     if config.o_bias or config.mlp_bias or config.expert_bias:
         return "has biases on its row-parallel products (o_proj, down_proj)"
     if config.qk_norm == "proj":
@@ -104,14 +103,32 @@ class Shard:
         first_kv = rank * config.num_kv_heads // size  # a replicated head: the one this rank's q heads use
         inter = config.intermediate_size // size
         # name part -> (dim, start, length)
+        if (
+            config.kv_lora_rank
+        ):  # MLA: heads of q (nope + rope), of kv_b (nope + v) and of o (v); the latent whole
+            heads, v_rows = config.num_heads // size, config.num_heads // size * config.v_head_dim
+            kv_b_rows = heads * (config.qk_nope_head_dim + config.v_head_dim)
+            self.slices = {
+                "q_proj": (0, rank * q_rows, q_rows),
+                "q_b_proj": (0, rank * q_rows, q_rows),
+                "kv_b_proj": (0, rank * kv_b_rows, kv_b_rows),
+                "o_proj": (1, rank * v_rows, v_rows),
+                **self.mlp_slices(config.intermediate_size // size),
+            }
+            return
         self.slices = {
             "q_proj": (0, rank * q_rows, q_rows),
             "k_proj": (0, first_kv * head_dim, kv_heads * head_dim),
             "v_proj": (0, first_kv * head_dim, kv_heads * head_dim),
             "o_proj": (1, rank * q_rows, q_rows),
-            "gate_proj": (0, rank * inter, inter),
-            "up_proj": (0, rank * inter, inter),
-            "down_proj": (1, rank * inter, inter),
+            **self.mlp_slices(inter),
+        }
+
+    def mlp_slices(self, inter: int) -> dict[str, tuple[int, int, int]]:
+        return {
+            "gate_proj": (0, self.rank * inter, inter),
+            "up_proj": (0, self.rank * inter, inter),
+            "down_proj": (1, self.rank * inter, inter),
         }
 
     def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -121,8 +138,8 @@ class Shard:
             if len(part) < rows:  # the last shard's padding: rows no token id reaches
                 part = torch.cat([part, part.new_zeros(rows - len(part), *part.shape[1:])])
             return part
-        if ".experts." in name or ".shared_expert." in name:  # by width, as a dense MLP
-            shared = ".shared_expert." in name
+        shared = ".shared_expert." in name or ".shared_experts." in name  # Qwen2-MoE's, DeepSeek's
+        if ".experts." in name or shared:  # by width, as a dense MLP
             width = (
                 self.config.shared_expert_intermediate_size if shared else self.config.moe_intermediate_size
             )
