@@ -56,8 +56,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                       "sliding_window": 128}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**MOE, "n_routed_experts": 32,
                     "moe_intermediate_size": 256, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,
-                    "topk_group": 2, "intermediate_size": 1024, "kv_lora_rank": 128, "q_lora_rank": 192,
-                    "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 64, "num_key_value_heads": 9}),
+                    "topk_group": 2, "intermediate_size": 1024, "kv_lora_rank": 512, "q_lora_rank": 192,
+                    "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "num_key_value_heads": 9,
+                    "topk_method": "noaux_tc"}),  # DeepSeek's latent width (512 + 64): vLLM's CPU MLA takes no other
     "qwen3_dense_active": ("Qwen3Config", "Qwen3ForCausalLM", {"num_hidden_layers": 16, "head_dim": 64,
                                                                "intermediate_size": 1024}),
 }  # fmt: skip

@@ -139,6 +139,7 @@ MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head
         ("DeepseekV2ForCausalLM", {**MLA, "topk_method": "noaux_tc"}, "topk_method"),
         ("DeepseekV2ForCausalLM", {**MLA, "norm_topk_prob": True}, "norm_topk_prob"),
         ("DeepseekV2ForCausalLM", {**MLA, "moe_layer_freq": 2}, "moe_layer_freq"),
+        ("DeepseekV3ForCausalLM", {**MLA, "topk_method": "greedy"}, "topk_method"),
     ],
 )
 def test_an_moe_config_we_do_not_run_is_refused_by_name(tmp_path, architecture, fields, named) -> None:  # type: ignore[no-untyped-def]

@@ -36,6 +36,7 @@ def deepseek_options(hf: HFConfig, common: dict[str, Any]) -> dict[str, Any]:
     if scaling.get("mscale_all_dim"):
         scale *= _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     if v3:
+        hf.refuse("topk_method", ("noaux_tc",), "V3 routes by sigmoid scores and their correction bias")
         router = {"moe_router": "sigmoid_grouped", "norm_topk_prob": bool(hf.get("norm_topk_prob", True))}
         interleaved = bool(hf.get("rope_interleave", True))
     else:
