@@ -109,6 +109,7 @@ static void decode_attention_impl(const scalar_t* query, const scalar_t* cache, 
   const int64_t block_stride = shape.halves * shape.block_size * token_stride;
   at::parallel_for(0, shape.num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(num_q * head_dim), acc(num_q * head_dim), scores;
+    std::vector<float> rows4(shape.halves == 1 ? 4 * head_dim : 0);  // latent rows: four keys in float32
     alignas(64) float row_f[HEAD_DIM > 0 ? HEAD_DIM : 1024];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / tasks_per_seq, first_kv = (task % tasks_per_seq) * kv_heads;
@@ -118,7 +119,31 @@ static void decode_attention_impl(const scalar_t* query, const scalar_t* cache, 
       const scalar_t* q_src = query + (seq * shape.num_heads + first_kv * group) * head_dim;
       for (int64_t i = 0; i < num_q * head_dim; ++i) q[i] = load(q_src, i) * scale;
       scores.resize(num_q * len);
-      for (int64_t i = 0; i < len; ++i) {
+      const auto key_row = [&](int64_t t) {
+        return cache + table[t / shape.block_size] * block_stride + (t % shape.block_size) * token_stride +
+               first_kv * head_dim;
+      };
+      int64_t done = 0;
+      if (shape.halves == 1) {  // latent rows: 4 keys at a time, each query dim read once for the four
+        for (; done + 4 <= len; done += 4) {
+          for (int64_t k = 0; k < 4; ++k)
+            for (int64_t d = 0; d < head_dim; ++d) rows4[k * head_dim + d] = load(key_row(first + done + k), d);
+          for (int64_t h = 0; h < num_q; ++h) {
+            const float* __restrict__ qh = q.data() + h * head_dim;
+            const float* __restrict__ r = rows4.data();
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) {
+              s0 += qh[d] * r[d];
+              s1 += qh[d] * r[head_dim + d];
+              s2 += qh[d] * r[2 * head_dim + d];
+              s3 += qh[d] * r[3 * head_dim + d];
+            }
+            scores[h * len + done] = s0, scores[h * len + done + 1] = s1;
+            scores[h * len + done + 2] = s2, scores[h * len + done + 3] = s3;
+          }
+        }
+      }
+      for (int64_t i = done; i < len; ++i) {
         const int64_t t = first + i;
         const scalar_t* row = cache + table[t / shape.block_size] * block_stride +
                               (t % shape.block_size) * token_stride + first_kv * head_dim;
@@ -139,7 +164,21 @@ static void decode_attention_impl(const scalar_t* query, const scalar_t* cache, 
         softmax_in_place(scores.data() + h * len, len, shape.sink(first_kv * group + h));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < len; ++i) {
+      done = 0;
+      if (shape.halves == 1) {  // latent rows (their values are the keys): 4 at a time into each sum
+        for (; done + 4 <= len; done += 4) {
+          for (int64_t k = 0; k < 4; ++k)
+            for (int64_t d = 0; d < head_dim; ++d) rows4[k * head_dim + d] = load(key_row(first + done + k), d);
+          for (int64_t h = 0; h < num_q; ++h) {
+            const float* p = scores.data() + h * len + done;
+            const float* __restrict__ r = rows4.data();
+            float* __restrict__ a = acc.data() + h * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d)
+              a[d] += p[0] * r[d] + p[1] * r[head_dim + d] + p[2] * r[2 * head_dim + d] + p[3] * r[3 * head_dim + d];
+          }
+        }
+      }
+      for (int64_t i = done; i < len; ++i) {
         const int64_t t = first + i;
         const scalar_t* row = cache + table[t / shape.block_size] * block_stride + half_stride +
                               (t % shape.block_size) * token_stride + first_kv * head_dim;
