@@ -156,9 +156,9 @@ def _yarn(scaling: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor,
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
@@ -177,7 +177,7 @@ def _yarn(scaling: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor,
     return interpolation * (1 - extra) + extrapolation * extra, float(attention_factor)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 

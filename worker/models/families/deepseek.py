@@ -14,15 +14,11 @@ Rotary covers the rope part of each head only (`qk_rope_head_dim`), on adjacent 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from worker.models.families.base import Family, HFConfig
 from worker.models.families.moe import experts
-
-
-def _mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+from worker.models.rope import yarn_mscale
 
 
 def deepseek_options(hf: HFConfig, common: dict[str, Any]) -> dict[str, Any]:
@@ -34,7 +30,7 @@ def deepseek_options(hf: HFConfig, common: dict[str, Any]) -> dict[str, Any]:
     scale = (nope + rope) ** -0.5
     scaling = common["rope_scaling"] or {}
     if scaling.get("mscale_all_dim"):
-        scale *= _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     if v3:
         hf.refuse("topk_method", ("noaux_tc",), "V3 routes by sigmoid scores and their correction bias")
         router = {"moe_router": "sigmoid_grouped", "norm_topk_prob": bool(hf.get("norm_topk_prob", True))}
