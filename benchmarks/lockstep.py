@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import mmap
 import random
 import statistics
 import time
@@ -75,15 +76,24 @@ def build(variant: Variant, args: argparse.Namespace) -> EngineCore:
 
 
 def move_to_default_pages(core: EngineCore) -> None:
-    """Copy the KV cache and the pair-layout weights into fresh allocations, not advised for huge pages."""
+    """Copy the KV cache and the pair-layout weights into fresh mappings, not advised for huge pages."""
     runner = core.executor.runner  # type: ignore[attr-defined]
-    runner.kv_caches = [torch.zeros_like(cache) for cache in runner.kv_caches]
+    runner.kv_caches = [on_default_pages(cache) for cache in runner.kv_caches]
     model = runner.model
     for module in model.modules():
         if isinstance(module, Linear) and module.pairs is not None:
-            module.pairs = module.pairs.clone()
+            module.pairs = on_default_pages(module.pairs)
     if model.native_layers is not None:
         model.native_layers = [native_weights(layer) for layer in model.layers]
+
+
+def on_default_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in an anonymous mapping of its own.
+    NOTE: not malloc's memory (torch.clone): with the thresholds raised, malloc serves it from heap pages
+    that an earlier buffer advised for huge pages, and the copy is on huge pages after all (CI, 12-04)."""
+    num_bytes = tensor.numel() * tensor.element_size()
+    raw = torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=torch.uint8)  # the tensor keeps it alive
+    return raw.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 def run_round(variants: list[Variant], args: argparse.Namespace, round_index: int) -> None:
