@@ -29,6 +29,13 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor bi
 torch::Tensor pack_rows(torch::Tensor weight);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t out_features);
 
+// Products on GGUF's quantized blocks kept packed (csrc/quant_cpu.cpp): the GGML type ids Q4_0 .. Q6_K.
+bool quant_type_supported(int64_t qtype);
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor bias,
+                           int64_t out_features);
+torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids, int64_t in_features,
+                         c10::ScalarType dtype);
+
 // A mixture-of-experts router's choice per row (csrc/route_cpu.cpp): (ids [T, K] int64, weights [T, K] float32).
 std::vector<torch::Tensor> route_experts(torch::Tensor logits, int64_t kind, int64_t top_k, bool renormalize,
                                          double scaling, torch::Tensor score_bias, int64_t groups,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,9 +40,12 @@ ARCH_LAYER["gemma3"] = ARCH_LAYER["gemma2"]
 GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
           "gpt_neox.embed_in": "token_embd", "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output"}  # fmt: skip
 PERMUTED = ("llama", "granite", "smollm3")
+Quantize = Callable[[str, np.ndarray], Any]
 
 
-def write_gguf(folder: str, arch: str, path: str) -> None:
+def write_gguf(folder: str, arch: str, path: str, quantize: Quantize | None = None) -> None:
+    """quantize(llama.cpp's tensor name, its float32 values): the GGML type to store it in, or None for
+    float32; a type the `gguf` package cannot quantize to is written as zero blocks (a refusal's test)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -73,13 +77,29 @@ def write_gguf(folder: str, arch: str, path: str) -> None:
             which, head = ("q" if ".q_layernorm." in name else "k"), int(name.split(".")[-2])
             stacked.setdefault(f"{name.split('.self_attn.')[0]}.self_attn.{which}_norm", {})[head] = data
             continue
-        writer.add_tensor(_gguf_name(arch, name), data)
+        _add(writer, _gguf_name(arch, name), data, quantize)
     for prefix, rows in stacked.items():
         writer.add_tensor(_gguf_name(arch, f"{prefix}.weight"), np.stack([rows[h] for h in sorted(rows)]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add(writer: Any, name: str, data: np.ndarray, quantize: Quantize | None) -> None:
+    import gguf
+    from gguf.quants import quantize as gguf_quantize
+
+    qtype = quantize(name, data) if quantize is not None else None
+    if qtype is None:
+        writer.add_tensor(name, data)
+        return
+    try:
+        blocks = gguf_quantize(data, qtype)
+    except NotImplementedError:
+        size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = np.zeros((data.shape[0], data.shape[1] // size * nbytes), dtype=np.uint8)
+    writer.add_tensor(name, blocks, raw_dtype=qtype)
 
 
 def _gguf_name(arch: str, name: str) -> str:

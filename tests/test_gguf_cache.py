@@ -39,5 +39,6 @@ def test_a_changed_file_gets_a_new_entry(tmp_path) -> None:  # type: ignore[no-u
     model.write_bytes(b"x" * 100)
     first = gguf_cache._entry_path(str(model), str(tmp_path))
     assert gguf_cache._entry_path(str(model), str(tmp_path)) == first
+    assert gguf_cache._entry_path(str(model), str(tmp_path), packed=True) != first  # the blocks kept: its own
     os.utime(model, ns=(1, 1))
     assert gguf_cache._entry_path(str(model), str(tmp_path)) != first

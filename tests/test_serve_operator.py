@@ -6,6 +6,7 @@ frontend."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -140,7 +141,9 @@ def rss(served: Served) -> int:
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_sleep_and_wake(server: Served, attached: Served, level: int, record_property) -> None:  # type: ignore[no-untyped-def]
+def test_sleep_and_wake(
+    server: Served, attached: Served, level: int, record_property, smollm2_gguf: str
+) -> None:  # type: ignore[no-untyped-def]
     expected = complete(server, 16).choices[0].text
     before = rss(server)
     asleep = post(server, f"/sleep?level={level}")
@@ -158,7 +161,8 @@ def test_sleep_and_wake(server: Served, attached: Served, level: int, record_pro
         f"level {level}: worker RSS {before >> 20} MiB before, {sleeping_rss >> 20} asleep, {after >> 20} after"
     )
     record_property(f"rss_level_{level}", [before, sleeping_rss, after])
-    assert sleeping_rss < before * 0.5, "the weights and the KV cache left the worker's memory"
+    # the weights are the file's blocks (tests/test_quantized_gguf.py): at least that much leaves
+    assert before - sleeping_rss > 0.9 * os.path.getsize(smollm2_gguf), "the weights left the worker's memory"
     assert complete(server, 16).choices[0].text == expected
 
 

@@ -44,6 +44,7 @@ SOURCES = [
         "lora_cpu.cpp",
         "moe_cpu.cpp",
         "route_cpu.cpp",
+        "quant_cpu.cpp",
     )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
@@ -75,6 +76,13 @@ class CpuOps(Protocol):
     def pack_rows(self, weight: torch.Tensor) -> torch.Tensor: ...
     def linear_rows(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features: int
+    ) -> torch.Tensor: ...
+    def quant_type_supported(self, qtype: int) -> bool: ...
+    def linear_quant(
+        self, x: torch.Tensor, packed: torch.Tensor, qtype: int, bias: torch.Tensor, out_features: int
+    ) -> torch.Tensor: ...
+    def quant_rows(
+        self, packed: torch.Tensor, qtype: int, ids: torch.Tensor, in_features: int, dtype: torch.dtype
     ) -> torch.Tensor: ...
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
     def fused_add_rms_norm(

@@ -24,6 +24,7 @@ import torch
 from protocol.config import default_cache_dir
 from worker.config_files import load_model_config, open_gguf
 from worker.model_config import ModelConfig
+from worker.quant.blocks import GgufBlocks
 from worker.weights import iterate_weights
 
 logger = logging.getLogger("engine.worker")
@@ -32,16 +33,18 @@ logger = logging.getLogger("engine.worker")
 CONVERSION_VERSION = 2
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
+BLOCKS_FILE = "blocks.json"  # the weights kept as the file's blocks: name -> [GGML type, N, K]
 
-Weights = Iterator[tuple[str, torch.Tensor]]
+Weights = Iterator[tuple[str, "torch.Tensor | GgufBlocks"]]
 
 
-def load_model_files(model: str, cache_dir: str | None) -> tuple[ModelConfig, Weights]:
-    """The model's config and an iterator of its (Hugging Face name, tensor) weights."""
+def load_model_files(model: str, cache_dir: str | None, packed: bool = False) -> tuple[ModelConfig, Weights]:
+    """The model's config and an iterator of its (Hugging Face name, tensor) weights; packed: a GGUF file's
+    quantized weights come as its blocks (GgufBlocks; --quantization gguf), the rest as float32 tensors."""
     if not model.endswith(".gguf"):
         config = load_model_config(model)
         return config, iterate_weights(model, config)
-    entry = _entry_path(model, cache_dir) if cache_dir else None
+    entry = _entry_path(model, cache_dir, packed) if cache_dir else None
     if entry is not None and os.path.exists(os.path.join(entry, CONFIG_FILE)):
         try:
             return _read_entry(entry)
@@ -50,15 +53,15 @@ def load_model_files(model: str, cache_dir: str | None) -> tuple[ModelConfig, We
     reader = open_gguf(model)
     config = load_model_config(model, reader)
     if entry is None:
-        return config, iterate_weights(model, config, reader)
-    weights = dict(iterate_weights(model, config, reader))
+        return config, iterate_weights(model, config, reader, packed=packed)
+    weights = dict(iterate_weights(model, config, reader, packed=packed))
     _write_entry(entry, config, weights)
     return config, iter(weights.items())
 
 
-def _entry_path(model: str, cache_dir: str) -> str:
+def _entry_path(model: str, cache_dir: str, packed: bool = False) -> str:
     stat = os.stat(model)
-    key = f"{model}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}"
+    key = f"{model}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}{':packed' if packed else ''}"
     return os.path.join(cache_dir, "gguf", hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
@@ -67,17 +70,31 @@ def _read_entry(entry: str) -> tuple[ModelConfig, Weights]:
 
     with open(os.path.join(entry, CONFIG_FILE)) as f:
         config = ModelConfig(**json.load(f))
-    weights = load_file(os.path.join(entry, WEIGHTS_FILE))
+    weights: dict[str, torch.Tensor | GgufBlocks] = dict(load_file(os.path.join(entry, WEIGHTS_FILE)))
+    blocks_path = os.path.join(entry, BLOCKS_FILE)
+    if os.path.exists(blocks_path):
+        with open(blocks_path) as f:
+            for name, (qtype, n, k) in json.load(f).items():
+                rows = weights[name]
+                assert isinstance(rows, torch.Tensor)
+                weights[name] = GgufBlocks(qtype, rows.numpy(), (n, k))
     return config, iter(weights.items())
 
 
-def _write_entry(entry: str, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def _write_entry(entry: str, config: ModelConfig, weights: dict[str, torch.Tensor | GgufBlocks]) -> None:
     from safetensors.torch import save_file
 
     tmp = f"{entry}.tmp{os.getpid()}"
+    blocks = {name: [b.qtype, *b.shape] for name, b in weights.items() if isinstance(b, GgufBlocks)}
+    tensors = {
+        name: torch.from_numpy(w.rows) if isinstance(w, GgufBlocks) else w for name, w in weights.items()
+    }
     try:
         os.makedirs(tmp, exist_ok=True)
-        save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
+        save_file(tensors, os.path.join(tmp, WEIGHTS_FILE))
+        if blocks:
+            with open(os.path.join(tmp, BLOCKS_FILE), "w") as f:
+                json.dump(blocks, f)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(dataclasses.asdict(config), f)
         os.replace(tmp, entry)
@@ -95,7 +112,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO)
     model, cache_dir = argv[0], argv[1] if len(argv) > 1 else default_cache_dir()
     if model.endswith(".gguf"):
-        load_model_files(model, cache_dir)
+        load_model_files(model, cache_dir, packed=True)  # as `engine serve` loads it: the blocks kept
         load_tokenizer(model, cache_dir)
         print(f"GGUF conversion of {model} kept in {cache_dir}")
     return 0

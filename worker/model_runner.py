@@ -41,6 +41,7 @@ from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
 from worker.pooling import resolve_pooling
 from worker.pooling_runner import PoolingStep
+from worker.quant.method import packed_blocks
 from worker.sampler import gather_logprobs, sample
 from worker.sampling_batch import sampling_batch
 
@@ -90,7 +91,8 @@ class ModelRunner:
             cores = len(os.sched_getaffinity(0))
             torch.set_num_threads(config.num_threads or max(1, cores // parallel.workers_per_node))
         self.config = config
-        self.model_config, weights = load_model_files(config.model, config.cache_dir)
+        self.packed = packed_blocks(config)  # a GGUF file's quantized weights served as its blocks
+        self.model_config, weights = load_model_files(config.model, config.cache_dir, self.packed)
         self.pooling = resolve_pooling(config, self.model_config)  # None: the model generates
         self.device = worker_device(config, self.pooling is not None)  # worker/gpu/device.py
         self.dtype = (
@@ -243,7 +245,7 @@ class ModelRunner:
 
     def reload_model(self) -> CausalLM | BertModel:
         """A second copy of the model, read from the checkpoint again (a level-2 wake copies it in)."""
-        _, weights = load_model_files(self.config.model, self.config.cache_dir)
+        _, weights = load_model_files(self.config.model, self.config.cache_dir, self.packed)
         return self._build_model(weights)
 
     def _plan_pools(self, num_blocks: int, graphs: bool) -> KVPools:

@@ -13,13 +13,15 @@ from tqdm import tqdm
 
 from worker.config_files import open_gguf
 from worker.model_config import ModelConfig, UnsupportedModelError
+from worker.quant.blocks import GgufBlocks
 
 
 def iterate_weights(
-    model: str, config: ModelConfig, gguf_reader: Any = None, progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
+    model: str, config: ModelConfig, gguf_reader: Any = None, progress: bool = True, packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+    """packed: a GGUF file's quantized weights as its blocks (worker/models/families/gguf.py)."""
     if model.endswith(".gguf"):
-        yield from _iterate_gguf(gguf_reader or open_gguf(model), config, progress)
+        yield from _iterate_gguf(gguf_reader or open_gguf(model), config, progress, packed)
     else:
         yield from _iterate_safetensors(model, progress)
 
@@ -41,7 +43,9 @@ def _iterate_safetensors(folder: str, progress: bool) -> Iterator[tuple[str, tor
                 yield name, f.get_tensor(name)
 
 
-def _iterate_gguf(reader: Any, config: ModelConfig, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iterate_gguf(
+    reader: Any, config: ModelConfig, progress: bool, packed: bool
+) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
     from worker.models.families.gguf import gguf_tensors
 
-    yield from gguf_tensors(reader, config, progress)
+    yield from gguf_tensors(reader, config, progress, packed)

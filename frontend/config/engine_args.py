@@ -65,6 +65,12 @@ class EngineArgs:
         default_factory=list, help="names the API accepts as `model` (default: the model as given)", nargs="+"
     )
     dtype: str = option("auto", "weights and activations", choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: str | None = option(
+        None,
+        "how the weights are quantized (default: as the checkpoint says); gguf keeps a GGUF file's blocks "
+        "packed, none dequantizes them to --dtype at load (docs/quantization.md)",
+        choices=["gguf", "awq", "gptq", "compressed-tensors", "none"],
+    )
     max_model_len: int | None = option(None, "prompt + output tokens per request (default: the model's)")
     block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block", choices=BLOCK_SIZES)
     kv_cache_memory_bytes: int = option(
@@ -390,6 +396,7 @@ class EngineArgs:
             model=model,
             tokenizer=self.resolved_tokenizer(),
             dtype=self.dtype,
+            quantization=self.quantization,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,

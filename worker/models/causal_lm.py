@@ -158,6 +158,16 @@ class CausalLM(nn.Module):
         pack False: the weights stay as loaded (the CUDA worker moves them to the GPU)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+            embedding = self.embed_tokens
+            if isinstance(embedding, Embedding) and embedding.quant is not None:
+                self.lm_head.quant = [embedding.quant]
+        quantized = [m for m in self.modules() if isinstance(m, (Linear, Embedding)) and m.quant is not None]
+        if quantized:
+            assert self.ops is not None, (
+                "GGUF blocks kept packed need the csrc kernels (worker/quant/method.py)"
+            )
+            for holder in quantized:
+                holder.finalize_quant(self.ops)
         for module in self.modules():
             if isinstance(module, (OffsetRMSNorm, LatentAttention)):
                 module.finalize()
@@ -169,7 +179,7 @@ class CausalLM(nn.Module):
         self.batch_invariant = batch_invariant and self.ops is not None
         if batch_invariant and self.ops is None:
             logger.warning("batch-invariant products need the csrc kernels; this model runs torch's")
-        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        linears = [module for module in self.modules() if isinstance(module, Linear) and module.quant is None]
         if self.batch_invariant:
             assert self.ops is not None
             kinds = [linear.invariant_kernel(self.ops) for linear in linears]
@@ -196,7 +206,7 @@ class CausalLM(nn.Module):
             pairs_onto_huge_pages(linears)
         # NOTE: the native stack runs every layer in one C++ call, with no way out for an all-reduce
         if self.ops is not None and hasattr(self.ops, "decoder_layers") and self.tp is None:
-            if native_stack_serves(self.config):
+            if native_stack_serves(self.config) and not quantized:  # NOTE: no quantized products there yet
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

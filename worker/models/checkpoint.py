@@ -14,6 +14,9 @@ from torch import nn
 
 from worker.model_config import ModelConfig
 from worker.models.families import BY_NAME
+from worker.models.families.base import Family
+from worker.models.layers import Embedding, Linear
+from worker.quant.blocks import GgufBlocks, QuantPart
 
 # one expert's product, by our names (a family renames its own onto these)
 EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -39,7 +42,7 @@ def our_name(family_name: str, name: str) -> str:
 
 
 def load_checkpoint(
-    model: nn.Module, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+    model: nn.Module, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | GgufBlocks]]
 ) -> None:
     """model: a CausalLM of `config`."""
     family = BY_NAME.get(config.family)
@@ -70,6 +73,8 @@ def load_checkpoint(
             continue
         name, _, row = name.partition("#")
         if expert := EXPERT.match(name):  # one expert's product into the stacked [experts, ...] tensor
+            if isinstance(tensor, GgufBlocks):  # experts are not kept packed (yet)
+                tensor = tensor.dequantize()
             prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
             target = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
             param = params.get(target)
@@ -92,6 +97,11 @@ def load_checkpoint(
         if target.endswith("gate_up_proj.weight") and rows is not None:  # a shared expert's width is its own
             half = param.shape[0] // 2
             rows = (0 if ".gate_proj." in name else half, half)
+        if isinstance(tensor, GgufBlocks):
+            if _keep_packed(model, target, tensor, rows, family, config):
+                filled[target][slice(None) if rows is None else slice(rows[0], rows[0] + rows[1])] += 1
+                continue
+            tensor = tensor.dequantize()
         if family is not None and family.convert is not None:
             tensor = family.convert(target, tensor, config)
         with torch.no_grad():
@@ -112,6 +122,34 @@ def load_checkpoint(
         if twice:
             raise ValueError(f"checkpoint sets {len(twice)} tensors more than once, e.g. {sorted(twice)[:3]}")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _keep_packed(
+    model: nn.Module,
+    target: str,
+    blocks: GgufBlocks,
+    rows: tuple[int, int] | None,
+    family: Family | None,
+    config: ModelConfig,
+) -> bool:
+    """Give a Linear or an Embedding a GGUF weight as its blocks (QuantPart); False where the weight goes
+    elsewhere (a router, stacked experts) or the family converts it otherwise than by moving whole rows."""
+    path, _, kind = target.rpartition(".")
+    module = model.get_submodule(path) if kind == "weight" else None
+    if not isinstance(module, (Linear, Embedding)) or blocks.shape[1] != module.weight.shape[1]:
+        return False
+    if family is not None and family.convert is not None:
+        probe = torch.arange(blocks.shape[0], dtype=torch.float64).unsqueeze(1)  # row i holds i
+        moved = family.convert(target, probe, config)
+        order = moved.reshape(-1).long().numpy()
+        if moved.shape != probe.shape or sorted(order.tolist()) != list(range(blocks.shape[0])):
+            return False
+        blocks = blocks.with_rows(lambda r: r[order])
+    start = 0 if rows is None else rows[0]
+    if blocks.shape[0] != (module.weight.shape[0] if rows is None else rows[1]):
+        return False
+    module.add_quant(QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0]))
+    return True
 
 
 def _tied(name: str, config: ModelConfig) -> bool:

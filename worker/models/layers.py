@@ -18,6 +18,7 @@ from worker.host_memory import empty_on_huge_pages
 
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
+    from worker.quant.blocks import QuantPart
 
 logger = logging.getLogger("engine.worker")
 
@@ -67,10 +68,29 @@ NO_BIAS = torch.empty(0)
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding without the random initialization: its weight comes from the checkpoint."""
+    """nn.Embedding without the random initialization: its weight comes from the checkpoint, or stays a
+    GGUF file's blocks (`quant`, csrc quant_rows dequantizes the rows a step looks up)."""
+
+    quant: QuantPart | None = None
+    ops: CpuOps | None = None
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            assert self.ops is not None  # finalize_quant sets the two together
+            part, ids = self.quant, input_ids.reshape(-1)
+            rows = self.ops.quant_rows(part.packed, part.qtype, ids, self.embedding_dim, self.weight.dtype)
+            return rows.view(*input_ids.shape, self.embedding_dim)
+        return super().forward(input_ids)
+
+    def add_quant(self, part: QuantPart) -> None:
+        self.quant = part
+
+    def finalize_quant(self, ops: CpuOps) -> None:
+        self.ops = ops
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
 
 class Linear(nn.Linear):
@@ -94,6 +114,37 @@ class Linear(nn.Linear):
     # a width short of a multiple of 16 may take linear_rows padded (a MoE router's 8 experts); not for the
     # products of the decoder stack, which reads the width off the packing
     pad_rows = False
+    # a GGUF file's blocks kept packed, in place of the weight: each part a run of output rows (a fused
+    # product's q, k and v may each have a type of their own); csrc linear_quant (batch-invariant)
+    quant: list[QuantPart] | None = None
+
+    def add_quant(self, part: QuantPart) -> None:
+        self.quant = sorted([*(self.quant or []), part], key=lambda p: p.start)
+
+    def finalize_quant(self, ops: CpuOps) -> None:
+        """Serve from the packed parts (which load_checkpoint checked cover every row): drop the weight."""
+        self.ops = ops
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.quant is not None and self.ops is not None  # finalize_quant sets ops
+        dtype = x.dtype
+        rows = x.reshape(-1, self.in_features)
+        if dtype not in (torch.float32, torch.bfloat16):  # float16: the products take float32 rows
+            rows = rows.float()
+        if len(self.quant) == 1:
+            part = self.quant[0]
+            bias = self.bias if self.bias is not None else NO_BIAS
+            y = self.ops.linear_quant(rows, part.packed, part.qtype, bias, self.out_features)
+        else:
+            y = rows.new_empty((rows.shape[0], self.out_features))
+            for part in self.quant:
+                end = part.start + part.out_features
+                run_bias = self.bias[part.start : end] if self.bias is not None else NO_BIAS
+                y[:, part.start : end] = self.ops.linear_quant(
+                    rows, part.packed, part.qtype, run_bias, part.out_features
+                )
+        return y.to(dtype).view(*x.shape[:-1], self.out_features)
 
     def reset_parameters(self) -> None:
         """Nothing: every weight comes from the checkpoint (`load_weights` checks that none is missing)."""
@@ -146,6 +197,8 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self._quant_forward(x)
         if self.rows is not None:
             assert self.ops is not None  # pack_invariant sets the two together
             bias = self.bias if self.bias is not None else NO_BIAS

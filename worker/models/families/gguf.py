@@ -21,6 +21,8 @@ from tqdm import tqdm
 from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.models.families import BY_GGUF, BY_NAME
 from worker.models.families.base import embedding_scale
+from worker.quant.blocks import GgufBlocks
+from worker.quant.gguf_pack import PACKED_TYPES, Q, can_pack
 
 # llama.cpp's per-layer tensor names -> the HF checkpoint's (after "model.layers.N.")
 LAYER_NAMES = {
@@ -64,6 +66,7 @@ ARCH_GLOBALS = {"gptneox": {"token_embd": "gpt_neox.embed_in", "output_norm": "g
                             "output": "embed_out"}}  # fmt: skip
 ARCH_PREFIX = {"gptneox": "gpt_neox.layers."}
 PERMUTED = ("llama", "mistral", "granite", "smollm3")  # q/k rows interleaved for llama.cpp's rotary
+FLOAT_TYPES = (int(Q.F32), int(Q.F16), int(Q.BF16))  # served as today (F16 and BF16 widened to float32)
 GLOBAL_TENSORS_READ_AS_CONFIG = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
@@ -286,16 +289,31 @@ ARCH_OPTIONS = {
 
 
 def gguf_tensors(
-    reader: Any, config: ModelConfig, progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF checkpoint name, float32 tensor in the HF layout) of every tensor of the file."""
+    reader: Any, config: ModelConfig, progress: bool = True, packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+    """(HF checkpoint name, float32 tensor in the HF layout) of every tensor of the file; packed: a quantized
+    [N, K] weight stays the file's blocks (GgufBlocks, its rows in the HF order), and a type the products do
+    not take packed is an error naming it and the tensor."""
     from gguf.quants import dequantize
 
     arch = Metadata(reader).arch
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", disable=not progress):
+    desc = "Reading GGUF tensors" if packed else "Dequantizing GGUF tensors"
+    for tensor in tqdm(reader.tensors, desc=desc, disable=not progress):
         if tensor.name in GLOBAL_TENSORS_READ_AS_CONFIG:
             continue  # read into the config's rope_scaling
         name = hf_name(arch, tensor.name)
+        qtype = int(tensor.tensor_type)
+        if packed and qtype not in FLOAT_TYPES:
+            shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the dims innermost first
+            if int(qtype) not in PACKED_TYPES:
+                raise UnsupportedModelError(
+                    f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, which is not served packed "
+                    f"(packed: {', '.join(Q(t).name for t in PACKED_TYPES)}); --quantization none dequantizes it"
+                )
+            if len(shape) == 2 and can_pack(qtype, shape) and name.endswith(".weight"):
+                rows = np.asarray(tensor.data).reshape(shape[0], -1)
+                yield from _as_hf(arch, name, GgufBlocks(qtype, rows, (shape[0], shape[1])), config)
+                continue
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # [out, in]
         yield from _as_hf(arch, name, weights, config)
 
@@ -315,15 +333,24 @@ def hf_name(arch: str, name: str) -> str:
 
 
 def _as_hf(
-    arch: str, name: str, weights: np.ndarray, config: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
+    arch: str, name: str, weights: np.ndarray | GgufBlocks, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+    if isinstance(weights, GgufBlocks):  # only whole rows move: what moves more is dequantized
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+            weights = weights.with_rows(lambda rows: _undo_rope_permute(rows, heads))
+        elif arch == "gptneox" and ".query_key_value." in name:
+            weights = weights.with_rows(lambda rows: _regroup_neox(rows, config.num_heads))
+        if ".experts." not in name:
+            yield name, weights
+            return
+        weights = weights.dequantize().numpy()
     if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         weights = _undo_rope_permute(weights, config.num_heads if ".q_proj." in name else config.num_kv_heads)
     if arch.startswith("gemma") and name.endswith("norm.weight"):
         weights = weights - 1.0  # the converter stores 1 + w
     if arch == "gptneox" and ".query_key_value." in name:  # [q | k | v] of all heads -> per head
-        heads = config.num_heads
-        weights = weights.reshape(3, heads, -1, *weights.shape[1:]).swapaxes(0, 1).reshape(weights.shape)
+        weights = _regroup_neox(weights, config.num_heads)
     if ".experts." in name:  # [experts, out, in] -> one tensor per expert, as HF checkpoints hold them
         stem, _, part = name.rpartition(".experts.")
         for expert, rows in enumerate(weights):
@@ -338,6 +365,10 @@ def _as_hf(
             )
         return
     yield name, torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
+
+
+def _regroup_neox(weights: np.ndarray, heads: int) -> np.ndarray:
+    return weights.reshape(3, heads, -1, *weights.shape[1:]).swapaxes(0, 1).reshape(weights.shape)
 
 
 def _undo_rope_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,0 +1,388 @@
+// Products on GGUF's quantized blocks kept packed (worker/quant/gguf_pack.py writes the layout), and the
+// rows of such a weight dequantized (an embedding's lookup; the tests' whole-weight reference).
+//
+// Layout ("tiles"), uint8 [N / 16, K / B, RECORD]: for each group of 16 output rows and each GGUF block of B
+// input dims, one record holding the 16 rows' block side by side (worker/quant/gguf_pack.py has each type's
+// fields). Per input dim k, the 16 rows' low 4 bits are 8 bytes (byte j: row j in the low nibble, row j + 8
+// in the high one); 5-bit types add 2 bytes of fifth bits (bit c: row c), Q6_K 4 bytes of top 2 bits (bits
+// 2c, 2c + 1), Q8_0 holds 16 int8 instead. Scales per (row, sub-block of S dims) are kept as the file has
+// them (f16 d, dmin, m; Q4_K/Q5_K's 6-bit scales and mins unpacked to bytes; Q6_K's int8 scales).
+//
+// quant_rows(packed, qtype, ids [T] int64, K, dtype) -> [T, K]: rows `ids` of the weight, dequantized.
+// linear_quant(x [M, K] float32 or bf16, packed, qtype, bias [N] or empty, N) -> [M, N] in x's dtype.
+//
+// Every weight is fma(scale, q, offset) in float32 with q the stored unsigned (Q8_0: signed) integer:
+//   Q4_0 d, -8d; Q5_0 d, -16d; Q8_0 d, 0; Q4_1 and Q5_1 d, m; Q4_K and Q5_K d * sc[j], -(dmin * m[j]);
+//   Q6_K d * sc[j], -32 (d * sc[j]).
+// Each scale and offset is an exact product and scale * q is exact, so this is the one rounding of the
+// `gguf` package's numpy dequantization (d * (q - 8), d * q + m, d * q - dm, ...): the same float32 values.
+// The product is linear_rows' (csrc/gemm_rows_cpu.cpp) on those values: y[m, n] = (one FMA chain over
+// k = 0 .. K - 1 from 0) + bias[n], rounded once to x's dtype. So it equals linear_rows on the dequantized
+// float32 weight bit for bit, at any row count and thread count (batch-invariant).
+// Up to FUSED_ROWS rows dequantize in registers on the way to the FMAs (decode: the file's bytes are all
+// that is read); more rows dequantize a group's K x 16 weights once into a float32 tile and run linear_rows'
+// inner kernel on it.
+#include "ops.h"
+
+#include "gemm_rows.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using rows_kernel::COLS;
+using rows_kernel::GROUP_PASS;
+using rows_kernel::MAX_ROWS;
+constexpr int64_t ROW_BLOCK = 96;
+constexpr int FUSED_ROWS = 4;
+
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// Where a type's fields lie in a record: f16 d[16] at 0, then (per type) dmin/m f16[16], scale bytes
+// [subs][16], the low nibbles [B][8] (Q8_0: int8 [B][16]), and the high bits [B][2 or 4].
+struct Traits {
+  int64_t block, sub, record;
+  int64_t second;  // f16 [16] after d: Q4_1/Q5_1's m, Q4_K/Q5_K's dmin; -1 if none
+  int64_t scales;  // u8 (Q6_K int8) [subs][16] scales, Q4_K/Q5_K's mins after them; -1 if none
+  int64_t low;     // the 4-bit (or Q8_0's 8-bit) values
+  int64_t high;    // the high bits; -1 if none
+  int high_bits;   // 0, 1 or 2
+};
+
+Traits traits_of(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 32, 288, -1, -1, 32, -1, 0};
+    case Q4_1: return {32, 32, 320, 32, -1, 64, -1, 0};
+    case Q5_0: return {32, 32, 352, -1, -1, 32, 288, 1};
+    case Q5_1: return {32, 32, 384, 32, -1, 64, 320, 1};
+    case Q8_0: return {32, 32, 544, -1, -1, 32, -1, 0};
+    case Q4_K: return {256, 32, 2368, 32, 64, 320, -1, 0};
+    case Q5_K: return {256, 32, 2880, 32, 64, 320, 2368, 1};
+    case Q6_K: return {256, 16, 3360, -1, 32, 288, 2336, 2};
+    default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
+  }
+}
+
+[[maybe_unused]] inline float f16_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+#if defined(ENGINE_ROWS_AVX2)
+constexpr bool high_one(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }
+
+// The 16 rows' scales and offsets for sub-block j of a record: (s0, o0) rows 0-7, (s1, o1) rows 8-15.
+template <int64_t T>
+inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m256& s0, __m256& s1, __m256& o0,
+                      __m256& o1) {
+  s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec)));
+  s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16)));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  if constexpr (T == Q4_0 || T == Q5_0) {
+    const __m256 bias = _mm256_set1_ps(T == Q4_0 ? -8.0f : -16.0f);
+    o0 = _mm256_mul_ps(s0, bias);
+    o1 = _mm256_mul_ps(s1, bias);
+  } else if constexpr (T == Q8_0) {
+    o0 = o1 = _mm256_setzero_ps();
+  } else if constexpr (T == Q4_1 || T == Q5_1) {
+    o0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.second)));
+    o1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.second + 16)));
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const int64_t subs = t.block / t.sub;
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + j * 16));
+    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + (subs + j) * 16));
+    s0 = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+    s1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8))));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.second)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.second + 16)));
+    o0 = _mm256_xor_ps(sign, _mm256_mul_ps(m0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))));
+    o1 = _mm256_xor_ps(sign, _mm256_mul_ps(m1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8)))));
+  } else {  // Q6_K
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + j * 16));
+    s0 = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    s1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    const __m256 bias = _mm256_set1_ps(-32.0f);
+    o0 = _mm256_mul_ps(s0, bias);
+    o1 = _mm256_mul_ps(s1, bias);
+  }
+}
+
+// The 16 rows' stored integers at dim k of a record, as float32: rows 0-7 in q0, 8-15 in q1.
+template <int64_t T>
+inline void unpack(const uint8_t* rec, const Traits& t, int64_t k, __m256& q0, __m256& q1) {
+  if constexpr (T == Q8_0) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16));
+    q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  } else {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + t.low + k * 8));
+    const __m128i nibble = _mm_set1_epi8(15);
+    __m256i i0 = _mm256_cvtepu8_epi32(_mm_and_si128(v, nibble));
+    __m256i i1 = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+    if constexpr (high_one(T)) {
+      uint16_t bits;
+      std::memcpy(&bits, rec + t.high + k * 2, 2);
+      const __m256i h = _mm256_set1_epi32(bits), one = _mm256_set1_epi32(1);
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_epi32(8);
+      i0 = _mm256_or_si256(i0, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, lanes), one), 4));
+      i1 = _mm256_or_si256(
+          i1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, _mm256_add_epi32(lanes, eight)), one), 4));
+    } else if constexpr (T == Q6_K) {
+      uint32_t bits;
+      std::memcpy(&bits, rec + t.high + k * 4, 4);
+      const __m256i h = _mm256_set1_epi32(static_cast<int>(bits)), three = _mm256_set1_epi32(3);
+      const __m256i lanes = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), sixteen = _mm256_set1_epi32(16);
+      i0 = _mm256_or_si256(i0, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, lanes), three), 4));
+      i1 = _mm256_or_si256(
+          i1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, _mm256_add_epi32(lanes, sixteen)), three), 4));
+    }
+    q0 = _mm256_cvtepi32_ps(i0);
+    q1 = _mm256_cvtepi32_ps(i1);
+  }
+}
+
+// A record's weights, dims [0, B) of its 16 rows, into w[k * 16 + c].
+template <int64_t T>
+void dequant_record(const uint8_t* rec, const Traits& t, float* w) {
+  for (int64_t j = 0; j < t.block / t.sub; ++j) {
+    __m256 s0, s1, o0, o1, q0, q1;
+    scales_of<T>(rec, t, j, s0, s1, o0, o1);
+    for (int64_t k = j * t.sub; k < (j + 1) * t.sub; ++k) {
+      unpack<T>(rec, t, k, q0, q1);
+      _mm256_storeu_ps(w + k * 16, _mm256_fmadd_ps(s0, q0, o0));
+      _mm256_storeu_ps(w + k * 16 + 8, _mm256_fmadd_ps(s1, q1, o1));
+    }
+  }
+}
+
+// ROWS rows (float32, row stride k) against one group's records: sums[m][c], dequantized in registers.
+template <int ROWS, int64_t T>
+void fused_pass(const float* x, int64_t k, const uint8_t* group, const Traits& t, float* sums) {
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+  const int64_t blocks = k / t.block, subs = t.block / t.sub;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec = group + b * t.record;
+    for (int64_t j = 0; j < subs; ++j) {
+      __m256 s0, s1, o0, o1;
+      scales_of<T>(rec, t, j, s0, s1, o0, o1);
+      const int64_t first = j * t.sub;
+      const float* xs = x + b * t.block + first;
+      for (int64_t d = 0; d < t.sub; ++d) {
+        __m256 q0, q1;
+        unpack<T>(rec, t, first + d, q0, q1);
+        const __m256 w0 = _mm256_fmadd_ps(s0, q0, o0), w1 = _mm256_fmadd_ps(s1, q1, o1);
+#define ENGINE_ROW(m)                                       \
+  if constexpr (ROWS > m) {                                 \
+    const __m256 xv = _mm256_broadcast_ss(xs + m * k + d);  \
+    a##m = _mm256_fmadd_ps(xv, w0, a##m);                   \
+    b##m = _mm256_fmadd_ps(xv, w1, b##m);                   \
+  }
+        ENGINE_ROW(0) ENGINE_ROW(1) ENGINE_ROW(2) ENGINE_ROW(3)
+#undef ENGINE_ROW
+      }
+    }
+  }
+  const __m256 los[4] = {a0, a1, a2, a3}, his[4] = {b0, b1, b2, b3};
+  for (int m = 0; m < ROWS; ++m) {
+    _mm256_storeu_ps(sums + m * COLS, los[m]);
+    _mm256_storeu_ps(sums + m * COLS + 8, his[m]);
+  }
+}
+#else
+// The portable path (no AVX2): the same values, one row at a time.
+template <int64_t T>
+inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, float* scale, float* offset) {
+  for (int c = 0; c < 16; ++c) {
+    const float d = f16_to_float(rec + 2 * c);
+    if constexpr (T == Q4_0 || T == Q5_0 || T == Q8_0) {
+      scale[c] = d;
+      offset[c] = T == Q4_0 ? -8.0f * d : T == Q5_0 ? -16.0f * d : 0.0f;
+    } else if constexpr (T == Q4_1 || T == Q5_1) {
+      scale[c] = d;
+      offset[c] = f16_to_float(rec + t.second + 2 * c);
+    } else if constexpr (T == Q4_K || T == Q5_K) {
+      const int64_t subs = t.block / t.sub;
+      scale[c] = d * static_cast<float>(rec[t.scales + j * 16 + c]);
+      offset[c] = -(f16_to_float(rec + t.second + 2 * c) * static_cast<float>(rec[t.scales + (subs + j) * 16 + c]));
+    } else {  // Q6_K
+      scale[c] = d * static_cast<float>(static_cast<int8_t>(rec[t.scales + j * 16 + c]));
+      offset[c] = -32.0f * scale[c];
+    }
+  }
+}
+
+template <int64_t T>
+inline float q_of(const uint8_t* rec, const Traits& t, int64_t k, int c) {
+  if constexpr (T == Q8_0) {
+    return static_cast<float>(static_cast<int8_t>(rec[t.low + k * 16 + c]));
+  } else {
+    const uint8_t byte = rec[t.low + k * 8 + (c & 7)];
+    int q = c < 8 ? (byte & 15) : (byte >> 4);
+    if (t.high_bits == 1) {
+      uint16_t bits;
+      std::memcpy(&bits, rec + t.high + k * 2, 2);
+      q |= ((bits >> c) & 1) << 4;
+    } else if (t.high_bits == 2) {
+      uint32_t bits;
+      std::memcpy(&bits, rec + t.high + k * 4, 4);
+      q |= ((bits >> (2 * c)) & 3) << 4;
+    }
+    return static_cast<float>(q);
+  }
+}
+
+template <int64_t T>
+void dequant_record(const uint8_t* rec, const Traits& t, float* w) {
+  float scale[16], offset[16];
+  for (int64_t j = 0; j < t.block / t.sub; ++j) {
+    scales_of<T>(rec, t, j, scale, offset);
+    for (int64_t k = j * t.sub; k < (j + 1) * t.sub; ++k)
+      for (int c = 0; c < 16; ++c) w[k * 16 + c] = std::fma(scale[c], q_of<T>(rec, t, k, c), offset[c]);
+  }
+}
+#endif
+
+// A group's K x 16 weights into tile (linear_rows' layout for one group).
+template <int64_t T>
+void dequant_group(const uint8_t* group, const Traits& t, int64_t k, float* tile) {
+  for (int64_t b = 0; b < k / t.block; ++b) dequant_record<T>(group + b * t.record, t, tile + b * t.block * COLS);
+}
+
+template <typename O>
+void store_row(const float* sums, const float* bias, O* y, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) y[c] = static_cast<O>(bias != nullptr ? sums[c] + bias[c] : sums[c]);
+}
+
+template <int64_t T, typename O>
+void run(const float* xs, int64_t rows, int64_t k, const uint8_t* w, const Traits& t, const float* bias, O* out,
+         int64_t n) {
+  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record;
+#if defined(ENGINE_ROWS_AVX2)
+  if (rows <= FUSED_ROWS) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      float sums[FUSED_ROWS * COLS];
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* group = w + g * group_bytes;
+        switch (rows) {
+          case 1: fused_pass<1, T>(xs, k, group, t, sums); break;
+          case 2: fused_pass<2, T>(xs, k, group, t, sums); break;
+          case 3: fused_pass<3, T>(xs, k, group, t, sums); break;
+          default: fused_pass<4, T>(xs, k, group, t, sums); break;
+        }
+        for (int64_t m = 0; m < rows; ++m)
+          store_row<O>(sums + m * COLS, bias != nullptr ? bias + g * COLS : nullptr, out + m * n + g * COLS, COLS);
+      }
+    });
+    return;
+  }
+#endif
+  const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    float sums[MAX_ROWS * COLS];
+    std::vector<float> tile(k * COLS);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t block = unit / groups, g = unit % groups;
+      dequant_group<T>(w + g * group_bytes, t, k, tile.data());
+      const int64_t last = std::min(rows, (block + 1) * ROW_BLOCK);
+      for (int64_t r = block * ROW_BLOCK; r < last; r += MAX_ROWS) {
+        const int pass = static_cast<int>(std::min<int64_t>(MAX_ROWS, last - r));
+        GROUP_PASS<float>[pass](xs + r * k, k, tile.data(), sums);
+        for (int m = 0; m < pass; ++m)
+          store_row<O>(sums + m * COLS, bias != nullptr ? bias + g * COLS : nullptr, out + (r + m) * n + g * COLS,
+                       COLS);
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
+    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q5_0: f(std::integral_constant<int64_t, Q5_0>{}); break;
+    case Q5_1: f(std::integral_constant<int64_t, Q5_1>{}); break;
+    case Q8_0: f(std::integral_constant<int64_t, Q8_0>{}); break;
+    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); break;
+    case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
+    default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
+  }
+}
+
+void check_packing(const torch::Tensor& packed, const Traits& t, int64_t k) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
+              "quantized products: packed is a contiguous uint8 [N / 16, K / B, record] tensor");
+  TORCH_CHECK(k % t.block == 0 && packed.size(1) == k / t.block && packed.size(2) == t.record,
+              "quantized products: the packing does not match K = ", k, " (blocks of ", t.block, ")");
+}
+
+}  // namespace
+
+bool quant_type_supported(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
+    default: return false;
+  }
+}
+
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor bias,
+                           int64_t out_features) {
+  const Traits t = traits_of(qtype);
+  TORCH_CHECK(x.dim() == 2, "linear_quant: x [M, K]");
+  check_packing(packed, t, x.size(1));
+  TORCH_CHECK(out_features == packed.size(0) * COLS, "linear_quant: out_features is 16 x the groups");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_quant: float32 or bf16 x");
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has_bias || bias.numel() == out_features, "linear_quant: bias size");
+  const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  const torch::Tensor x32 = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const float* b = has_bias ? bias32.data_ptr<float>() : nullptr;
+  dispatch(qtype, [&](auto type) {
+    constexpr int64_t T = decltype(type)::value;
+    if (x.scalar_type() == at::kFloat)
+      run<T, float>(x32.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), t, b,
+                    y.data_ptr<float>(), out_features);
+    else
+      run<T, c10::BFloat16>(x32.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), t, b,
+                            y.data_ptr<c10::BFloat16>(), out_features);
+  });
+  return y;
+}
+
+torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids, int64_t in_features,
+                         c10::ScalarType dtype) {
+  const Traits t = traits_of(qtype);
+  check_packing(packed, t, in_features);
+  TORCH_CHECK(ids.dim() == 1, "quant_rows: ids [T]");
+  const torch::Tensor index = ids.to(at::kLong).contiguous();
+  const int64_t* id = index.data_ptr<int64_t>();
+  const int64_t rows = index.size(0), k = in_features, group_bytes = (k / t.block) * t.record;
+  for (int64_t i = 0; i < rows; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < packed.size(0) * COLS, "quant_rows: row ", id[i], " is out of range");
+  auto out = torch::empty({rows, k}, torch::dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  dispatch(qtype, [&](auto type) {
+    constexpr int64_t T = decltype(type)::value;
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> block(t.block * COLS);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t g = id[i] / COLS, c = id[i] % COLS;
+        for (int64_t b = 0; b < k / t.block; ++b) {
+          dequant_record<T>(w + g * group_bytes + b * t.record, t, block.data());
+          for (int64_t d = 0; d < t.block; ++d) o[i * k + b * t.block + d] = block[d * COLS + c];
+        }
+      }
+    });
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}

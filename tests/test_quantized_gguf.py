@@ -1,0 +1,151 @@
+"""GGUF files served as their blocks (--quantization gguf, the default for a GGUF file) through the LLM API:
+in float32 every token and logprob equals the dequantized model's (--quantization none), because each
+packed product is linear_rows' FMA chain on the very float32 values the dequantization makes
+(tests/test_kernels_quant.py); the weights held are the file's size; a flag that contradicts the checkpoint,
+and a type that is not served packed, are start errors naming them."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from engine_core.engine_core import EngineCore
+from frontend.offline.llm import LLM
+from protocol.config import EngineConfig, WorkerConfig
+from protocol.messages import AddRequest
+from protocol.sampling import SamplingParams
+from tests.gguf_writer import write_gguf
+from worker.executor import InprocExecutor
+from worker.model_config import UnsupportedModelError
+from worker.models.layers import Embedding, Linear
+from worker.quant.gguf_pack import Q
+from worker.quant.method import resolve_quantization
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3)
+
+
+def generate(model: str, quantization: str) -> list:  # type: ignore[type-arg]
+    with LLM(model, dtype="float32", max_model_len=512, num_kv_blocks=64, quantization=quantization) as llm:
+        return llm.generate(PROMPTS, GREEDY)
+
+
+def test_packed_smollm2_equals_its_dequantized_self_in_float32(smollm2_gguf: str) -> None:
+    packed, dense = generate(smollm2_gguf, "gguf"), generate(smollm2_gguf, "none")
+    for ours, theirs in zip(packed, dense, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for mine, other in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert {t: p.logprob for t, p in mine.items()} == {t: p.logprob for t, p in other.items()}
+
+
+def test_the_weights_held_are_the_files_size(smollm2_gguf: str) -> None:
+    """Every product and the embedding keep the file's blocks; what else the model holds is its norms."""
+    worker = WorkerConfig(model=smollm2_gguf, dtype="bfloat16", num_kv_blocks=16, max_model_len=256)
+    core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
+    try:
+        model = core.executor.runner.model  # type: ignore[attr-defined]
+        held = {id(t): t.numel() * t.element_size() for t in model.state_dict().values()}
+        quantized = [m for m in model.modules() if isinstance(m, (Linear, Embedding)) and m.quant is not None]
+        assert len(quantized) == 1 + 30 * 4 + 1  # the embedding, 4 products a layer, the tied lm_head
+        for module in quantized:
+            parts = module.quant if isinstance(module, Linear) else [module.quant]
+            held.update({id(part.packed): part.nbytes for part in parts})
+        assert sum(held.values()) <= 1.02 * os.path.getsize(smollm2_gguf)
+    finally:
+        core.shutdown()
+
+
+def test_a_flag_that_contradicts_the_checkpoint_is_refused(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert resolve_quantization(None, smollm2_gguf) == "gguf"
+    assert resolve_quantization("none", smollm2_gguf) is None
+    for method in ("awq", "gptq", "compressed-tensors"):
+        with pytest.raises(
+            UnsupportedModelError, match=f"--quantization {method}: .* is not quantized|quantized with gguf"
+        ):
+            resolve_quantization(method, smollm2_gguf)
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "awq"}}')
+    with pytest.raises(UnsupportedModelError, match="awq checkpoints are not served yet"):
+        resolve_quantization(None, str(tmp_path))
+    with pytest.raises(UnsupportedModelError, match="--quantization gguf: .* quantized with awq"):
+        resolve_quantization("gguf", str(tmp_path))
+
+
+def tiny_gguf(tmp_path, name: str, quantize) -> str:  # type: ignore[no-untyped-def]
+    """A tiny random checkpoint of a family written as a GGUF file whose products quantize() chooses."""
+    from tests.test_gguf_families import BUILDERS
+
+    arch, build = BUILDERS[name]
+    torch.manual_seed(1)
+    model = build()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                param.normal_(0.0 if param.abs().max() == 0 else 1.0, 0.3)
+    folder = tmp_path / name
+    model.save_pretrained(folder)
+    path = str(tmp_path / f"{name}.gguf")
+    write_gguf(str(folder), arch, path, quantize)
+    return path
+
+
+def mixed_types(name: str, data: np.ndarray):  # type: ignore[no-untyped-def]
+    """Every 2-d weight quantized, each tensor a type by its name: a fused product's parts differ in type."""
+    if data.ndim != 2 or data.shape[1] % 32 or data.shape[0] % 16:
+        return None
+    return TYPES[sum(name.encode()) % len(TYPES)]
+
+
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+# the families whose GGUF tensors move on the way in: llama's permuted q/k rows, GPT-NeoX's regrouped fused
+# q/k/v, Phi-3's fused gate/up, Qwen2's biases, Gemma 3's tied embedding and windows
+FAMILIES = ("llama", "gptneox", "phi3", "qwen2", "gemma3")
+
+
+def tokens_and_logprobs(path: str, quantization: str) -> dict[str, tuple[list[int], list]]:  # type: ignore[type-arg]
+    """Two prompts decoded together in 16-token steps: each one's tokens and its logprob rows."""
+    worker = WorkerConfig(
+        model=path, dtype="float32", block_size=16, max_model_len=128, quantization=quantization
+    )
+    core = EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=16), InprocExecutor(worker))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    results: dict[str, tuple[list[int], list]] = {"0": ([], []), "1": ([], [])}  # type: ignore[type-arg]
+    try:
+        model = core.executor.runner.model  # type: ignore[attr-defined]
+        products = [m for m in model.layers.modules() if isinstance(m, Linear)]
+        assert all((m.quant is not None) == (quantization == "gguf") for m in products), (
+            "a product not packed"
+        )
+        for i, n in enumerate((5, 23)):
+            prompt = [(7 * j + 3 * i) % 500 for j in range(n)]
+            core.add_request(
+                AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, arrival_time=i)
+            )
+        while core.has_unfinished_requests():
+            for _, output in core.step():
+                results[output.request_id][0].extend(output.new_token_ids)
+                if output.new_logprobs is not None:
+                    results[output.request_id][1].append(output.new_logprobs)
+    finally:
+        core.shutdown()
+    return results
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_packed_equals_its_dequantized_self(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tiny_gguf(tmp_path, name, mixed_types)
+    assert tokens_and_logprobs(path, "gguf") == tokens_and_logprobs(path, "none")
+
+
+def test_a_type_not_served_packed_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A GGUF file holding an IQ4_NL tensor: a start error naming the type and the tensor; `none` serves it."""
+    path = tiny_gguf(
+        tmp_path, "llama", lambda name, data: Q.IQ4_NL if name == "blk.0.ffn_down.weight" else None
+    )
+    with pytest.raises(
+        UnsupportedModelError, match="'blk.0.ffn_down.weight' is IQ4_NL, which is not served packed"
+    ):
+        tokens_and_logprobs(path, "gguf")
+    assert len(tokens_and_logprobs(path, "none")["1"][0]) == 12
