@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "x W^T (+ bias) with each row's sums in one fixed order (CPU)");
   m.def("quant_type_supported", &quant_type_supported, "Whether linear_quant takes this GGML type");
   m.def("linear_quant", &linear_quant, "x W^T (+ bias) on GGUF blocks kept packed, batch-invariant (CPU)");
+  m.def("linear_quant_parts", &linear_quant_parts, "x W^T (+ bias), W's column runs packed GGUF blocks (CPU)");
   m.def("quant_rows", &quant_rows, "Rows of a packed GGUF weight, dequantized (CPU)");
   m.def("route_experts", &route_experts, "A mixture-of-experts router's experts and weights per row (CPU)");
   m.def("fused_experts", &fused_experts, "A mixture-of-experts layer's experts, grouped by expert (CPU)");

@@ -19,7 +19,8 @@
 //             tensor is an absent bias, norm, packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under a bf16 x is Gemma's 1 + w
 //             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
 //             count takes it; out features a multiple of 16), a 5-d one linear_amx's (batch-invariant too:
-//             pack_pairs' viewed [N / 64, K / 32, 16, 64, 2]). Products of at most config.pairs_rows rows
+//             pack_pairs' viewed [N / 64, K / 32, 16, 64, 2]), a uint8 one GGUF blocks kept packed, its weight
+//             slot linear_quant_parts' int64 parts (batch-invariant). Products of at most config.pairs_rows rows
 //             use the pairs packing where given; the others oneDNN's packed weights when config.packed, else
 //             at::linear on plain [out, in] ones.
 // ropes:      cos, sin, positions of the global rotary, then of the local one where the model has it
@@ -77,6 +78,12 @@ struct Product {
 
 at::Tensor Product::operator()(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& pairs) const {
+  if (pairs.scalar_type() == at::kByte) {  // GGUF blocks kept packed: weight holds the parts (csrc/quant_cpu.cpp)
+    const int64_t* part = weight.data_ptr<int64_t>();
+    int64_t columns = 0;
+    for (int64_t p = 0; p < weight.size(0); ++p) columns += part[4 * p + 2];
+    return linear_quant_parts(x, pairs, weight, bias, columns);
+  }
   if (pairs.dim() == 3) return linear_rows(x, pairs, bias, pairs.size(0) * pairs.size(2));  // batch-invariant
   if (pairs.dim() == 5) return linear_amx(x, pairs, bias);                                  // batch-invariant
   if (pairs.numel() && x.size(0) <= pairs_rows) return linear_pairs(x, pairs, bias);

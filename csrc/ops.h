@@ -33,6 +33,10 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor b
 bool quant_type_supported(int64_t qtype);
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor bias,
                            int64_t out_features);
+// A product whose runs of output columns are packings of their own types, back to back in one uint8 tensor;
+// parts: int64 [P, 4] of (GGML type, first column, columns, byte offset).
+torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
+                                 int64_t out_features);
 torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids, int64_t in_features,
                          c10::ScalarType dtype);
 

@@ -24,6 +24,7 @@
 // inner kernel on it.
 #include "ops.h"
 
+#include "cpu_math.h"
 #include "gemm_rows.h"
 
 #include <ATen/Parallel.h>
@@ -39,7 +40,11 @@ using rows_kernel::COLS;
 using rows_kernel::GROUP_PASS;
 using rows_kernel::MAX_ROWS;
 constexpr int64_t ROW_BLOCK = 96;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr int FUSED_ROWS = 8;  // rows that dequantize in registers (AVX-512: 32 registers)
+#else
 constexpr int FUSED_ROWS = 4;
+#endif
 
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -74,7 +79,130 @@ Traits traits_of(int64_t qtype) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-#if defined(ENGINE_ROWS_AVX2)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(ENGINE_ROWS_AVX2)
+// AVX-512: the 16 rows of a group are one vector.
+#define ENGINE_QUANT_AVX512 1
+constexpr bool high_one(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }
+
+template <int64_t T>
+inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m512& s, __m512& o) {
+  s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+  if constexpr (T == Q4_0 || T == Q5_0) {
+    o = _mm512_mul_ps(s, _mm512_set1_ps(T == Q4_0 ? -8.0f : -16.0f));
+  } else if constexpr (T == Q8_0) {
+    o = _mm512_setzero_ps();
+  } else if constexpr (T == Q4_1 || T == Q5_1) {
+    o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.second)));
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const int64_t subs = t.block / t.sub;
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + j * 16));
+    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + (subs + j) * 16));
+    s = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.second)));
+    const __m512 dm = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+    o = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32(INT32_MIN)));
+  } else {  // Q6_K
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + j * 16));
+    s = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    o = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
+  }
+}
+
+template <int64_t T>
+inline __m512 unpack(const uint8_t* rec, const Traits& t, int64_t k) {
+  if constexpr (T == Q8_0) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16))));
+  } else {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + t.low + k * 8));
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(v, nibble), _mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+    __m512i q = _mm512_cvtepu8_epi32(both);
+    if constexpr (high_one(T)) {
+      uint16_t bits;
+      std::memcpy(&bits, rec + t.high + k * 2, 2);
+      q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(bits), q, _mm512_set1_epi32(16));
+    } else if constexpr (T == Q6_K) {
+      uint32_t bits;
+      std::memcpy(&bits, rec + t.high + k * 4, 4);
+      const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const __m512i top = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits)), shifts),
+                                           _mm512_set1_epi32(3));
+      q = _mm512_or_si512(q, _mm512_slli_epi32(top, 4));
+    }
+    return _mm512_cvtepi32_ps(q);
+  }
+}
+
+// Dims k and k + 1 (k even) at once: one 16-byte load holds both dims' nibbles.
+template <int64_t T>
+inline void unpack_two(const uint8_t* rec, const Traits& t, int64_t k, __m512& first, __m512& second) {
+  if constexpr (T == Q8_0) {
+    first = unpack<T>(rec, t, k);
+    second = unpack<T>(rec, t, k + 1);
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 8));
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+    __m512i a = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
+    __m512i b = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi));
+    if constexpr (high_one(T)) {
+      uint32_t bits;
+      std::memcpy(&bits, rec + t.high + k * 2, 4);
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      a = _mm512_mask_or_epi32(a, static_cast<__mmask16>(bits), a, sixteen);
+      b = _mm512_mask_or_epi32(b, static_cast<__mmask16>(bits >> 16), b, sixteen);
+    } else if constexpr (T == Q6_K) {
+      uint64_t bits;
+      std::memcpy(&bits, rec + t.high + k * 4, 8);
+      const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const __m512i three = _mm512_set1_epi32(3);
+      const __m512i ta = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits)), shifts), three);
+      const __m512i tb = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits >> 32)), shifts), three);
+      a = _mm512_or_si512(a, _mm512_slli_epi32(ta, 4));
+      b = _mm512_or_si512(b, _mm512_slli_epi32(tb, 4));
+    }
+    first = _mm512_cvtepi32_ps(a);
+    second = _mm512_cvtepi32_ps(b);
+  }
+}
+
+template <int64_t T>
+void dequant_record(const uint8_t* rec, const Traits& t, float* w) {
+  for (int64_t j = 0; j < t.block / t.sub; ++j) {
+    __m512 s, o;
+    scales_of<T>(rec, t, j, s, o);
+    for (int64_t k = j * t.sub; k < (j + 1) * t.sub; ++k)
+      _mm512_storeu_ps(w + k * 16, _mm512_fmadd_ps(s, unpack<T>(rec, t, k), o));
+  }
+}
+
+template <int ROWS, int64_t T>
+void fused_pass(const float* x, int64_t k, const uint8_t* group, const Traits& t, float* sums) {
+  __m512 acc[FUSED_ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t blocks = k / t.block, subs = t.block / t.sub;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec = group + b * t.record;
+    for (int64_t j = 0; j < subs; ++j) {
+      __m512 s, o;
+      scales_of<T>(rec, t, j, s, o);
+      const int64_t first = j * t.sub;
+      const float* xs = x + b * t.block + first;
+      for (int64_t d = 0; d < t.sub; d += 2) {
+        __m512 qa, qb;
+        unpack_two<T>(rec, t, first + d, qa, qb);
+        const __m512 wa = _mm512_fmadd_ps(s, qa, o), wb = _mm512_fmadd_ps(s, qb, o);
+        for (int m = 0; m < ROWS; ++m) {
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * k + d]), wa, acc[m]);
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * k + d + 1]), wb, acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(sums + m * COLS, acc[m]);
+}
+#elif defined(ENGINE_ROWS_AVX2)
 constexpr bool high_one(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }
 
 // The 16 rows' scales and offsets for sub-block j of a record: (s0, o0) rows 0-7, (s1, o1) rows 8-15.
@@ -259,9 +387,10 @@ void store_row(const float* sums, const float* bias, O* y, int64_t cols) {
   for (int64_t c = 0; c < cols; ++c) y[c] = static_cast<O>(bias != nullptr ? sums[c] + bias[c] : sums[c]);
 }
 
+// y[m * ldy + c] for the n = 16 x groups columns of one packing.
 template <int64_t T, typename O>
 void run(const float* xs, int64_t rows, int64_t k, const uint8_t* w, const Traits& t, const float* bias, O* out,
-         int64_t n) {
+         int64_t n, int64_t ldy) {
   const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record;
 #if defined(ENGINE_ROWS_AVX2)
   if (rows <= FUSED_ROWS) {
@@ -273,10 +402,18 @@ void run(const float* xs, int64_t rows, int64_t k, const uint8_t* w, const Trait
           case 1: fused_pass<1, T>(xs, k, group, t, sums); break;
           case 2: fused_pass<2, T>(xs, k, group, t, sums); break;
           case 3: fused_pass<3, T>(xs, k, group, t, sums); break;
+#if defined(ENGINE_QUANT_AVX512)
+          case 4: fused_pass<4, T>(xs, k, group, t, sums); break;
+          case 5: fused_pass<5, T>(xs, k, group, t, sums); break;
+          case 6: fused_pass<6, T>(xs, k, group, t, sums); break;
+          case 7: fused_pass<7, T>(xs, k, group, t, sums); break;
+          default: fused_pass<8, T>(xs, k, group, t, sums); break;
+#else
           default: fused_pass<4, T>(xs, k, group, t, sums); break;
+#endif
         }
         for (int64_t m = 0; m < rows; ++m)
-          store_row<O>(sums + m * COLS, bias != nullptr ? bias + g * COLS : nullptr, out + m * n + g * COLS, COLS);
+          store_row<O>(sums + m * COLS, bias != nullptr ? bias + g * COLS : nullptr, out + m * ldy + g * COLS, COLS);
       }
     });
     return;
@@ -294,12 +431,124 @@ void run(const float* xs, int64_t rows, int64_t k, const uint8_t* w, const Trait
         const int pass = static_cast<int>(std::min<int64_t>(MAX_ROWS, last - r));
         GROUP_PASS<float>[pass](xs + r * k, k, tile.data(), sums);
         for (int m = 0; m < pass; ++m)
-          store_row<O>(sums + m * COLS, bias != nullptr ? bias + g * COLS : nullptr, out + (r + m) * n + g * COLS,
+          store_row<O>(sums + m * COLS, bias != nullptr ? bias + g * COLS : nullptr, out + (r + m) * ldy + g * COLS,
                        COLS);
       }
     }
   });
 }
+
+
+#if defined(ENGINE_QUANT_AVX512) && defined(__AVX512BF16__)
+// bf16 rows on AVX-512 BF16: the weights rounded to bf16 (as the dequantized bf16 model's are) and summed a
+// dim pair at a time with vdpbf16ps, each output's pairs in k order from 0, + bias, rounded once: linear_pairs'
+// sums (csrc/gemm_cpu.cpp) on the dequantized bf16 weight, at any row count.
+#define ENGINE_QUANT_BF16 1
+constexpr int BF16_ROWS = 8;  // rows a pass
+
+// Dims k and k + 1 of a record's 16 rows as bf16 pairs: lane c holds (w[k][c], w[k + 1][c]).
+template <int64_t T>
+inline __m512i pair_weights(const uint8_t* rec, const Traits& t, int64_t k, const __m512& s, const __m512& o) {
+  __m512 qa, qb;
+  unpack_two<T>(rec, t, k, qa, qb);
+  const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s, qb, o), _mm512_fmadd_ps(s, qa, o));
+  alignas(64) static constexpr int16_t kOrder[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                      8,  24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kOrder);
+  __m512i bits;
+  std::memcpy(&bits, &both, sizeof bits);
+  return _mm512_permutexvar_epi16(order, bits);
+}
+
+// ROWS rows (bf16, their dim pairs at xp[m * kpairs + kp]) against 16 columns whose dim pairs `line(kp)` gives.
+template <int ROWS, typename Line>
+inline void pair_pass(const uint32_t* xp, int64_t kpairs, Line&& line, const float* bias, c10::BFloat16* y,
+                      int64_t ldy) {
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    const __m512bh w = as_bf16_pairs(line(kp));
+    for (int m = 0; m < ROWS; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], w, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp]))));
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    const __m512 sum = bias != nullptr ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias)) : acc[m];
+    const __m256bh half = _mm512_cvtneps_pbh(sum);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy), reinterpret_cast<const __m256i&>(half));
+  }
+}
+
+template <int ROWS, int64_t T>
+void fused_pairs(const uint32_t* xp, int64_t k, const uint8_t* group, const Traits& t, const float* bias,
+                 c10::BFloat16* y, int64_t ldy) {
+  const int64_t kpairs = k / 2;
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / t.block; ++b) {
+    const uint8_t* rec = group + b * t.record;
+    for (int64_t j = 0; j < t.block / t.sub; ++j) {
+      __m512 s, o;
+      scales_of<T>(rec, t, j, s, o);
+      for (int64_t d = j * t.sub; d < (j + 1) * t.sub; d += 2) {
+        const __m512bh w = as_bf16_pairs(pair_weights<T>(rec, t, d, s, o));
+        const int64_t kp = (b * t.block + d) / 2;
+        for (int m = 0; m < ROWS; ++m)
+          acc[m] = _mm512_dpbf16_ps(acc[m], w, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp]))));
+      }
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    const __m512 sum = bias != nullptr ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias)) : acc[m];
+    const __m256bh half = _mm512_cvtneps_pbh(sum);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy), reinterpret_cast<const __m256i&>(half));
+  }
+}
+
+template <int64_t T>
+void run_pairs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const Traits& t, const float* bias,
+               c10::BFloat16* out, int64_t n, int64_t ldy) {
+  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record, kpairs = k / 2;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // row m's dim pairs at m * kpairs
+  const int64_t passes = (rows + BF16_ROWS - 1) / BF16_ROWS;
+  const bool tile = rows > BF16_ROWS;  // more passes than one: widen a group's weights once, into a tile
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> pairs(tile ? kpairs * COLS : 0);
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = w + g * group_bytes;
+      const float* b = bias != nullptr ? bias + g * COLS : nullptr;
+      if (tile) {
+        for (int64_t blk = 0; blk < k / t.block; ++blk) {
+          const uint8_t* rec = group + blk * t.record;
+          for (int64_t j = 0; j < t.block / t.sub; ++j) {
+            __m512 s, o;
+            scales_of<T>(rec, t, j, s, o);
+            for (int64_t d = j * t.sub; d < (j + 1) * t.sub; d += 2)
+              _mm512_storeu_si512(pairs.data() + (blk * t.block + d) / 2 * COLS, pair_weights<T>(rec, t, d, s, o));
+          }
+        }
+      }
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t r = pass * BF16_ROWS;
+        const int count = static_cast<int>(std::min<int64_t>(BF16_ROWS, rows - r));
+        const uint32_t* xr = xp + r * kpairs;
+        c10::BFloat16* yr = out + r * ldy + g * COLS;
+        auto from_tile = [&](int64_t kp) { return _mm512_loadu_si512(pairs.data() + kp * COLS); };
+#define ENGINE_PASS(R)                                                           \
+  case R:                                                                        \
+    if (tile) pair_pass<R>(xr, kpairs, from_tile, b, yr, ldy);                   \
+    else fused_pairs<R, T>(xr, k, group, t, b, yr, ldy);                         \
+    break;
+        switch (count) {
+          ENGINE_PASS(1) ENGINE_PASS(2) ENGINE_PASS(3) ENGINE_PASS(4) ENGINE_PASS(5) ENGINE_PASS(6) ENGINE_PASS(7)
+          default: if (tile) pair_pass<8>(xr, kpairs, from_tile, b, yr, ldy);
+                   else fused_pairs<8, T>(xr, k, group, t, b, yr, ldy);
+        }
+#undef ENGINE_PASS
+      }
+    }
+  });
+}
+#endif
 
 template <typename F>
 void dispatch(int64_t qtype, F&& f) {
@@ -332,30 +581,75 @@ bool quant_type_supported(int64_t qtype) {
   }
 }
 
+namespace {
+
+// The parts of one product into y's columns [start, start + out_features) each.
+void run_parts(const torch::Tensor& x, const uint8_t* bytes, int64_t num_bytes, const int64_t* parts,
+               int64_t num_parts, const float* bias, torch::Tensor& y) {
+  const int64_t rows = x.size(0), k = x.size(1), n = y.size(1);
+#if defined(ENGINE_QUANT_BF16)
+  const bool pairs = x.scalar_type() == at::kBFloat16;  // the bf16 path takes bf16 rows as they are
+  const torch::Tensor xb = pairs ? x.contiguous() : torch::Tensor();
+  TORCH_CHECK(!pairs || k % 2 == 0, "quantized products: K is even");
+#else
+  const bool pairs = false;
+#endif
+  const torch::Tensor x32 = pairs ? torch::Tensor() : x.to(at::kFloat).contiguous();
+  for (int64_t p = 0; p < num_parts; ++p) {
+    const int64_t qtype = parts[4 * p], start = parts[4 * p + 1], width = parts[4 * p + 2], offset = parts[4 * p + 3];
+    const Traits t = traits_of(qtype);
+    TORCH_CHECK(k % t.block == 0, "quantized products: K = ", k, " is not whole blocks of ", t.block);
+    TORCH_CHECK(width % COLS == 0 && start >= 0 && start + width <= n, "quantized products: part ", p, " columns");
+    TORCH_CHECK(offset >= 0 && offset + width / COLS * (k / t.block) * t.record <= num_bytes,
+                "quantized products: part ", p, " lies past the packing");
+    const uint8_t* w = bytes + offset;
+    const float* b = bias != nullptr ? bias + start : nullptr;
+    dispatch(qtype, [&](auto type) {
+      constexpr int64_t T = decltype(type)::value;
+#if defined(ENGINE_QUANT_BF16)
+      if (y.scalar_type() == at::kBFloat16) {
+        run_pairs<T>(xb.data_ptr<c10::BFloat16>(), rows, k, w, t, b, y.data_ptr<c10::BFloat16>() + start, width, n);
+        return;
+      }
+#endif
+      if (y.scalar_type() == at::kFloat)
+        run<T, float>(x32.data_ptr<float>(), rows, k, w, t, b, y.data_ptr<float>() + start, width, n);
+      else
+        run<T, c10::BFloat16>(x32.data_ptr<float>(), rows, k, w, t, b, y.data_ptr<c10::BFloat16>() + start, width, n);
+    });
+  }
+}
+
+}  // namespace
+
+torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
+                                 int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "linear_quant: x [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_quant: float32 or bf16 x");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "linear_quant: packed is contiguous uint8");
+  TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 4 && parts.is_contiguous(),
+              "linear_quant: parts is int64 [P, 4]: GGML type, first column, columns, byte offset");
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has_bias || bias.numel() == out_features, "linear_quant: bias size");
+  const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  int64_t covered = 0;
+  for (int64_t p = 0; p < parts.size(0); ++p) covered += parts.data_ptr<int64_t>()[4 * p + 2];
+  TORCH_CHECK(covered == out_features, "linear_quant: the parts cover ", covered, " of ", out_features, " columns");
+  run_parts(x, packed.data_ptr<uint8_t>(), packed.numel(), parts.data_ptr<int64_t>(), parts.size(0),
+            has_bias ? bias32.data_ptr<float>() : nullptr, y);
+  return y;
+}
+
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor bias,
                            int64_t out_features) {
   const Traits t = traits_of(qtype);
   TORCH_CHECK(x.dim() == 2, "linear_quant: x [M, K]");
   check_packing(packed, t, x.size(1));
   TORCH_CHECK(out_features == packed.size(0) * COLS, "linear_quant: out_features is 16 x the groups");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_quant: float32 or bf16 x");
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  TORCH_CHECK(!has_bias || bias.numel() == out_features, "linear_quant: bias size");
-  const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
-  auto y = torch::empty({x.size(0), out_features}, x.options());
-  if (x.size(0) == 0) return y;
-  const torch::Tensor x32 = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
-  const float* b = has_bias ? bias32.data_ptr<float>() : nullptr;
-  dispatch(qtype, [&](auto type) {
-    constexpr int64_t T = decltype(type)::value;
-    if (x.scalar_type() == at::kFloat)
-      run<T, float>(x32.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), t, b,
-                    y.data_ptr<float>(), out_features);
-    else
-      run<T, c10::BFloat16>(x32.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), t, b,
-                            y.data_ptr<c10::BFloat16>(), out_features);
-  });
-  return y;
+  const torch::Tensor parts = torch::tensor({qtype, int64_t{0}, out_features, int64_t{0}}, torch::kLong).view({1, 4});
+  return linear_quant_parts(x, packed.view({-1}), parts, bias, out_features);
 }
 
 torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids, int64_t in_features,

@@ -2,7 +2,8 @@
 for every type served packed: the rows dequantize to the `gguf` package's numpy values bit for bit; the
 product equals linear_rows on those float32 values bit for bit (so the model equals its dequantized float32
 self), is within float32 rounding of a float64 product, and gives each row the same bits alone and in a
-batch, at 1 to 512 rows, in float32 and bf16. The blocks are random bytes with sane f16 scales: every
+batch, at 1 to 512 rows, in float32 and bf16 (bf16 with AVX-512 BF16: linear_pairs on the weights rounded to
+bf16, as the dequantized bf16 model has them). The blocks are random bytes with sane f16 scales: every
 integer and every 6-bit scale pattern the format can hold."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def random_blocks(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def shape_of(qtype: Q) -> tuple[int, int]:
-    return (48, 512) if GGML_QUANT_SIZES[qtype][0] == 256 else (48, 160)
+    return (64, 512) if GGML_QUANT_SIZES[qtype][0] == 256 else (64, 160)
 
 
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
@@ -42,7 +43,7 @@ def test_rows_dequantize_to_the_gguf_packages_values(ops, qtype) -> None:  # typ
     raw = random_blocks(qtype, n, k)
     expected = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
     packed = torch.from_numpy(pack(raw, qtype, (n, k)))
-    ids = torch.tensor([5, 0, 47, 16, 5])
+    ids = torch.tensor([5, 0, 63, 16, 5])
     assert torch.equal(ops.quant_rows(packed, int(qtype), torch.arange(n), k, torch.float32), expected)
     assert torch.equal(ops.quant_rows(packed, int(qtype), ids, k, torch.float32), expected[ids])
     assert torch.equal(ops.quant_rows(packed, int(qtype), ids, k, torch.bfloat16), expected[ids].bfloat16())
@@ -58,6 +59,7 @@ def test_products_equal_linear_rows_on_the_dequantized_weight(ops, qtype, dtype)
     weight = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
     packed = torch.from_numpy(pack(raw, qtype, (n, k)))
     rows_layout = ops.pack_rows(weight)
+    pairs_layout = ops.pack_pairs(weight.bfloat16()) if ops.pairs_available() else None
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
     x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(3))
     alone = [ops.linear_quant(x_all[i : i + 1].to(dtype), packed, int(qtype), bias, n) for i in range(8)]
@@ -65,12 +67,19 @@ def test_products_equal_linear_rows_on_the_dequantized_weight(ops, qtype, dtype)
         x = x_all[:rows]
         y = ops.linear_quant(x.to(dtype), packed, int(qtype), bias, n)
         assert y.dtype == dtype and y.shape == (rows, n)
-        reference = ops.linear_rows(x.to(dtype).float(), rows_layout, bias, n).to(dtype)
-        assert torch.equal(y, reference), f"{rows} rows differ from linear_rows"
+        if dtype == torch.bfloat16 and ops.pairs_available():  # bf16 weights, dim pairs: linear_pairs' sums
+            reference = ops.linear_pairs(x.to(dtype), pairs_layout, bias)
+        else:
+            reference = ops.linear_rows(x.to(dtype).float(), rows_layout, bias, n).to(dtype)
+        assert torch.equal(y, reference), f"{rows} rows differ from the dequantized weight's product"
         exact = x.to(dtype).double() @ weight.double().T + bias.double()
         tolerance = 1e-5 * (x.to(dtype).double().abs() @ weight.double().abs().T + 1)
-        if dtype == torch.bfloat16:  # one rounding of the output to bf16
-            tolerance = tolerance + exact.abs() * 2.0**-8
+        if dtype == torch.bfloat16:  # the output rounded to bf16 (and, with dim pairs, each weight)
+            tolerance = (
+                tolerance
+                + exact.abs() * 2.0**-8
+                + x.to(dtype).double().abs() @ weight.double().abs().T * 2.0**-8
+            )
         assert bool(((y.double() - exact).abs() <= tolerance).all()), f"{rows} rows off the float64 product"
         for i in range(min(rows, 8)):
             assert torch.equal(y[i : i + 1], alone[i]), f"row {i} alone differs from row {i} of {rows}"

@@ -81,6 +81,14 @@ class CpuOps(Protocol):
     def linear_quant(
         self, x: torch.Tensor, packed: torch.Tensor, qtype: int, bias: torch.Tensor, out_features: int
     ) -> torch.Tensor: ...
+    def linear_quant_parts(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        parts: torch.Tensor,
+        bias: torch.Tensor,
+        out_features: int,
+    ) -> torch.Tensor: ...
     def quant_rows(
         self, packed: torch.Tensor, qtype: int, ids: torch.Tensor, in_features: int, dtype: torch.dtype
     ) -> torch.Tensor: ...

@@ -158,16 +158,22 @@ class CausalLM(nn.Module):
         pack False: the weights stay as loaded (the CUDA worker moves them to the GPU)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-            embedding = self.embed_tokens
-            if isinstance(embedding, Embedding) and embedding.quant is not None:
-                self.lm_head.quant = [embedding.quant]
         quantized = [m for m in self.modules() if isinstance(m, (Linear, Embedding)) and m.quant is not None]
         if quantized:
             assert self.ops is not None, (
                 "GGUF blocks kept packed need the csrc kernels (worker/quant/method.py)"
             )
-            for holder in quantized:
-                holder.finalize_quant(self.ops)
+            # one buffer on huge pages, as the other packings: a decode step reads every byte of it
+            slots = empty_on_huge_pages([(m.quant_nbytes,) for m in quantized], torch.uint8)
+            for holder, slot in zip(quantized, slots, strict=True):
+                holder.finalize_quant(self.ops, slot)
+        embedding = self.embed_tokens
+        if (
+            self.config.tie_word_embeddings
+            and isinstance(embedding, Embedding)
+            and embedding.quant is not None
+        ):
+            self.lm_head.share_quant(embedding.quant, embedding.ops)  # the embedding's blocks, not a copy
         for module in self.modules():
             if isinstance(module, (OffsetRMSNorm, LatentAttention)):
                 module.finalize()
@@ -206,7 +212,9 @@ class CausalLM(nn.Module):
             pairs_onto_huge_pages(linears)
         # NOTE: the native stack runs every layer in one C++ call, with no way out for an all-reduce
         if self.ops is not None and hasattr(self.ops, "decoder_layers") and self.tp is None:
-            if native_stack_serves(self.config) and not quantized:  # NOTE: no quantized products there yet
+            # (packed GGUF products take float32 or bf16 rows)
+            dtype_ok = not quantized or self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
+            if native_stack_serves(self.config) and dtype_ok:
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -88,7 +88,15 @@ class Embedding(nn.Embedding):
     def add_quant(self, part: QuantPart) -> None:
         self.quant = part
 
-    def finalize_quant(self, ops: CpuOps) -> None:
+    @property
+    def quant_nbytes(self) -> int:
+        return self.quant.nbytes if self.quant is not None else 0
+
+    def finalize_quant(self, ops: CpuOps, slot: torch.Tensor | None = None) -> None:
+        assert self.quant is not None
+        if slot is not None:
+            slot.copy_(self.quant.packed.view(-1))
+            self.quant.packed = slot.view(self.quant.packed.shape)
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -117,33 +125,49 @@ class Linear(nn.Linear):
     # a GGUF file's blocks kept packed, in place of the weight: each part a run of output rows (a fused
     # product's q, k and v may each have a type of their own); csrc linear_quant (batch-invariant)
     quant: list[QuantPart] | None = None
+    quant_bytes: torch.Tensor | None = None  # the parts back to back (finalize_quant)
+    quant_parts: torch.Tensor | None = None
 
     def add_quant(self, part: QuantPart) -> None:
         self.quant = sorted([*(self.quant or []), part], key=lambda p: p.start)
 
-    def finalize_quant(self, ops: CpuOps) -> None:
-        """Serve from the packed parts (which load_checkpoint checked cover every row): drop the weight."""
+    def finalize_quant(self, ops: CpuOps, slot: torch.Tensor | None = None) -> None:
+        """Serve from the packed parts (which load_checkpoint checked cover every row), back to back in one
+        uint8 buffer (slot: where, on huge pages; else a new tensor), described by `quant_parts` (csrc
+        linear_quant_parts: type, first row, rows, byte offset per part); the weight is dropped."""
+        assert self.quant is not None
+        sizes = [part.nbytes for part in self.quant]
+        flat = slot if slot is not None else torch.empty(sum(sizes), dtype=torch.uint8)
+        offset, rows = 0, []
+        for part, size in zip(self.quant, sizes, strict=True):
+            view = flat[offset : offset + size]
+            view.copy_(part.packed.view(-1))
+            rows.append([part.qtype, part.start, part.out_features, offset])
+            part.packed = view.view(part.packed.shape)
+            offset += size
+        self.quant_bytes, self.quant_parts = flat, torch.tensor(rows, dtype=torch.int64)
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    @property
+    def quant_nbytes(self) -> int:
+        return sum(part.nbytes for part in self.quant or [])
+
+    def share_quant(self, part: QuantPart, ops: CpuOps | None) -> None:
+        """Serve from another module's finalized blocks (a tied lm_head: the embedding's)."""
+        assert ops is not None
+        self.quant, self.quant_bytes, self.ops = [part], part.packed.view(-1), ops
+        self.quant_parts = torch.tensor([[part.qtype, 0, part.out_features, 0]], dtype=torch.int64)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
     def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.quant is not None and self.ops is not None  # finalize_quant sets ops
+        assert self.quant_bytes is not None and self.quant_parts is not None and self.ops is not None
         dtype = x.dtype
         rows = x.reshape(-1, self.in_features)
         if dtype not in (torch.float32, torch.bfloat16):  # float16: the products take float32 rows
             rows = rows.float()
-        if len(self.quant) == 1:
-            part = self.quant[0]
-            bias = self.bias if self.bias is not None else NO_BIAS
-            y = self.ops.linear_quant(rows, part.packed, part.qtype, bias, self.out_features)
-        else:
-            y = rows.new_empty((rows.shape[0], self.out_features))
-            for part in self.quant:
-                end = part.start + part.out_features
-                run_bias = self.bias[part.start : end] if self.bias is not None else NO_BIAS
-                y[:, part.start : end] = self.ops.linear_quant(
-                    rows, part.packed, part.qtype, run_bias, part.out_features
-                )
+        bias = self.bias if self.bias is not None else NO_BIAS
+        y = self.ops.linear_quant_parts(rows, self.quant_bytes, self.quant_parts, bias, self.out_features)
         return y.to(dtype).view(*x.shape[:-1], self.out_features)
 
     def reset_parameters(self) -> None:

@@ -94,6 +94,8 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     def weight(linear: Linear | None) -> torch.Tensor:
         if linear is None:
             return none
+        if linear.quant_parts is not None:  # GGUF blocks kept packed: the parts (packing(): the bytes)
+            return linear.quant_parts
         return (linear.packed if linear.packed is not None else linear.weight).detach()
 
     def optional(module: nn.Module | None, name: str) -> torch.Tensor:
@@ -104,6 +106,8 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
         """csrc's packing of a product: linear_rows' 3-d, linear_amx's 5-d view of the pairs, the pairs 4-d."""
         if linear is None:
             return none
+        if linear.quant_bytes is not None:
+            return linear.quant_bytes
         if linear.amx:
             assert linear.pairs is not None
             groups, kpairs, width, two = linear.pairs.shape
