@@ -439,62 +439,98 @@ void run(const float* xs, int64_t rows, int64_t k, const uint8_t* w, const Trait
 }
 
 
-#if defined(ENGINE_QUANT_AVX512) && defined(__AVX512BF16__)
-// bf16 rows on AVX-512 BF16: the weights rounded to bf16 (as the dequantized bf16 model's are) and summed a
-// dim pair at a time with vdpbf16ps, each output's pairs in k order from 0, + bias, rounded once: linear_pairs'
-// sums (csrc/gemm_cpu.cpp) on the dequantized bf16 weight, at any row count.
+#if defined(ENGINE_QUANT_AVX512) && defined(__AVX512BF16__) && defined(__BMI2__)
+// bf16 rows on AVX-512 BF16: the scale factored out of each sub-block. A sub-block's sums of x times the stored
+// integers go a dim pair at a time through vdpbf16ps (the integers are exact in bf16, x is bf16 already), and
+// then y += scale * sums + offset' * (the sub-block's sum of x). The weights are never rounded to bf16 (the
+// dequantized bf16 model rounds them), and a weight costs a few integer operations, not a conversion and an
+// FMA. The same steps in the same order at every row count: batch-invariant, within float32 rounding of the
+// float64 product before the output's rounding to bf16 (tests/test_kernels_quant.py).
+// Nibble types store q + 128, whose bf16 bits are 0x4300 | q (128 + q has the exponent of 128 and q in the 7
+// mantissa bits, q < 128), so offset' = offset - 128 scale; Q8_0 converts its int8 values.
 #define ENGINE_QUANT_BF16 1
 constexpr int BF16_ROWS = 8;  // rows a pass
 
-// Dims k and k + 1 of a record's 16 rows as bf16 pairs: lane c holds (w[k][c], w[k + 1][c]).
+alignas(64) constexpr int16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// The 16 rows' stored integers at dims k and k + 1 (k even) as bf16 pairs: lane c holds (q[k][c], q[k + 1][c]).
 template <int64_t T>
-inline __m512i pair_weights(const uint8_t* rec, const Traits& t, int64_t k, const __m512& s, const __m512& o) {
-  __m512 qa, qb;
-  unpack_two<T>(rec, t, k, qa, qb);
-  const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s, qb, o), _mm512_fmadd_ps(s, qa, o));
-  alignas(64) static constexpr int16_t kOrder[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                      8,  24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i order = _mm512_load_si512(kOrder);
-  __m512i bits;
-  std::memcpy(&bits, &both, sizeof bits);
-  return _mm512_permutexvar_epi16(order, bits);
+inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
+  if constexpr (T == Q8_0) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + (k + 1) * 16));
+    const __m512bh both =
+        _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)));
+    __m512i bits;
+    std::memcpy(&bits, &both, sizeof bits);
+    return _mm512_permutexvar_epi16(_mm512_load_si512(kPairOrder), bits);
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 8));
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+    const __m128i rows_lo = _mm_unpacklo_epi8(lo, _mm_srli_si128(lo, 8));  // rows 0-7: (k, k + 1) byte pairs
+    const __m128i rows_hi = _mm_unpacklo_epi8(hi, _mm_srli_si128(hi, 8));  // rows 8-15
+    __m512i q = _mm512_cvtepu8_epi16(_mm256_set_m128i(rows_hi, rows_lo));
+    if constexpr (high_one(T)) {
+      uint32_t bits;  // dim k's 16 fifth bits, then dim k + 1's
+      std::memcpy(&bits, rec + t.high + k * 2, 4);
+      const __mmask32 set = _pdep_u32(bits & 0xFFFF, 0x55555555u) | _pdep_u32(bits >> 16, 0xAAAAAAAAu);
+      q = _mm512_mask_add_epi16(q, set, q, _mm512_set1_epi16(16));
+    } else if constexpr (T == Q6_K) {
+      uint32_t bits[2];  // dims k and k + 1: row c's top two bits at 2c, 2c + 1
+      std::memcpy(bits, rec + t.high + k * 4, 8);
+      const uint32_t fifth = _pdep_u32(_pext_u32(bits[0], 0x55555555u), 0x55555555u) |
+                             _pdep_u32(_pext_u32(bits[1], 0x55555555u), 0xAAAAAAAAu);
+      const uint32_t sixth = _pdep_u32(_pext_u32(bits[0], 0xAAAAAAAAu), 0x55555555u) |
+                             _pdep_u32(_pext_u32(bits[1], 0xAAAAAAAAu), 0xAAAAAAAAu);
+      q = _mm512_mask_add_epi16(q, fifth, q, _mm512_set1_epi16(16));
+      q = _mm512_mask_add_epi16(q, sixth, q, _mm512_set1_epi16(32));
+    }
+    return _mm512_or_si512(q, _mm512_set1_epi16(0x4300));
+  }
 }
 
-// ROWS rows (bf16, their dim pairs at xp[m * kpairs + kp]) against 16 columns whose dim pairs `line(kp)` gives.
-template <int ROWS, typename Line>
-inline void pair_pass(const uint32_t* xp, int64_t kpairs, Line&& line, const float* bias, c10::BFloat16* y,
-                      int64_t ldy) {
-  __m512 acc[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < kpairs; ++kp) {
-    const __m512bh w = as_bf16_pairs(line(kp));
-    for (int m = 0; m < ROWS; ++m)
-      acc[m] = _mm512_dpbf16_ps(acc[m], w, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp]))));
-  }
-  for (int m = 0; m < ROWS; ++m) {
-    const __m512 sum = bias != nullptr ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias)) : acc[m];
-    const __m256bh half = _mm512_cvtneps_pbh(sum);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy), reinterpret_cast<const __m256i&>(half));
-  }
+template <int64_t T>
+inline __m512 shifted_offset(const __m512& s, const __m512& o) {
+  if constexpr (T == Q8_0) return o;
+  return _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, o);  // o - 128 s, one rounding
 }
 
-template <int ROWS, int64_t T>
-void fused_pairs(const uint32_t* xp, int64_t k, const uint8_t* group, const Traits& t, const float* bias,
-                 c10::BFloat16* y, int64_t ldy) {
-  const int64_t kpairs = k / 2;
+// ROWS rows: xp their dim pairs (row m at m * K / 2), xsum their sub-blocks' sums (row m at m * subs); the 16
+// rows of one group from its records (TILE false) or from a tile of pair_ints and scales made once (TILE true).
+template <int ROWS, int64_t T, bool TILE>
+void factored_pass(const uint32_t* xp, const float* xsum, int64_t k, const uint8_t* group, const Traits& t,
+                   const uint32_t* tile_q, const float* tile_s, const float* tile_o, const float* bias,
+                   c10::BFloat16* y, int64_t ldy) {
+  const int64_t kpairs = k / 2, per_block = t.block / t.sub, subs = k / t.sub;
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < k / t.block; ++b) {
-    const uint8_t* rec = group + b * t.record;
-    for (int64_t j = 0; j < t.block / t.sub; ++j) {
-      __m512 s, o;
-      scales_of<T>(rec, t, j, s, o);
-      for (int64_t d = j * t.sub; d < (j + 1) * t.sub; d += 2) {
-        const __m512bh w = as_bf16_pairs(pair_weights<T>(rec, t, d, s, o));
-        const int64_t kp = (b * t.block + d) / 2;
-        for (int m = 0; m < ROWS; ++m)
-          acc[m] = _mm512_dpbf16_ps(acc[m], w, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp]))));
-      }
+  for (int64_t si = 0; si < subs; ++si) {
+    const uint8_t* rec = group + (si / per_block) * t.record;
+    const int64_t first = (si % per_block) * t.sub;  // within the record
+    __m512 s, o;
+    if constexpr (TILE) {
+      s = _mm512_loadu_ps(tile_s + si * 16);
+      o = _mm512_loadu_ps(tile_o + si * 16);
+    } else {
+      scales_of<T>(rec, t, si % per_block, s, o);
+      o = shifted_offset<T>(s, o);
+    }
+    __m512 part[ROWS];
+    for (int m = 0; m < ROWS; ++m) part[m] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < t.sub; d += 2) {
+      const int64_t kp = (si * t.sub + d) / 2;
+      __m512i ints;
+      if constexpr (TILE) ints = _mm512_loadu_si512(tile_q + kp * 16);
+      else ints = pair_ints<T>(rec, t, first + d);
+      const __m512bh w = as_bf16_pairs(ints);
+      for (int m = 0; m < ROWS; ++m)
+        part[m] = _mm512_dpbf16_ps(part[m], w, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp]))));
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      acc[m] = _mm512_fmadd_ps(s, part[m], acc[m]);
+      acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[m * subs + si]), acc[m]);
     }
   }
   for (int m = 0; m < ROWS; ++m) {
@@ -507,41 +543,51 @@ void fused_pairs(const uint32_t* xp, int64_t k, const uint8_t* group, const Trai
 template <int64_t T>
 void run_pairs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const Traits& t, const float* bias,
                c10::BFloat16* out, int64_t n, int64_t ldy) {
-  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record, kpairs = k / 2;
+  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record, kpairs = k / 2, subs = k / t.sub;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // row m's dim pairs at m * kpairs
+  std::vector<float> xsum(rows * subs);  // each row's sub-block sums, in k order
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t si = 0; si < subs; ++si) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < t.sub; ++d) sum += static_cast<float>(x[m * k + si * t.sub + d]);
+      xsum[m * subs + si] = sum;
+    }
   const int64_t passes = (rows + BF16_ROWS - 1) / BF16_ROWS;
-  const bool tile = rows > BF16_ROWS;  // more passes than one: widen a group's weights once, into a tile
+  const bool tile = passes > 1;  // a group's integers and scales widened once, read by every pass
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> pairs(tile ? kpairs * COLS : 0);
+    std::vector<uint32_t> tile_q(tile ? kpairs * COLS : 0);
+    std::vector<float> tile_s(tile ? subs * COLS : 0), tile_o(tile ? subs * COLS : 0);
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * group_bytes;
       const float* b = bias != nullptr ? bias + g * COLS : nullptr;
       if (tile) {
-        for (int64_t blk = 0; blk < k / t.block; ++blk) {
-          const uint8_t* rec = group + blk * t.record;
-          for (int64_t j = 0; j < t.block / t.sub; ++j) {
-            __m512 s, o;
-            scales_of<T>(rec, t, j, s, o);
-            for (int64_t d = j * t.sub; d < (j + 1) * t.sub; d += 2)
-              _mm512_storeu_si512(pairs.data() + (blk * t.block + d) / 2 * COLS, pair_weights<T>(rec, t, d, s, o));
-          }
+        for (int64_t si = 0; si < subs; ++si) {
+          const uint8_t* rec = group + (si / (t.block / t.sub)) * t.record;
+          const int64_t j = si % (t.block / t.sub);
+          __m512 s, o;
+          scales_of<T>(rec, t, j, s, o);
+          _mm512_storeu_ps(tile_s.data() + si * COLS, s);
+          _mm512_storeu_ps(tile_o.data() + si * COLS, shifted_offset<T>(s, o));
+          for (int64_t d = 0; d < t.sub; d += 2)
+            _mm512_storeu_si512(tile_q.data() + (si * t.sub + d) / 2 * COLS, pair_ints<T>(rec, t, j * t.sub + d));
         }
       }
       for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t r = pass * BF16_ROWS;
         const int count = static_cast<int>(std::min<int64_t>(BF16_ROWS, rows - r));
         const uint32_t* xr = xp + r * kpairs;
+        const float* sr = xsum.data() + r * subs;
         c10::BFloat16* yr = out + r * ldy + g * COLS;
-        auto from_tile = [&](int64_t kp) { return _mm512_loadu_si512(pairs.data() + kp * COLS); };
-#define ENGINE_PASS(R)                                                           \
-  case R:                                                                        \
-    if (tile) pair_pass<R>(xr, kpairs, from_tile, b, yr, ldy);                   \
-    else fused_pairs<R, T>(xr, k, group, t, b, yr, ldy);                         \
+        const uint32_t* tq = tile_q.data();
+        const float *ts = tile_s.data(), *to = tile_o.data();
+#define ENGINE_PASS(R)                                                                  \
+  case R:                                                                               \
+    if (tile) factored_pass<R, T, true>(xr, sr, k, group, t, tq, ts, to, b, yr, ldy);   \
+    else factored_pass<R, T, false>(xr, sr, k, group, t, tq, ts, to, b, yr, ldy);       \
     break;
         switch (count) {
           ENGINE_PASS(1) ENGINE_PASS(2) ENGINE_PASS(3) ENGINE_PASS(4) ENGINE_PASS(5) ENGINE_PASS(6) ENGINE_PASS(7)
-          default: if (tile) pair_pass<8>(xr, kpairs, from_tile, b, yr, ldy);
-                   else fused_pairs<8, T>(xr, k, group, t, b, yr, ldy);
+          ENGINE_PASS(8)
         }
 #undef ENGINE_PASS
       }
