@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 
-
 from frontend import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy, hf_model_of_gguf
 from tests.test_correctness_smollm2 import QUESTIONS
