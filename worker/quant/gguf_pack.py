@@ -6,7 +6,8 @@ A record per (group of 16 rows, GGUF block of B input dims), its fields one afte
     d        f16 [16]            every type
     m / dmin f16 [16]            Q4_1, Q5_1 (m); Q4_K, Q5_K (dmin)
     scales   u8 [subs][16]       Q4_K, Q5_K (6-bit scales, then the 6-bit mins); Q6_K (int8, subs = 16)
-    low      u8 [B][8]           the low 4 bits: byte j holds row j (low nibble) and row j + 8 (high)
+    low      u8 [B / 2][16]      the low 4 bits: byte c of a dim pair's 16 holds row c's first dim (low
+                                 nibble) and second dim (high nibble)
              i8 [B][16]          Q8_0: the values
     high     u16 [B] / u32 [B]   5-bit types: bit c is row c's fifth bit; Q6_K: bits 2c, 2c + 1 its top two
 Sizes per weight equal the file's but for Q4_K/Q5_K's scales, kept a byte each (2.8% and 2.3% more).
@@ -47,8 +48,8 @@ def pack(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> np.ndarray:
     if qtype == Q.Q8_0:
         parts.append(q.reshape(*q.shape[:2], -1))
     else:
-        low = q & 15
-        parts.append((low[..., :8] | (low[..., 8:] << 4)).reshape(*q.shape[:2], -1))
+        low = (q & 15).reshape(*q.shape[:2], size // 2, 2, GROUP)  # [G, nb, dim pairs, 2, 16]
+        parts.append((low[..., 0, :] | (low[..., 1, :] << 4)).reshape(*q.shape[:2], -1))
         high_bits = 1 if qtype in (Q.Q5_0, Q.Q5_1, Q.Q5_K) else 2 if qtype == Q.Q6_K else 0
         if high_bits:
             top = ((q >> 4) & ((1 << high_bits) - 1)).astype(np.uint32)

@@ -1,0 +1,227 @@
+// bf16 rows on packed GGUF blocks with AVX-512 BF16 (csrc/quant_cpu.cpp has the contract).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_math.h"
+#include "quant_blocks.h"
+
+namespace quant_kernel {
+
+#if defined(ENGINE_QUANT_AVX512) && defined(__AVX512BF16__) && defined(__BMI2__)
+// bf16 rows on AVX-512 BF16: the scale factored out of each sub-block. A sub-block's sums of x times the stored
+// integers go a dim pair at a time through vdpbf16ps (the integers are exact in bf16, x is bf16 already), and
+// then y += scale * sums + offset' * (the sub-block's sum of x). The weights are never rounded to bf16 (the
+// dequantized bf16 model rounds them), and a weight costs a few integer operations, not a conversion and an
+// FMA. The same steps in the same order at every row count: batch-invariant, within float32 rounding of the
+// float64 product before the output's rounding to bf16 (tests/test_kernels_quant.py).
+// Nibble types store q + 128, whose bf16 bits are 0x4300 | q (128 + q has the exponent of 128 and q in the 7
+// mantissa bits, q < 128), so offset' = offset - 128 scale; Q8_0 converts its int8 values.
+#define ENGINE_QUANT_BF16 1
+constexpr int BF16_ROWS = 8;  // rows a pass
+
+alignas(64) constexpr int16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// The 16 rows' stored integers at dims k and k + 1 (k even) as bf16 pairs: lane c holds (q[k][c], q[k + 1][c]).
+template <int64_t T>
+inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
+  if constexpr (T == Q8_0) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + (k + 1) * 16));
+    const __m512bh both =
+        _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)));
+    __m512i bits;
+    std::memcpy(&bits, &both, sizeof bits);
+    return _mm512_permutexvar_epi16(_mm512_load_si512(kPairOrder), bits);
+  } else {
+    // byte c: row c's dim k (low nibble) and dim k + 1 (high): into lane c as the 16-bit halves
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 8)));
+    __m512i q = _mm512_ternarylogic_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)),
+                                          _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F0000), 0xF8);
+    if constexpr (high_one(T)) {
+      uint32_t bits;  // dim k's 16 fifth bits, then dim k + 1's
+      std::memcpy(&bits, rec + t.high + k * 2, 4);
+      q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(bits), q, _mm512_set1_epi32(16));
+      q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(bits >> 16), q, _mm512_set1_epi32(16 << 16));
+    } else if constexpr (T == Q6_K) {
+      uint32_t bits[2];  // dims k and k + 1: row c's top two bits at 2c, 2c + 1
+      std::memcpy(bits, rec + t.high + k * 4, 8);
+      q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(_pext_u32(bits[0], 0x55555555u)), q, _mm512_set1_epi32(16));
+      q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(_pext_u32(bits[0], 0xAAAAAAAAu)), q, _mm512_set1_epi32(32));
+      q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(_pext_u32(bits[1], 0x55555555u)), q,
+                               _mm512_set1_epi32(16 << 16));
+      q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(_pext_u32(bits[1], 0xAAAAAAAAu)), q,
+                               _mm512_set1_epi32(32 << 16));
+    }
+    return _mm512_or_si512(q, _mm512_set1_epi32(0x43004300));
+  }
+}
+
+template <int64_t T>
+inline __m512 shifted_offset(const __m512& s, const __m512& o) {
+  if constexpr (T == Q8_0) return o;
+  return _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, o);  // o - 128 s, one rounding
+}
+
+// ROWS rows (at most a pass): xp their dim pairs (row m at m * K / 2), xsum their sub-blocks' sums (row m at
+// m * subs), against one group's 16 rows, whose integers are widened from its records on the way.
+template <int ROWS, int64_t T>
+void factored_pass(const uint32_t* xp, const float* xsum, int64_t k, const uint8_t* group, const Traits& t,
+                   const float* bias, c10::BFloat16* y, int64_t ldy) {
+  const int64_t kpairs = k / 2, per_block = t.block / t.sub, subs = k / t.sub;
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t si = 0; si < subs; ++si) {
+    const uint8_t* rec = group + (si / per_block) * t.record;
+    const int64_t first = (si % per_block) * t.sub;  // within the record
+    __m512 s, o;
+    scales_of<T>(rec, t, si % per_block, s, o);
+    o = shifted_offset<T>(s, o);
+    __m512 part[ROWS];
+    for (int m = 0; m < ROWS; ++m) part[m] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < t.sub; d += 2) {
+      const int64_t kp = (si * t.sub + d) / 2;
+      const __m512bh w = as_bf16_pairs(pair_ints<T>(rec, t, first + d));
+      for (int m = 0; m < ROWS; ++m)
+        part[m] = _mm512_dpbf16_ps(part[m], w, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp]))));
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      acc[m] = _mm512_fmadd_ps(s, part[m], acc[m]);
+      acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[m * subs + si]), acc[m]);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    const __m512 sum = bias != nullptr ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias)) : acc[m];
+    const __m256bh half = _mm512_cvtneps_pbh(sum);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy), reinterpret_cast<const __m256i&>(half));
+  }
+}
+
+// More rows than a pass: WIDE groups (64 columns) at a time, their integers and scales widened once into a tile
+// ([dim pair][group][16], as pack_pairs' lines), then passes of up to 6 rows x 64 columns, each row's dim pair
+// broadcast once for four dot products (factored_pass broadcasts it for one). The sums are factored_pass's:
+// each sub-block's dot products from 0 in dim-pair order, then scale and offset' into the row's sums.
+constexpr int WIDE = 4;
+constexpr int WIDE_ROWS = 6;  // 6 x 4 partial sums, 4 weight vectors and a broadcast in 32 registers
+
+template <int ROWS, int G>
+void wide_pass(const uint32_t* xp, const float* xsum, int64_t kpairs, int64_t subs, int64_t sub_pairs,
+               const uint32_t* tq, const float* ts, const float* to, const float* bias, c10::BFloat16* y,
+               int64_t ldy) {
+  alignas(64) float acc[ROWS][G][16] = {};
+  for (int64_t si = 0; si < subs; ++si) {
+    __m512 part[ROWS][G];
+    for (int m = 0; m < ROWS; ++m)
+      for (int g = 0; g < G; ++g) part[m][g] = _mm512_setzero_ps();
+    for (int64_t kp = si * sub_pairs; kp < (si + 1) * sub_pairs; ++kp) {
+      __m512bh w[G];
+      for (int g = 0; g < G; ++g) w[g] = as_bf16_pairs(_mm512_loadu_si512(tq + (kp * G + g) * 16));
+      for (int m = 0; m < ROWS; ++m) {
+        const __m512bh xb = as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp])));
+        for (int g = 0; g < G; ++g) part[m][g] = _mm512_dpbf16_ps(part[m][g], w[g], xb);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = _mm512_loadu_ps(ts + (si * G + g) * 16), o = _mm512_loadu_ps(to + (si * G + g) * 16);
+      for (int m = 0; m < ROWS; ++m) {
+        __m512 a = _mm512_fmadd_ps(s, part[m][g], _mm512_load_ps(acc[m][g]));
+        a = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[m * subs + si]), a);
+        _mm512_store_ps(acc[m][g], a);
+      }
+    }
+  }
+  for (int m = 0; m < ROWS; ++m)
+    for (int g = 0; g < G; ++g) {
+      __m512 sum = _mm512_load_ps(acc[m][g]);
+      if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias + g * 16));
+      const __m256bh half = _mm512_cvtneps_pbh(sum);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + g * 16), reinterpret_cast<const __m256i&>(half));
+    }
+}
+
+template <int G>
+void wide_passes(const uint32_t* xp, const float* xsum, int64_t rows, int64_t kpairs, int64_t subs, int64_t sub_pairs,
+                 const uint32_t* tq, const float* ts, const float* to, const float* bias, c10::BFloat16* y,
+                 int64_t ldy) {
+  for (int64_t r = 0; r < rows; r += WIDE_ROWS) {
+    const uint32_t* xr = xp + r * kpairs;
+    const float* sr = xsum + r * subs;
+    c10::BFloat16* yr = y + r * ldy;
+    switch (std::min<int64_t>(WIDE_ROWS, rows - r)) {
+      case 1: wide_pass<1, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
+      case 2: wide_pass<2, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
+      case 3: wide_pass<3, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
+      case 4: wide_pass<4, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
+      case 5: wide_pass<5, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
+      default: wide_pass<6, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
+    }
+  }
+}
+
+template <int64_t T>
+void run_pairs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const Traits& t, const float* bias,
+               c10::BFloat16* out, int64_t n, int64_t ldy) {
+  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record, kpairs = k / 2, subs = k / t.sub;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // row m's dim pairs at m * kpairs
+  std::vector<float> xsum(rows * subs);  // each row's sub-block sums, in k order
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t si = 0; si < subs; ++si) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < t.sub; ++d) sum += static_cast<float>(x[m * k + si * t.sub + d]);
+      xsum[m * subs + si] = sum;
+    }
+  if (rows <= BF16_ROWS) {  // one pass: the integers widened in registers on the way to the dot products
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* group = w + g * group_bytes;
+        const float* b = bias != nullptr ? bias + g * COLS : nullptr;
+        c10::BFloat16* yr = out + g * COLS;
+#define ENGINE_PASS(R) \
+  case R: factored_pass<R, T>(xp, xsum.data(), k, group, t, b, yr, ldy); break;
+        switch (rows) { ENGINE_PASS(1) ENGINE_PASS(2) ENGINE_PASS(3) ENGINE_PASS(4) ENGINE_PASS(5) ENGINE_PASS(6)
+                        ENGINE_PASS(7) ENGINE_PASS(8) }
+#undef ENGINE_PASS
+      }
+    });
+    return;
+  }
+  const int64_t wides = (groups + WIDE - 1) / WIDE, per_block = t.block / t.sub, sub_pairs = t.sub / 2;
+  at::parallel_for(0, wides, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> tile_q(kpairs * WIDE * COLS);
+    std::vector<float> tile_s(subs * WIDE * COLS), tile_o(subs * WIDE * COLS);
+    for (int64_t wide = begin; wide < end; ++wide) {
+      const int g0 = static_cast<int>(wide * WIDE), width = static_cast<int>(std::min<int64_t>(WIDE, groups - g0));
+      for (int g = 0; g < width; ++g) {
+        const uint8_t* group = w + (g0 + g) * group_bytes;
+        for (int64_t si = 0; si < subs; ++si) {
+          const uint8_t* rec = group + (si / per_block) * t.record;
+          const int64_t j = si % per_block;
+          __m512 s, o;
+          scales_of<T>(rec, t, j, s, o);
+          _mm512_storeu_ps(tile_s.data() + (si * width + g) * COLS, s);
+          _mm512_storeu_ps(tile_o.data() + (si * width + g) * COLS, shifted_offset<T>(s, o));
+          for (int64_t d = 0; d < t.sub; d += 2)
+            _mm512_storeu_si512(tile_q.data() + (((si * t.sub + d) / 2) * width + g) * COLS,
+                                pair_ints<T>(rec, t, j * t.sub + d));
+        }
+      }
+      const float* b = bias != nullptr ? bias + g0 * COLS : nullptr;
+      c10::BFloat16* y = out + g0 * COLS;
+      const uint32_t* tq = tile_q.data();
+      const float *ts = tile_s.data(), *to = tile_o.data();
+      switch (width) {
+        case 1: wide_passes<1>(xp, xsum.data(), rows, kpairs, subs, sub_pairs, tq, ts, to, b, y, ldy); break;
+        case 2: wide_passes<2>(xp, xsum.data(), rows, kpairs, subs, sub_pairs, tq, ts, to, b, y, ldy); break;
+        case 3: wide_passes<3>(xp, xsum.data(), rows, kpairs, subs, sub_pairs, tq, ts, to, b, y, ldy); break;
+        default: wide_passes<4>(xp, xsum.data(), rows, kpairs, subs, sub_pairs, tq, ts, to, b, y, ldy); break;
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace quant_kernel
