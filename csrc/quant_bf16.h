@@ -23,20 +23,17 @@ namespace quant_kernel {
 #define ENGINE_QUANT_BF16 1
 constexpr int BF16_ROWS = 8;  // rows a pass
 
-alignas(64) constexpr int16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-
 // The 16 rows' stored integers at dims k and k + 1 (k even) as bf16 pairs: lane c holds (q[k][c], q[k + 1][c]).
 template <int64_t T>
 inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
-  if constexpr (T == Q8_0) {
+  if constexpr (T == Q8_0) {  // rows 0-7's (dim k, dim k + 1) bytes, then rows 8-15's: already in pair order
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + (k + 1) * 16));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16 + 16));
     const __m512bh both =
         _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)));
     __m512i bits;
     std::memcpy(&bits, &both, sizeof bits);
-    return _mm512_permutexvar_epi16(_mm512_load_si512(kPairOrder), bits);
+    return bits;
   } else {
     // byte c: row c's dim k (low nibble) and dim k + 1 (high): into lane c as the 16-bit halves
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 8)));

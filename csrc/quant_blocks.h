@@ -22,7 +22,7 @@ constexpr int FUSED_ROWS = 4;
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 // Where a type's fields lie in a record: f16 d[16] at 0, then (per type) dmin/m f16[16], scale bytes
-// [subs][16], the low nibbles [B][8] (Q8_0: int8 [B][16]), and the high bits [B][2 or 4].
+// [subs][16], the low nibbles [B / 2][16] (Q8_0: int8 [B / 2][16][2]), and the high bits [B][2 or 4].
 struct Traits {
   int64_t block, sub, record;
   int64_t second;  // f16 [16] after d: Q4_1/Q5_1's m, Q4_K/Q5_K's dmin; -1 if none
@@ -83,9 +83,10 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m512& s,
 
 template <int64_t T>
 inline __m512 unpack(const uint8_t* rec, const Traits& t, int64_t k) {
-  if constexpr (T == Q8_0) {
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16))));
+  if constexpr (T == Q8_0) {  // 16-bit words (row c's dim k, dim k + 1): the low or the high byte, signed
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.low + (k / 2) * 32));
+    const __m256i q = k % 2 ? _mm256_srai_epi16(words, 8) : _mm256_srai_epi16(_mm256_slli_epi16(words, 8), 8);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(q));
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + (k / 2) * 16));
     const __m128i nibble = _mm_set1_epi8(15);
@@ -110,8 +111,9 @@ inline __m512 unpack(const uint8_t* rec, const Traits& t, int64_t k) {
 template <int64_t T>
 inline void unpack_two(const uint8_t* rec, const Traits& t, int64_t k, __m512& first, __m512& second) {
   if constexpr (T == Q8_0) {
-    first = unpack<T>(rec, t, k);
-    second = unpack<T>(rec, t, k + 1);
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.low + k * 16));
+    first = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_srai_epi16(_mm256_slli_epi16(words, 8), 8)));
+    second = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_srai_epi16(words, 8)));
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 8));  // dims k, k + 1
     const __m128i nibble = _mm_set1_epi8(15);
@@ -215,10 +217,11 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m256& s0
 // The 16 rows' stored integers at dim k of a record, as float32: rows 0-7 in q0, 8-15 in q1.
 template <int64_t T>
 inline void unpack(const uint8_t* rec, const Traits& t, int64_t k, __m256& q0, __m256& q1) {
-  if constexpr (T == Q8_0) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16));
-    q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-    q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  if constexpr (T == Q8_0) {  // 16-bit words (row c's dim k, dim k + 1): the low or the high byte, signed
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.low + (k / 2) * 32));
+    const __m256i q = k % 2 ? _mm256_srai_epi16(words, 8) : _mm256_srai_epi16(_mm256_slli_epi16(words, 8), 8);
+    q0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q)));
+    q1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q, 1)));
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + (k / 2) * 16));
     const __m128i nibbles = _mm_and_si128(k % 2 ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(15));
@@ -319,7 +322,7 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, float* sca
 template <int64_t T>
 inline float q_of(const uint8_t* rec, const Traits& t, int64_t k, int c) {
   if constexpr (T == Q8_0) {
-    return static_cast<float>(static_cast<int8_t>(rec[t.low + k * 16 + c]));
+    return static_cast<float>(static_cast<int8_t>(rec[t.low + (k / 2) * 32 + 2 * c + k % 2]));
   } else {
     const uint8_t byte = rec[t.low + (k / 2) * 16 + c];
     int q = k % 2 ? (byte >> 4) : (byte & 15);

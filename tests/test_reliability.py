@@ -97,14 +97,17 @@ def api_servers(launcher: subprocess.Popen[bytes]) -> list[psutil.Process]:
 def test_killed_api_server_then_drain_on_sigterm(smollm2_gguf: str) -> None:
     port = free_port()
     before_ipc = set(glob.glob("/tmp/engine-*"))
-    launcher = start(smollm2_gguf, port, "--api-server-count", "2", "--shutdown-timeout", "4")
+    # (streams long enough to outlast the drain however fast the decode: --max-model-len 4096)
+    launcher = start(
+        smollm2_gguf, port, "--api-server-count", "2", "--shutdown-timeout", "4", "--max-model-len", "4096"
+    )
     try:
         wait_until(lambda: ready(port), 180, "the server")
         # Long streams until both API servers own one.
         streams: list[Stream] = []
         while {s.server_index for s in streams} != {"0", "1"}:
             assert len(streams) < 12, "the kernel never gave a connection to both API servers"
-            streams.append(stream_on(port, 600))
+            streams.append(stream_on(port, 3000))
         on_victim = [s for s in streams if s.server_index == "0"]
         survivors = [s for s in streams if s.server_index == "1"]
         api_servers(launcher)[0].send_signal(signal.SIGKILL)

@@ -8,7 +8,7 @@ A record per (group of 16 rows, GGUF block of B input dims), its fields one afte
     scales   u8 [subs][16]       Q4_K, Q5_K (6-bit scales, then the 6-bit mins); Q6_K (int8, subs = 16)
     low      u8 [B / 2][16]      the low 4 bits: byte c of a dim pair's 16 holds row c's first dim (low
                                  nibble) and second dim (high nibble)
-             i8 [B][16]          Q8_0: the values
+             i8 [B / 2][16][2]   Q8_0: a dim pair's values, row by row
     high     u16 [B] / u32 [B]   5-bit types: bit c is row c's fifth bit; Q6_K: bits 2c, 2c + 1 its top two
 Sizes per weight equal the file's but for Q4_K/Q5_K's scales, kept a byte each (2.8% and 2.3% more).
 The integers and scales are read the way the `gguf` package's dequantize_blocks reads them (gguf.quants).
@@ -45,8 +45,9 @@ def pack(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> np.ndarray:
     fields, q = _fields(blocks, qtype)  # [N, nb, ...] each; q [N, nb, B] uint8 (Q8_0: int8 bits)
     parts = [_across(field) for field in fields]
     q = q.reshape(n // GROUP, GROUP, k // size, size).transpose(0, 2, 3, 1)  # [G, nb, B, 16]
-    if qtype == Q.Q8_0:
-        parts.append(q.reshape(*q.shape[:2], -1))
+    if qtype == Q.Q8_0:  # a dim pair's 16 rows, each row's two values side by side
+        pairs = q.reshape(*q.shape[:2], size // 2, 2, GROUP).transpose(0, 1, 2, 4, 3)
+        parts.append(np.ascontiguousarray(pairs).reshape(*q.shape[:2], -1))
     else:
         low = (q & 15).reshape(*q.shape[:2], size // 2, 2, GROUP)  # [G, nb, dim pairs, 2, 16]
         parts.append((low[..., 0, :] | (low[..., 1, :] << 4)).reshape(*q.shape[:2], -1))
