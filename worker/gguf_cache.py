@@ -87,7 +87,10 @@ def _write_entry(entry: str, config: ModelConfig, weights: dict[str, torch.Tenso
     tmp = f"{entry}.tmp{os.getpid()}"
     blocks = {name: [b.qtype, *b.shape] for name, b in weights.items() if isinstance(b, GgufBlocks)}
     tensors = {
-        name: torch.from_numpy(w.rows) if isinstance(w, GgufBlocks) else w for name, w in weights.items()
+        name: torch.tensor(w.rows)
+        if isinstance(w, GgufBlocks)
+        else w  # (a copy: the reader's map is read-only)
+        for name, w in weights.items()
     }
     try:
         os.makedirs(tmp, exist_ok=True)
