@@ -341,10 +341,8 @@ def _as_hf(
             weights = weights.with_rows(lambda rows: _undo_rope_permute(rows, heads))
         elif arch == "gptneox" and ".query_key_value." in name:
             weights = weights.with_rows(lambda rows: _regroup_neox(rows, config.num_heads))
-        if ".experts." not in name:
-            yield name, weights
-            return
-        weights = weights.dequantize().numpy()
+        yield name, weights  # (only 2-d weights come as blocks: stacked experts are 3-d, dequantized)
+        return
     if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         weights = _undo_rope_permute(weights, config.num_heads if ".q_proj." in name else config.num_kv_heads)
     if arch.startswith("gemma") and name.endswith("norm.weight"):
