@@ -19,14 +19,14 @@ namespace quant_kernel {
 // FMA. The same steps in the same order at every row count: batch-invariant, within float32 rounding of the
 // float64 product before the output's rounding to bf16 (tests/test_kernels_quant.py).
 // Nibble types store q + 128, whose bf16 bits are 0x4300 | q (128 + q has the exponent of 128 and q in the 7
-// mantissa bits, q < 128), so offset' = offset - 128 scale; Q8_0 converts its int8 values.
+// mantissa bits, q < 128), so offset' = offset - 128 scale; the 8-bit types convert their int8 values.
 #define ENGINE_QUANT_BF16 1
 constexpr int BF16_ROWS = 8;  // rows a pass
 
 // The 16 rows' stored integers at dims k and k + 1 (k even) as bf16 pairs: lane c holds (q[k][c], q[k + 1][c]).
 template <int64_t T>
 inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
-  if constexpr (T == Q8_0) {  // rows 0-7's (dim k, dim k + 1) bytes, then rows 8-15's: already in pair order
+  if constexpr (eight_bit(T)) {  // rows 0-7's (dim k, dim k + 1) bytes, then rows 8-15's: already in pair order
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 16 + 16));
     const __m512bh both =
@@ -60,7 +60,7 @@ inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
 
 template <int64_t T>
 inline __m512 shifted_offset(const __m512& s, const __m512& o) {
-  if constexpr (T == Q8_0) return o;
+  if constexpr (eight_bit(T)) return o;
   return _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, o);  // o - 128 s, one rounding
 }
 

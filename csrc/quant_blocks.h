@@ -19,7 +19,16 @@ constexpr int FUSED_ROWS = 8;  // rows that dequantize in registers (AVX-512: 32
 constexpr int FUSED_ROWS = 4;
 #endif
 
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                       // integer weights of safetensors checkpoints (AWQ, GPTQ, compressed-tensors; worker/quant/
+                       // int_pack.py): 4-bit groups of 32, 64 or 128 dims, 8-bit blocks of 64, each with a float32
+                       // scale and offset per (row, group)
+                       I4_G32 = 100, I4_G64 = 101, I4_G128 = 102, I8_G64 = 103 };
+
+// The integer types' scale and offset are float32 [16] each, at 0 and 64 (the GGUF types' d is f16 at 0).
+constexpr bool float_scales(int64_t t) { return t >= I4_G32; }
+// Signed 8-bit values stored a dim pair per 16-bit word (Q8_0's layout); the other types store nibbles.
+constexpr bool eight_bit(int64_t t) { return t == Q8_0 || t == I8_G64; }
 
 // Where a type's fields lie in a record: f16 d[16] at 0, then (per type) dmin/m f16[16], scale bytes
 // [subs][16], the low nibbles [B / 2][16] (Q8_0: int8 [B / 2][16][2]), and the high bits [B][2 or 4].
@@ -42,6 +51,10 @@ Traits traits_of(int64_t qtype) {
     case Q4_K: return {256, 32, 2368, 32, 64, 320, -1, 0};
     case Q5_K: return {256, 32, 2880, 32, 64, 320, 2368, 1};
     case Q6_K: return {256, 16, 3360, -1, 32, 288, 2336, 2};
+    case I4_G32: return {32, 32, 128 + 8 * 32, 64, -1, 128, -1, 0};
+    case I4_G64: return {64, 64, 128 + 8 * 64, 64, -1, 128, -1, 0};
+    case I4_G128: return {128, 128, 128 + 8 * 128, 64, -1, 128, -1, 0};
+    case I8_G64: return {64, 64, 128 + 16 * 64, 64, -1, 128, -1, 0};
     default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
   }
 }
@@ -59,6 +72,11 @@ constexpr bool high_one(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K;
 
 template <int64_t T>
 inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m512& s, __m512& o) {
+  if constexpr (float_scales(T)) {
+    s = _mm512_loadu_ps(reinterpret_cast<const float*>(rec));
+    o = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + t.second));
+    return;
+  }
   s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
   if constexpr (T == Q4_0 || T == Q5_0) {
     o = _mm512_mul_ps(s, _mm512_set1_ps(T == Q4_0 ? -8.0f : -16.0f));
@@ -83,7 +101,7 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m512& s,
 
 template <int64_t T>
 inline __m512 unpack(const uint8_t* rec, const Traits& t, int64_t k) {
-  if constexpr (T == Q8_0) {  // 16-bit words (row c's dim k, dim k + 1): the low or the high byte, signed
+  if constexpr (eight_bit(T)) {  // 16-bit words (row c's dim k, dim k + 1): the low or the high byte, signed
     const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.low + (k / 2) * 32));
     const __m256i q = k % 2 ? _mm256_srai_epi16(words, 8) : _mm256_srai_epi16(_mm256_slli_epi16(words, 8), 8);
     return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(q));
@@ -110,7 +128,7 @@ inline __m512 unpack(const uint8_t* rec, const Traits& t, int64_t k) {
 // Dims k and k + 1 (k even) at once: one 16-byte load holds both dims' nibbles.
 template <int64_t T>
 inline void unpack_two(const uint8_t* rec, const Traits& t, int64_t k, __m512& first, __m512& second) {
-  if constexpr (T == Q8_0) {
+  if constexpr (eight_bit(T)) {
     const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.low + k * 16));
     first = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_srai_epi16(_mm256_slli_epi16(words, 8), 8)));
     second = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_srai_epi16(words, 8)));
@@ -182,6 +200,12 @@ constexpr bool high_one(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K;
 template <int64_t T>
 inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m256& s0, __m256& s1, __m256& o0,
                       __m256& o1) {
+  if constexpr (float_scales(T)) {
+    const float* f = reinterpret_cast<const float*>(rec);
+    s0 = _mm256_loadu_ps(f), s1 = _mm256_loadu_ps(f + 8);
+    o0 = _mm256_loadu_ps(f + t.second / 4), o1 = _mm256_loadu_ps(f + t.second / 4 + 8);
+    return;
+  }
   s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec)));
   s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16)));
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -217,7 +241,7 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m256& s0
 // The 16 rows' stored integers at dim k of a record, as float32: rows 0-7 in q0, 8-15 in q1.
 template <int64_t T>
 inline void unpack(const uint8_t* rec, const Traits& t, int64_t k, __m256& q0, __m256& q1) {
-  if constexpr (T == Q8_0) {  // 16-bit words (row c's dim k, dim k + 1): the low or the high byte, signed
+  if constexpr (eight_bit(T)) {  // 16-bit words (row c's dim k, dim k + 1): the low or the high byte, signed
     const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.low + (k / 2) * 32));
     const __m256i q = k % 2 ? _mm256_srai_epi16(words, 8) : _mm256_srai_epi16(_mm256_slli_epi16(words, 8), 8);
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q)));
@@ -301,6 +325,11 @@ void fused_pass(const float* x, int64_t k, const uint8_t* group, const Traits& t
 template <int64_t T>
 inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, float* scale, float* offset) {
   for (int c = 0; c < 16; ++c) {
+    if constexpr (float_scales(T)) {
+      std::memcpy(scale + c, rec + 4 * c, 4);
+      std::memcpy(offset + c, rec + t.second + 4 * c, 4);
+      continue;
+    }
     const float d = f16_to_float(rec + 2 * c);
     if constexpr (T == Q4_0 || T == Q5_0 || T == Q8_0) {
       scale[c] = d;
@@ -321,7 +350,7 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, float* sca
 
 template <int64_t T>
 inline float q_of(const uint8_t* rec, const Traits& t, int64_t k, int c) {
-  if constexpr (T == Q8_0) {
+  if constexpr (eight_bit(T)) {
     return static_cast<float>(static_cast<int8_t>(rec[t.low + (k / 2) * 32 + 2 * c + k % 2]));
   } else {
     const uint8_t byte = rec[t.low + (k / 2) * 16 + c];

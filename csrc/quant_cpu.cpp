@@ -1,4 +1,5 @@
-// Products on GGUF's quantized blocks kept packed (worker/quant/gguf_pack.py writes the layout), and the
+// Products on GGUF's quantized blocks kept packed (worker/quant/gguf_pack.py writes the layout), and on the
+// integer weights of AWQ, GPTQ and compressed-tensors checkpoints in the same layout (worker/quant/int_pack.py), and the
 // rows of such a weight dequantized (an embedding's lookup; the tests' whole-weight reference).
 //
 // Layout ("tiles"), uint8 [N / 16, K / B, RECORD]: for each group of 16 output rows and each GGUF block of B
@@ -13,7 +14,7 @@
 //
 // Every weight is fma(scale, q, offset) in float32 with q the stored unsigned (Q8_0: signed) integer:
 //   Q4_0 d, -8d; Q5_0 d, -16d; Q8_0 d, 0; Q4_1 and Q5_1 d, m; Q4_K and Q5_K d * sc[j], -(dmin * m[j]);
-//   Q6_K d * sc[j], -32 (d * sc[j]).
+//   Q6_K d * sc[j], -32 (d * sc[j]); the integer types (I4_G*, I8_G64) their float32 s and o as stored.
 // Each scale and offset is an exact product and scale * q is exact, so this is the one rounding of the
 // `gguf` package's numpy dequantization (d * (q - 8), d * q + m, d * q - dm, ...): the same float32 values.
 // The product is linear_rows' (csrc/gemm_rows_cpu.cpp) on those values: y[m, n] = (one FMA chain over
@@ -117,6 +118,10 @@ void dispatch(int64_t qtype, F&& f) {
     case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
     case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); break;
     case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
+    case I4_G32: f(std::integral_constant<int64_t, I4_G32>{}); break;
+    case I4_G64: f(std::integral_constant<int64_t, I4_G64>{}); break;
+    case I4_G128: f(std::integral_constant<int64_t, I4_G128>{}); break;
+    case I8_G64: f(std::integral_constant<int64_t, I8_G64>{}); break;
     default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
   }
 }
@@ -132,7 +137,8 @@ void check_packing(const torch::Tensor& packed, const Traits& t, int64_t k) {
 
 bool quant_type_supported(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K:
+    case I4_G32: case I4_G64: case I4_G128: case I8_G64: return true;
     default: return false;
   }
 }

@@ -68,8 +68,7 @@ def test_a_flag_that_contradicts_the_checkpoint_is_refused(smollm2_gguf: str, tm
         ):
             resolve_quantization(method, smollm2_gguf)
     (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "awq"}}')
-    with pytest.raises(UnsupportedModelError, match="awq checkpoints are not served yet"):
-        resolve_quantization(None, str(tmp_path))
+    assert resolve_quantization(None, str(tmp_path)) == "awq"
     with pytest.raises(UnsupportedModelError, match="--quantization gguf: .* quantized with awq"):
         resolve_quantization("gguf", str(tmp_path))
 

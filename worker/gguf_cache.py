@@ -24,7 +24,7 @@ import torch
 from protocol.config import default_cache_dir
 from worker.config_files import load_model_config, open_gguf
 from worker.model_config import ModelConfig
-from worker.quant.blocks import GgufBlocks
+from worker.quant.blocks import GgufBlocks, QuantWeight
 from worker.weights import iterate_weights
 
 logger = logging.getLogger("engine.worker")
@@ -35,7 +35,7 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
 BLOCKS_FILE = "blocks.json"  # the weights kept as the file's blocks: name -> [GGML type, N, K]
 
-Weights = Iterator[tuple[str, "torch.Tensor | GgufBlocks"]]
+Weights = Iterator[tuple[str, "torch.Tensor | QuantWeight"]]
 
 
 def load_model_files(model: str, cache_dir: str | None, packed: bool = False) -> tuple[ModelConfig, Weights]:
@@ -43,7 +43,7 @@ def load_model_files(model: str, cache_dir: str | None, packed: bool = False) ->
     quantized weights come as its blocks (GgufBlocks; --quantization gguf), the rest as float32 tensors."""
     if not model.endswith(".gguf"):
         config = load_model_config(model)
-        return config, iterate_weights(model, config)
+        return config, iterate_weights(model, config, packed=packed)
     entry = _entry_path(model, cache_dir, packed) if cache_dir else None
     if entry is not None and os.path.exists(os.path.join(entry, CONFIG_FILE)):
         try:
@@ -81,17 +81,18 @@ def _read_entry(entry: str) -> tuple[ModelConfig, Weights]:
     return config, iter(weights.items())
 
 
-def _write_entry(entry: str, config: ModelConfig, weights: dict[str, torch.Tensor | GgufBlocks]) -> None:
+def _write_entry(entry: str, config: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight]) -> None:
     from safetensors.torch import save_file
 
     tmp = f"{entry}.tmp{os.getpid()}"
     blocks = {name: [b.qtype, *b.shape] for name, b in weights.items() if isinstance(b, GgufBlocks)}
-    tensors = {
-        name: torch.tensor(w.rows)
-        if isinstance(w, GgufBlocks)
-        else w  # (a copy: the reader's map is read-only)
-        for name, w in weights.items()
-    }
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if isinstance(w, GgufBlocks):
+            tensors[name] = torch.tensor(w.rows)  # (a copy: the reader's map is read-only)
+        else:
+            assert isinstance(w, torch.Tensor), name  # a GGUF file's quantized weights are GgufBlocks
+            tensors[name] = w
     try:
         os.makedirs(tmp, exist_ok=True)
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE))

@@ -16,7 +16,7 @@ from worker.model_config import ModelConfig
 from worker.models.families import BY_NAME
 from worker.models.families.base import Family
 from worker.models.layers import Embedding, Linear
-from worker.quant.blocks import GgufBlocks, QuantPart
+from worker.quant.blocks import QuantPart, QuantWeight
 
 # one expert's product, by our names (a family renames its own onto these)
 EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -42,7 +42,7 @@ def our_name(family_name: str, name: str) -> str:
 
 
 def load_checkpoint(
-    model: nn.Module, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | GgufBlocks]]
+    model: nn.Module, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
 ) -> None:
     """model: a CausalLM of `config`."""
     family = BY_NAME.get(config.family)
@@ -73,7 +73,7 @@ def load_checkpoint(
             continue
         name, _, row = name.partition("#")
         if expert := EXPERT.match(name):  # one expert's product into the stacked [experts, ...] tensor
-            if isinstance(tensor, GgufBlocks):  # experts are not kept packed (yet)
+            if isinstance(tensor, QuantWeight):  # experts are not kept packed (yet)
                 tensor = tensor.dequantize()
             prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
             target = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
@@ -97,10 +97,14 @@ def load_checkpoint(
         if target.endswith("gate_up_proj.weight") and rows is not None:  # a shared expert's width is its own
             half = param.shape[0] // 2
             rows = (0 if ".gate_proj." in name else half, half)
-        if isinstance(tensor, GgufBlocks):
+        if isinstance(tensor, QuantWeight):
             if _keep_packed(model, target, tensor, rows, family, config):
                 filled[target][slice(None) if rows is None else slice(rows[0], rows[0] + rows[1])] += 1
                 continue
+            if tensor.activations is not None:
+                raise ValueError(
+                    f"{checkpoint_name!r}: its activations are quantized, and it is not a product"
+                )
             tensor = tensor.dequantize()
         if family is not None and family.convert is not None:
             tensor = family.convert(target, tensor, config)
@@ -127,12 +131,12 @@ def load_checkpoint(
 def _keep_packed(
     model: nn.Module,
     target: str,
-    blocks: GgufBlocks,
+    blocks: QuantWeight,
     rows: tuple[int, int] | None,
     family: Family | None,
     config: ModelConfig,
 ) -> bool:
-    """Give a Linear or an Embedding a GGUF weight as its blocks (QuantPart); False where the weight goes
+    """Give a Linear or an Embedding a quantized weight as its tiles (QuantPart); False where the weight goes
     elsewhere (a router, stacked experts) or the family converts it otherwise than by moving whole rows."""
     path, _, kind = target.rpartition(".")
     module = model.get_submodule(path) if kind == "weight" else None
@@ -148,7 +152,9 @@ def _keep_packed(
     start = 0 if rows is None else rows[0]
     if blocks.shape[0] != (module.weight.shape[0] if rows is None else rows[1]):
         return False
-    module.add_quant(QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0]))
+    if blocks.activations is not None and not isinstance(module, Linear):
+        return False
+    module.add_quant(QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0], blocks.activations))
     return True
 
 

@@ -1,6 +1,7 @@
-"""A quantized GGUF weight on its way from the file to a product: the file's blocks (GgufBlocks), and the
-products' packing of them (QuantPart, csrc/quant_cpu.cpp's tiles), which a Linear or an Embedding holds
-in place of its float weight (worker/models/layers.py). docs/quantization.md has the whole path."""
+"""A quantized weight on its way from the checkpoint to a product: a GGUF file's blocks (GgufBlocks) or a
+safetensors checkpoint's integers (IntBlocks: AWQ, GPTQ, compressed-tensors), and the products' packing of
+them (QuantPart, csrc/quant_cpu.cpp's tiles), which a Linear or an Embedding holds in place of its float
+weight (worker/models/layers.py). docs/quantization.md has the whole path."""
 
 from __future__ import annotations
 
@@ -10,11 +11,36 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker.quant import int_pack
 from worker.quant.gguf_pack import Q, pack
 
 
+class QuantWeight:
+    """A [N, K] quantized weight: its type (csrc/quant_blocks.h's QType), its float32 values, its tiles."""
+
+    qtype: int
+    shape: tuple[int, int]
+    # the activations' quantization the checkpoint prescribes for this product (None: float activations;
+    # "int8-token": symmetric int8 per token, dynamic)
+    activations: str | None = None
+
+    @property
+    def type_name(self) -> str:
+        raise NotImplementedError
+
+    def with_rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> QuantWeight:
+        """The weight with its rows rearranged: reorder takes and returns an array of rows."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def packed(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass
-class GgufBlocks:
+class GgufBlocks(QuantWeight):
     """A [N, K] weight as the file holds it: rows of blocks, uint8 [N, K / B * bytes per block]."""
 
     qtype: int
@@ -40,6 +66,48 @@ class GgufBlocks:
 
 
 @dataclass
+class IntBlocks(QuantWeight):
+    """A [N, K] weight of `bits`-bit integers q (4-bit: uint8 0-15; 8-bit: int8) with a float32 scale and
+    offset per (row, group of K / groups dims): weight = fma(scale, q, offset) (worker/quant/int_pack.py)."""
+
+    bits: int
+    q: np.ndarray
+    scale: np.ndarray  # float32 [N, groups]
+    offset: np.ndarray
+    activations: str | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:  # type: ignore[override]
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // int(self.scale.shape[1])
+
+    @property
+    def qtype(self) -> int:  # type: ignore[override]
+        return int(int_pack.int_type(self.bits, self.group, self.shape[1]).value)
+
+    @property
+    def type_name(self) -> str:
+        return f"int{self.bits} (groups of {self.group})"
+
+    def with_rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> IntBlocks:
+        q, scale, offset = (np.ascontiguousarray(reorder(a)) for a in (self.q, self.scale, self.offset))
+        return IntBlocks(self.bits, q, scale, offset, self.activations)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32: scale * q + offset, rounded once (float64 holds scale * q exactly)."""
+        scale = np.repeat(self.scale.astype(np.float64), self.group, axis=1)
+        offset = np.repeat(self.offset.astype(np.float64), self.group, axis=1)
+        return torch.from_numpy((scale * self.q.astype(np.float64) + offset).astype(np.float32))
+
+    def packed(self) -> torch.Tensor:
+        qtype = int_pack.IntType(self.qtype)
+        return torch.from_numpy(int_pack.pack(self.q, self.scale, self.offset, qtype))
+
+
+@dataclass
 class QuantPart:
     """Rows [start, start + out_features) of a product's output, from one packed weight of one type."""
 
@@ -47,6 +115,7 @@ class QuantPart:
     qtype: int
     packed: torch.Tensor  # uint8 [out_features / 16, K / B, record]
     out_features: int
+    activations: str | None = None  # QuantWeight.activations
 
     @property
     def nbytes(self) -> int:

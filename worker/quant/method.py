@@ -1,13 +1,14 @@
 """`--quantization`, as vLLM spells it: what the checkpoint says (a GGUF file's tensor types, a folder's
 `quantization_config`) unless the flag says otherwise; a flag that contradicts the checkpoint is a start
-error, and `none` dequantizes a GGUF file's weights to the model's dtype at load (as before packing)."""
+error, and `none` dequantizes a GGUF file's or an AWQ, GPTQ or weight-only compressed-tensors checkpoint's
+weights to the model's dtype at load."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.model_config import UnsupportedModelError
 
@@ -17,30 +18,52 @@ if TYPE_CHECKING:
 logger = logging.getLogger("engine.worker")
 
 METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "none")
-NOT_YET = ("awq", "gptq", "compressed-tensors")  # safetensors checkpoints quantized by these tools
+INTEGER = (
+    "awq",
+    "gptq",
+    "compressed-tensors",
+)  # safetensors checkpoints of integers (worker/quant/formats.py)
+PACKED = ("gguf", *INTEGER)  # served packed by csrc/quant_cpu.cpp
+
+
+def quantization_config(model: str) -> dict[str, Any] | None:
+    """A checkpoint folder's quantization_config (None for a GGUF file or a float checkpoint)."""
+    path = os.path.join(model, "config.json")
+    if model.endswith(".gguf") or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        config = json.load(f)
+    return config.get("quantization_config") or None
 
 
 def checkpoint_method(model: str) -> str | None:
     """The checkpoint's own quantization: "gguf" for a GGUF file, a folder's quant_method, or None."""
     if model.endswith(".gguf"):
         return "gguf"
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        config = json.load(f)
-    method = (config.get("quantization_config") or {}).get("quant_method")
+    method = (quantization_config(model) or {}).get("quant_method")
     return str(method) if method else None
 
 
+def activations_quantized(model: str) -> bool:
+    """Whether a compressed-tensors checkpoint quantizes its products' activations (W8A8)."""
+    from worker.quant.formats import read_format
+
+    return any(scheme.activations for _, scheme in read_format(quantization_config(model) or {}).schemes)
+
+
 def resolve_quantization(requested: str | None, model: str) -> str | None:
-    """The method the worker loads with: "gguf" (blocks kept packed), None (float weights), or the
-    checkpoint's own (gpt-oss's "mxfp4", dequantized by its family at load)."""
+    """The method the worker loads with: one of PACKED (served packed where the worker can), None (float
+    weights; a quantized checkpoint's dequantized at load), or the checkpoint's own (gpt-oss's "mxfp4",
+    dequantized by its family at load)."""
     own = checkpoint_method(model)
     if requested is not None and requested not in METHODS:
         raise UnsupportedModelError(f"--quantization {requested!r}: choose from {', '.join(METHODS)}")
     if requested == "none":
-        if own is not None and own != "gguf":
+        if own in INTEGER and activations_quantized(model):
+            raise UnsupportedModelError(
+                f"--quantization none: {model!r} quantizes its activations too (W8A8); it is served as it is"
+            )
+        if own is not None and own not in PACKED:
             raise UnsupportedModelError(
                 f"--quantization none: {model!r} holds {own} weights, which are not dequantized at load"
             )
@@ -50,17 +73,21 @@ def resolve_quantization(requested: str | None, model: str) -> str | None:
             f"--quantization {requested}: the checkpoint {model!r} is "
             + (f"quantized with {own}" if own else "not quantized")
         )
-    if own in NOT_YET:
-        raise UnsupportedModelError(f"{model!r}: {own} checkpoints are not served yet (quantization_config)")
+    if own in INTEGER:
+        from worker.quant.formats import read_format
+
+        read_format(quantization_config(model) or {})  # a field not served: the start error names it
     return own
 
 
 def packed_blocks(config: WorkerConfig) -> bool:
-    """Whether this worker serves a GGUF file's quantized weights as the file's blocks: --quantization gguf,
-    or the file's own, on the CPU with the csrc kernels and one rank. Asked for where it cannot be, a start
-    error naming why; left to the default, such a worker dequantizes them, saying so."""
+    """Whether this worker serves the checkpoint's quantized weights packed (a GGUF file's blocks, an AWQ,
+    GPTQ or compressed-tensors checkpoint's integers): its own quantization or the flag's, on the CPU with
+    the csrc kernels and one rank. Asked for where it cannot be, a start error naming why; left to the
+    default, such a worker dequantizes them, saying so (a checkpoint that quantizes its activations too
+    is refused there)."""
     method = resolve_quantization(config.quantization, config.model)
-    if method != "gguf":
+    if method not in PACKED:
         return False
     import torch
 
@@ -75,8 +102,10 @@ def packed_blocks(config: WorkerConfig) -> bool:
         reasons.append(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}")
     if not reasons:
         return True
-    why = f"GGUF blocks kept packed are served by the csrc kernels on one CPU worker, not {' or '.join(reasons)}"
-    if config.quantization == "gguf":
-        raise UnsupportedModelError(f"--quantization gguf: {why}; --quantization none dequantizes them")
-    logger.info("%s: the GGUF weights are dequantized to the model's dtype", why)
+    why = f"{method} weights kept packed are served by the csrc kernels on one CPU worker, not {' or '.join(reasons)}"
+    if config.quantization == method:
+        raise UnsupportedModelError(f"--quantization {method}: {why}; --quantization none dequantizes them")
+    if method in INTEGER and activations_quantized(config.model):
+        raise UnsupportedModelError(f"{why}; {config.model!r} quantizes its activations too (W8A8)")
+    logger.info("%s: the %s weights are dequantized to the model's dtype", why, method)
     return False
