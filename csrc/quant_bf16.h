@@ -22,6 +22,7 @@ namespace quant_kernel {
 // mantissa bits, q < 128), so offset' = offset - 128 scale; the 8-bit types convert their int8 values.
 #define ENGINE_QUANT_BF16 1
 constexpr int BF16_ROWS = 8;  // rows a pass
+constexpr int64_t PAIR = 2;   // groups of 16 columns a pass takes where there are more rows than one pass
 
 // The 16 rows' stored integers at dims k and k + 1 (k even) as bf16 pairs: lane c holds (q[k][c], q[k + 1][c]).
 template <int64_t T>
@@ -64,66 +65,34 @@ inline __m512 shifted_offset(const __m512& s, const __m512& o) {
   return _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, o);  // o - 128 s, one rounding
 }
 
-// ROWS rows (at most a pass): xp their dim pairs (row m at m * K / 2), xsum their sub-blocks' sums (row m at
-// m * subs), against one group's 16 rows, whose integers are widened from its records on the way.
-template <int ROWS, int64_t T>
-void factored_pass(const uint32_t* xp, const float* xsum, int64_t k, const uint8_t* group, const Traits& t,
-                   const float* bias, c10::BFloat16* y, int64_t ldy) {
+// ROWS rows (at most a pass) against G groups of 16 columns (the same K x 16 layout each, group_bytes apart):
+// xp the rows' dim pairs (row m at m * K / 2), xsum their sub-blocks' sums (row m at m * subs). Per row and
+// column, each sub-block's dot products run from 0 in dim-pair order, then acc = fma(scale, sums, acc) and
+// acc = fma(offset', xsum, acc): the same steps at every ROWS and G (a row's bits never depend on the others).
+// A dim pair's x is broadcast once for the G groups; acc lives in L1 (it changes once a sub-block).
+template <int ROWS, int G, int64_t T>
+void factored_pass(const uint32_t* xp, const float* xsum, int64_t k, const uint8_t* group, int64_t group_bytes,
+                   const Traits& t, const float* bias, c10::BFloat16* y, int64_t ldy) {
   const int64_t kpairs = k / 2, per_block = t.block / t.sub, subs = k / t.sub;
-  __m512 acc[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t si = 0; si < subs; ++si) {
-    const uint8_t* rec = group + (si / per_block) * t.record;
-    const int64_t first = (si % per_block) * t.sub;  // within the record
-    __m512 s, o;
-    scales_of<T>(rec, t, si % per_block, s, o);
-    o = shifted_offset<T>(s, o);
-    __m512 part[ROWS];
-    for (int m = 0; m < ROWS; ++m) part[m] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < t.sub; d += 2) {
-      const int64_t kp = (si * t.sub + d) / 2;
-      const __m512bh w = as_bf16_pairs(pair_ints<T>(rec, t, first + d));
-      for (int m = 0; m < ROWS; ++m)
-        part[m] = _mm512_dpbf16_ps(part[m], w, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp]))));
-    }
-    for (int m = 0; m < ROWS; ++m) {
-      acc[m] = _mm512_fmadd_ps(s, part[m], acc[m]);
-      acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[m * subs + si]), acc[m]);
-    }
-  }
-  for (int m = 0; m < ROWS; ++m) {
-    const __m512 sum = bias != nullptr ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias)) : acc[m];
-    const __m256bh half = _mm512_cvtneps_pbh(sum);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy), reinterpret_cast<const __m256i&>(half));
-  }
-}
-
-// More rows than a pass: WIDE groups (64 columns) at a time, their integers and scales widened once into a tile
-// ([dim pair][group][16], as pack_pairs' lines), then passes of up to 6 rows x 64 columns, each row's dim pair
-// broadcast once for four dot products (factored_pass broadcasts it for one). The sums are factored_pass's:
-// each sub-block's dot products from 0 in dim-pair order, then scale and offset' into the row's sums.
-constexpr int WIDE = 4;
-constexpr int WIDE_ROWS = 6;  // 6 x 4 partial sums, 4 weight vectors and a broadcast in 32 registers
-
-template <int ROWS, int G>
-void wide_pass(const uint32_t* xp, const float* xsum, int64_t kpairs, int64_t subs, int64_t sub_pairs,
-               const uint32_t* tq, const float* ts, const float* to, const float* bias, c10::BFloat16* y,
-               int64_t ldy) {
   alignas(64) float acc[ROWS][G][16] = {};
   for (int64_t si = 0; si < subs; ++si) {
+    const int64_t record = (si / per_block) * t.record, first = (si % per_block) * t.sub;  // within the record
     __m512 part[ROWS][G];
     for (int m = 0; m < ROWS; ++m)
       for (int g = 0; g < G; ++g) part[m][g] = _mm512_setzero_ps();
-    for (int64_t kp = si * sub_pairs; kp < (si + 1) * sub_pairs; ++kp) {
+    for (int64_t d = 0; d < t.sub; d += 2) {
+      const int64_t kp = (si * t.sub + d) / 2;
       __m512bh w[G];
-      for (int g = 0; g < G; ++g) w[g] = as_bf16_pairs(_mm512_loadu_si512(tq + (kp * G + g) * 16));
+      for (int g = 0; g < G; ++g) w[g] = as_bf16_pairs(pair_ints<T>(group + g * group_bytes + record, t, first + d));
       for (int m = 0; m < ROWS; ++m) {
         const __m512bh xb = as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(xp[m * kpairs + kp])));
         for (int g = 0; g < G; ++g) part[m][g] = _mm512_dpbf16_ps(part[m][g], w[g], xb);
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m512 s = _mm512_loadu_ps(ts + (si * G + g) * 16), o = _mm512_loadu_ps(to + (si * G + g) * 16);
+      __m512 s, o;
+      scales_of<T>(group + g * group_bytes + record, t, si % per_block, s, o);
+      o = shifted_offset<T>(s, o);
       for (int m = 0; m < ROWS; ++m) {
         __m512 a = _mm512_fmadd_ps(s, part[m][g], _mm512_load_ps(acc[m][g]));
         a = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[m * subs + si]), a);
@@ -140,30 +109,29 @@ void wide_pass(const uint32_t* xp, const float* xsum, int64_t kpairs, int64_t su
     }
 }
 
-template <int G>
-void wide_passes(const uint32_t* xp, const float* xsum, int64_t rows, int64_t kpairs, int64_t subs, int64_t sub_pairs,
-                 const uint32_t* tq, const float* ts, const float* to, const float* bias, c10::BFloat16* y,
-                 int64_t ldy) {
-  for (int64_t r = 0; r < rows; r += WIDE_ROWS) {
+template <int G, int64_t T>
+void factored_passes(const uint32_t* xp, const float* xsum, int64_t rows, int64_t k, const uint8_t* group,
+                     int64_t group_bytes, const Traits& t, const float* bias, c10::BFloat16* y, int64_t ldy) {
+  const int64_t kpairs = k / 2, subs = k / t.sub;
+  for (int64_t r = 0; r < rows; r += BF16_ROWS) {
     const uint32_t* xr = xp + r * kpairs;
     const float* sr = xsum + r * subs;
     c10::BFloat16* yr = y + r * ldy;
-    switch (std::min<int64_t>(WIDE_ROWS, rows - r)) {
-      case 1: wide_pass<1, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
-      case 2: wide_pass<2, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
-      case 3: wide_pass<3, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
-      case 4: wide_pass<4, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
-      case 5: wide_pass<5, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
-      default: wide_pass<6, G>(xr, sr, kpairs, subs, sub_pairs, tq, ts, to, bias, yr, ldy); break;
+#define ENGINE_PASS(R) \
+  case R: factored_pass<R, G, T>(xr, sr, k, group, group_bytes, t, bias, yr, ldy); break;
+    switch (std::min<int64_t>(BF16_ROWS, rows - r)) {
+      ENGINE_PASS(1) ENGINE_PASS(2) ENGINE_PASS(3) ENGINE_PASS(4) ENGINE_PASS(5) ENGINE_PASS(6) ENGINE_PASS(7)
+      default: factored_pass<BF16_ROWS, G, T>(xr, sr, k, group, group_bytes, t, bias, yr, ldy); break;
     }
+#undef ENGINE_PASS
   }
 }
 
 template <int64_t T>
 void run_pairs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const Traits& t, const float* bias,
                c10::BFloat16* out, int64_t n, int64_t ldy) {
-  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record, kpairs = k / 2, subs = k / t.sub;
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // row m's dim pairs at m * kpairs
+  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record, subs = k / t.sub;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // row m's dim pairs at m * K / 2
   std::vector<float> xsum(rows * subs);  // each row's sub-block sums, in k order
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t si = 0; si < subs; ++si) {
@@ -171,51 +139,19 @@ void run_pairs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w
       for (int64_t d = 0; d < t.sub; ++d) sum += static_cast<float>(x[m * k + si * t.sub + d]);
       xsum[m * subs + si] = sum;
     }
-  if (rows <= BF16_ROWS) {  // one pass: the integers widened in registers on the way to the dot products
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const uint8_t* group = w + g * group_bytes;
-        const float* b = bias != nullptr ? bias + g * COLS : nullptr;
-        c10::BFloat16* yr = out + g * COLS;
-#define ENGINE_PASS(R) \
-  case R: factored_pass<R, T>(xp, xsum.data(), k, group, t, b, yr, ldy); break;
-        switch (rows) { ENGINE_PASS(1) ENGINE_PASS(2) ENGINE_PASS(3) ENGINE_PASS(4) ENGINE_PASS(5) ENGINE_PASS(6)
-                        ENGINE_PASS(7) ENGINE_PASS(8) }
-#undef ENGINE_PASS
-      }
-    });
-    return;
-  }
-  const int64_t wides = (groups + WIDE - 1) / WIDE, per_block = t.block / t.sub, sub_pairs = t.sub / 2;
-  at::parallel_for(0, wides, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> tile_q(kpairs * WIDE * COLS);
-    std::vector<float> tile_s(subs * WIDE * COLS), tile_o(subs * WIDE * COLS);
-    for (int64_t wide = begin; wide < end; ++wide) {
-      const int g0 = static_cast<int>(wide * WIDE), width = static_cast<int>(std::min<int64_t>(WIDE, groups - g0));
-      for (int g = 0; g < width; ++g) {
-        const uint8_t* group = w + (g0 + g) * group_bytes;
-        for (int64_t si = 0; si < subs; ++si) {
-          const uint8_t* rec = group + (si / per_block) * t.record;
-          const int64_t j = si % per_block;
-          __m512 s, o;
-          scales_of<T>(rec, t, j, s, o);
-          _mm512_storeu_ps(tile_s.data() + (si * width + g) * COLS, s);
-          _mm512_storeu_ps(tile_o.data() + (si * width + g) * COLS, shifted_offset<T>(s, o));
-          for (int64_t d = 0; d < t.sub; d += 2)
-            _mm512_storeu_si512(tile_q.data() + (((si * t.sub + d) / 2) * width + g) * COLS,
-                                pair_ints<T>(rec, t, j * t.sub + d));
-        }
-      }
+  // Decode (one pass of rows) spreads single groups over the threads; more rows take PAIR groups at once,
+  // a row's dim pair broadcast once for both (the group's records stay in L1 across the passes of rows).
+  const int64_t pair = rows <= BF16_ROWS ? 1 : PAIR;
+  const int64_t units = (groups + pair - 1) / pair;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g0 = u * pair, width = std::min<int64_t>(pair, groups - g0);
+      const uint8_t* group = w + g0 * group_bytes;
       const float* b = bias != nullptr ? bias + g0 * COLS : nullptr;
-      c10::BFloat16* y = out + g0 * COLS;
-      const uint32_t* tq = tile_q.data();
-      const float *ts = tile_s.data(), *to = tile_o.data();
-      switch (width) {
-        case 1: wide_passes<1>(xp, xsum.data(), rows, kpairs, subs, sub_pairs, tq, ts, to, b, y, ldy); break;
-        case 2: wide_passes<2>(xp, xsum.data(), rows, kpairs, subs, sub_pairs, tq, ts, to, b, y, ldy); break;
-        case 3: wide_passes<3>(xp, xsum.data(), rows, kpairs, subs, sub_pairs, tq, ts, to, b, y, ldy); break;
-        default: wide_passes<4>(xp, xsum.data(), rows, kpairs, subs, sub_pairs, tq, ts, to, b, y, ldy); break;
-      }
+      if (width == 2)
+        factored_passes<2, T>(xp, xsum.data(), rows, k, group, group_bytes, t, b, out + g0 * COLS, ldy);
+      else
+        factored_passes<1, T>(xp, xsum.data(), rows, k, group, group_bytes, t, b, out + g0 * COLS, ldy);
     }
   });
 }

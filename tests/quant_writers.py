@@ -79,7 +79,7 @@ def write(model: Any, folder: str, method: str, **options: Any) -> Any:
     products quantize their inputs per token (symmetric int8, max |x| / 127, round half to even)."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.clone().contiguous() for k, v in model.state_dict().items()}  # (a tied lm_head: a copy)
     bits, group = options.get("bits", 4), options.get("group", 128)
     symmetric = options.get("symmetric", method == "ct-int8")
     scale_dtype = torch.bfloat16 if method.startswith("ct") else torch.float16
@@ -112,6 +112,7 @@ def write(model: Any, folder: str, method: str, **options: Any) -> Any:
         else:  # ct-int8: int8 weights as they are, per-channel scales
             tensors[f"{name}.weight"] = (q - 128).to(torch.int8)
             tensors[f"{name}.weight_scale"] = scale.float().contiguous()
+    os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     model.config.save_pretrained(folder)
     with open(os.path.join(folder, "config.json")) as f:
