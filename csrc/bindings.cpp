@@ -36,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant", &linear_quant, "x W^T (+ bias) on GGUF blocks kept packed, batch-invariant (CPU)");
   m.def("linear_quant_parts", &linear_quant_parts, "x W^T (+ bias), W's column runs packed GGUF blocks (CPU)");
   m.def("quant_rows", &quant_rows, "Rows of a packed GGUF weight, dequantized (CPU)");
+  m.def("linear_w8a8_parts", &linear_w8a8_parts, "x W^T (+ bias), int8 W, x quantized to int8 per row (CPU)");
   m.def("route_experts", &route_experts, "A mixture-of-experts router's experts and weights per row (CPU)");
   m.def("fused_experts", &fused_experts, "A mixture-of-experts layer's experts, grouped by expert (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");

@@ -82,6 +82,7 @@ at::Tensor Product::operator()(const at::Tensor& x, const at::Tensor& weight, co
     const int64_t* part = weight.data_ptr<int64_t>();
     int64_t columns = 0;
     for (int64_t p = 0; p < weight.size(0); ++p) columns += part[4 * p + 2];
+    if (part[0] == 104) return linear_w8a8_parts(x, pairs, weight, bias, columns);  // W8A8 (csrc/quant_w8a8.cpp)
     return linear_quant_parts(x, pairs, weight, bias, columns);
   }
   if (pairs.dim() == 3) return linear_rows(x, pairs, bias, pairs.size(0) * pairs.size(2));  // batch-invariant

@@ -17,14 +17,14 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i holds column AWQ_
 PRODUCTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_llama(seed: int = 0) -> Any:
+def tiny_llama(seed: int = 0, initializer_range: float = 0.3) -> Any:
     """Widths the 4-bit groups of 128 divide: hidden 128, MLP 256, q 128, k and v 64."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.3, tie_word_embeddings=False, eos_token_id=None,
+                         initializer_range=initializer_range, tie_word_embeddings=False, eos_token_id=None,
                          bos_token_id=None, pad_token_id=None)  # fmt: skip
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():

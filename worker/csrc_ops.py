@@ -45,6 +45,7 @@ SOURCES = [
         "moe_cpu.cpp",
         "route_cpu.cpp",
         "quant_cpu.cpp",
+        "quant_w8a8.cpp",
     )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
@@ -82,6 +83,14 @@ class CpuOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, qtype: int, bias: torch.Tensor, out_features: int
     ) -> torch.Tensor: ...
     def linear_quant_parts(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        parts: torch.Tensor,
+        bias: torch.Tensor,
+        out_features: int,
+    ) -> torch.Tensor: ...
+    def linear_w8a8_parts(
         self,
         x: torch.Tensor,
         packed: torch.Tensor,

@@ -214,9 +214,7 @@ class CausalLM(nn.Module):
         if self.ops is not None and hasattr(self.ops, "decoder_layers") and self.tp is None:
             # (packed GGUF products take float32 or bf16 rows)
             dtype_ok = not quantized or self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
-            # (W8A8's activations are quantized in Linear._quant_forward, which the stack does not call)
-            plain = not any(isinstance(m, Linear) and m.activations is not None for m in quantized)
-            if native_stack_serves(self.config) and dtype_ok and plain:
+            if native_stack_serves(self.config) and dtype_ok:
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -101,16 +101,6 @@ class Embedding(nn.Embedding):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
 
-def quantize_int8_per_token(rows: torch.Tensor) -> torch.Tensor:
-    """Each row rounded onto its own int8 grid, as vLLM quantizes W8A8 activations (dynamic, symmetric, per
-    token): scale = max |x| / 127, q = round-half-even(x / scale) in [-128, 127]; returns q * scale in
-    float32 (each q * scale exact but for its one rounding; an all-zero row stays zero)."""
-    x = rows.float()
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.clamp(torch.round(x / scale), -128, 127) * scale
-
-
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose weight `pack()` reorders once for oneDNN.
 
@@ -181,12 +171,12 @@ class Linear(nn.Linear):
         assert self.quant_bytes is not None and self.quant_parts is not None and self.ops is not None
         dtype = x.dtype
         rows = x.reshape(-1, self.in_features)
-        if self.activations is not None:  # W8A8: the int8 rows, in float32 (exact), times the weights
-            rows = quantize_int8_per_token(rows)
-        elif dtype not in (torch.float32, torch.bfloat16):  # float16: the products take float32 rows
+        if dtype not in (torch.float32, torch.bfloat16):  # float16: the products take float32 rows
             rows = rows.float()
         bias = self.bias if self.bias is not None else NO_BIAS
-        y = self.ops.linear_quant_parts(rows, self.quant_bytes, self.quant_parts, bias, self.out_features)
+        # W8A8: each row quantized to int8 per token, int32 sums (csrc/quant_w8a8.cpp)
+        product = self.ops.linear_w8a8_parts if self.activations is not None else self.ops.linear_quant_parts
+        y = product(rows, self.quant_bytes, self.quant_parts, bias, self.out_features)
         return y.to(dtype).view(*x.shape[:-1], self.out_features)
 
     def reset_parameters(self) -> None:

@@ -86,7 +86,8 @@ class IntBlocks(QuantWeight):
 
     @property
     def qtype(self) -> int:  # type: ignore[override]
-        return int(int_pack.int_type(self.bits, self.group, self.shape[1]).value)
+        int8_rows = self.activations is not None
+        return int(int_pack.int_type(self.bits, self.group, self.shape[1], int8_rows).value)
 
     @property
     def type_name(self) -> str:

@@ -149,6 +149,11 @@ def _compressed_tensors(config: dict[str, Any]) -> Format:
                     f"{where}.input_activations {', '.join(differing)}: only dynamic symmetric int8 per token"
                 )
             act = INT8_TOKEN
+            if strategy == "group" or not weights.get("symmetric", True):
+                raise UnsupportedModelError(
+                    f"{where}.weights: int8 activations take symmetric weights with a scale per row (strategy "
+                    f"'channel' or 'tensor'), not {strategy!r}, symmetric {weights.get('symmetric')}"
+                )
         schemes.append(
             (tuple(group.get("targets") or ("Linear",)), Scheme(int(weights.get("num_bits", 8)), size, act))
         )

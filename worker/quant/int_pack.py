@@ -11,6 +11,11 @@ A record per (group of 16 output rows, block of B input dims), as gguf_pack.py's
             i8 [B / 2][16][2]  I8_G64 (signed q): a dim pair's values, row by row
 4-bit weights take blocks of their group size (32, 64 or 128; a larger group or a whole row repeats its scale
 in blocks of the largest of these that divides it), 8-bit ones blocks of 64.
+
+W8A8's weights (int8 per channel whose products take int8 activations, csrc/quant_w8a8.cpp) are I8_A8:
+    scale   f32 [16]             the 16 rows' weight scales (the same in every block)
+    sums    i32 [16]             each row's sum of this block's 64 values
+    values  i8 [16][16][4]       per 4 consecutive dims, the 16 rows' 4 values side by side (vpdpbusd's order)
 """
 
 from __future__ import annotations
@@ -29,15 +34,22 @@ class IntType(IntEnum):
     I4_G64 = 101
     I4_G128 = 102
     I8_G64 = 103
+    I8_A8 = 104
 
 
-BLOCK = {IntType.I4_G32: 32, IntType.I4_G64: 64, IntType.I4_G128: 128, IntType.I8_G64: 64}
+BLOCK = {IntType.I4_G32: 32, IntType.I4_G64: 64, IntType.I4_G128: 128, IntType.I8_G64: 64, IntType.I8_A8: 64}
 
 
-def int_type(bits: int, group: int, k: int) -> IntType:
-    """The type that holds `bits`-bit integers in groups of `group` input dims, of a weight K dims wide."""
+def int_type(bits: int, group: int, k: int, int8_rows: bool = False) -> IntType:
+    """The type that holds `bits`-bit integers in groups of `group` input dims, of a weight K dims wide
+    (int8_rows: the products take int8 activations, W8A8)."""
     if k % group:
         raise ValueError(f"a group of {group} dims does not divide the weight's {k} input dims")
+    if int8_rows:
+        if bits != 8 or group != k or k % 64:
+            raise ValueError(f"W8A8 takes int8 weights with a scale per row and K a multiple of 64, not {bits}-bit "
+                             f"groups of {group} of {k}")  # fmt: skip
+        return IntType.I8_A8
     if bits == 8:
         if group % 64:
             raise ValueError(f"8-bit weights are served in groups of a multiple of 64 dims, not {group}")
@@ -51,7 +63,7 @@ def int_type(bits: int, group: int, k: int) -> IntType:
 
 
 def record_bytes(qtype: IntType) -> int:
-    return 128 + BLOCK[qtype] * (16 if qtype == IntType.I8_G64 else 8)
+    return 128 + BLOCK[qtype] * (16 if qtype in (IntType.I8_G64, IntType.I8_A8) else 8)
 
 
 def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, qtype: IntType) -> np.ndarray:
@@ -60,6 +72,8 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, qtype: IntType) -
     n, k = q.shape
     block = BLOCK[qtype]
     nb = k // block
+    if qtype == IntType.I8_A8:
+        return _pack_w8a8(q, scale)
     per_group = k // scale.shape[1] // block  # blocks that share a group's scale
     s = np.repeat(np.asarray(scale, dtype=np.float32), per_group, axis=1)  # [N, nb]
     o = np.repeat(np.asarray(offset, dtype=np.float32), per_group, axis=1)
@@ -83,3 +97,18 @@ def _across(field: np.ndarray) -> np.ndarray:
     n, nb = field.shape
     grouped = field.reshape(n // GROUP, GROUP, nb).transpose(0, 2, 1)
     return np.ascontiguousarray(grouped).view(np.uint8).reshape(n // GROUP, nb, -1)
+
+
+def _pack_w8a8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """q int8 [N, K], scale float32 [N, 1] -> I8_A8 records [N / 16, K / 64, 1152]."""
+    n, k = q.shape
+    nb = k // 64
+    s = np.repeat(np.asarray(scale, dtype=np.float32).reshape(n, 1), nb, axis=1)
+    sums = q.astype(np.int32).reshape(n, nb, 64).sum(-1, dtype=np.int32)  # [N, nb]
+    quads = (
+        q.astype(np.int8).reshape(n // GROUP, GROUP, nb, 16, 4).transpose(0, 2, 3, 1, 4)
+    )  # [G, nb, 16, 16, 4]
+    values = np.ascontiguousarray(quads).view(np.uint8).reshape(n // GROUP, nb, -1)
+    record = np.concatenate([_across(s), _across(sums.view(np.float32)), values], axis=-1)
+    assert record.shape[-1] == record_bytes(IntType.I8_A8), record.shape
+    return np.ascontiguousarray(record)
