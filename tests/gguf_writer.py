@@ -79,7 +79,11 @@ def write_gguf(folder: str, arch: str, path: str, quantize: Quantize | None = No
             continue
         _add(writer, _gguf_name(arch, name), data, quantize)
     for prefix, rows in stacked.items():
-        writer.add_tensor(_gguf_name(arch, f"{prefix}.weight"), np.stack([rows[h] for h in sorted(rows)]))
+        data = np.stack([rows[h] for h in sorted(rows)])
+        if ".experts." in prefix:  # [experts, out, in], quantized as one tensor (llama.cpp's *_exps)
+            _add(writer, _gguf_name(arch, f"{prefix}.weight"), data, quantize)
+        else:
+            writer.add_tensor(_gguf_name(arch, f"{prefix}.weight"), data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -98,7 +102,7 @@ def _add(writer: Any, name: str, data: np.ndarray, quantize: Quantize | None) ->
         blocks = gguf_quantize(data, qtype)
     except NotImplementedError:
         size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-        blocks = np.zeros((data.shape[0], data.shape[1] // size * nbytes), dtype=np.uint8)
+        blocks = np.zeros((*data.shape[:-1], data.shape[-1] // size * nbytes), dtype=np.uint8)
     writer.add_tensor(name, blocks, raw_dtype=qtype)
 
 

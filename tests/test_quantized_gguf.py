@@ -21,6 +21,7 @@ from tests.gguf_writer import write_gguf
 from worker.executor import InprocExecutor
 from worker.model_config import UnsupportedModelError
 from worker.models.layers import Embedding, Linear
+from worker.models.moe import Experts
 from worker.quant.gguf_pack import Q
 from worker.quant.method import resolve_quantization
 
@@ -114,9 +115,15 @@ def tokens_and_logprobs(path: str, quantization: str) -> dict[str, tuple[list[in
     results: dict[str, tuple[list[int], list]] = {"0": ([], []), "1": ([], [])}  # type: ignore[type-arg]
     try:
         model = core.executor.runner.model  # type: ignore[attr-defined]
-        products = [m for m in model.layers.modules() if isinstance(m, Linear)]
+        # (a router or a shared expert's gate has fewer than 16 rows, qwen2moe's shared expert 48 inputs: float)
+        products = [m for m in model.layers.modules()
+                    if isinstance(m, Linear) and m.out_features % 16 == 0 and m.in_features % 32 == 0]  # fmt: skip
         assert all((m.quant is not None) == (quantization == "gguf") for m in products), (
             "a product not packed"
+        )
+        experts = [m for m in model.layers.modules() if isinstance(m, Experts)]
+        assert all((m.quantized is not None) == (quantization == "gguf") for m in experts), (
+            "experts not packed"
         )
         for i, n in enumerate((5, 23)):
             prompt = [(7 * j + 3 * i) % 500 for j in range(n)]
@@ -137,6 +144,30 @@ def tokens_and_logprobs(path: str, quantization: str) -> dict[str, tuple[list[in
 def test_each_family_packed_equals_its_dequantized_self(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tiny_gguf(tmp_path, name, mixed_types)
     assert tokens_and_logprobs(path, "gguf") == tokens_and_logprobs(path, "none")
+
+
+def experts_too(name: str, data: np.ndarray):  # type: ignore[no-untyped-def]
+    """mixed_types, and each layer's stacked experts [experts, out, in] (gate, up and down apart) too."""
+    if data.ndim == 3 and data.shape[2] % 32 == 0 and data.shape[1] % 16 == 0:
+        return TYPES[sum(name.encode()) % len(TYPES)]
+    return mixed_types(name, data)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "qwen3moe"])
+def test_experts_kept_packed_equal_their_dequantized_selves(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each expert's gate, up and down products keep their blocks (Experts.packed_experts): in float32 the
+    tokens of the same file dequantized, batched with chunked prefill, and its logprobs to float32 rounding
+    (the products are the same bits; the weighted sum of the experts rounds each term where fused_experts
+    fuses it)."""
+    path = tiny_gguf(tmp_path, name, experts_too)
+    packed, dense = tokens_and_logprobs(path, "gguf"), tokens_and_logprobs(path, "none")
+    for key in packed:
+        assert packed[key][0] == dense[key][0]
+        for mine, theirs in zip(packed[key][1], dense[key][1], strict=True):
+            assert mine.token_ids == theirs.token_ids
+            torch.testing.assert_close(
+                torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs), atol=1e-5, rtol=0
+            )
 
 
 def test_a_type_not_served_packed_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -214,7 +214,9 @@ class CausalLM(nn.Module):
         if self.ops is not None and hasattr(self.ops, "decoder_layers") and self.tp is None:
             # (packed GGUF products take float32 or bf16 rows)
             dtype_ok = not quantized or self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
-            if native_stack_serves(self.config) and dtype_ok:
+            # (experts kept packed run one at a time in Python: Experts.packed_experts)
+            packed_experts = any(isinstance(m, Experts) and m.quantized is not None for m in self.modules())
+            if native_stack_serves(self.config) and dtype_ok and not packed_experts:
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

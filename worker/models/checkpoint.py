@@ -16,6 +16,7 @@ from worker.model_config import ModelConfig
 from worker.models.families import BY_NAME
 from worker.models.families.base import Family
 from worker.models.layers import Embedding, Linear
+from worker.models.moe import Experts
 from worker.quant.blocks import QuantPart, QuantWeight
 
 # one expert's product, by our names (a family renames its own onto these)
@@ -73,8 +74,6 @@ def load_checkpoint(
             continue
         name, _, row = name.partition("#")
         if expert := EXPERT.match(name):  # one expert's product into the stacked [experts, ...] tensor
-            if isinstance(tensor, QuantWeight):  # experts are not kept packed (yet)
-                tensor = tensor.dequantize()
             prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
             target = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
             param = params.get(target)
@@ -82,6 +81,13 @@ def load_checkpoint(
                 raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in the model")
             start = moe_inter if part == "up_proj" else 0
             size = param.shape[1] if part == "down_proj" else moe_inter
+            if isinstance(tensor, QuantWeight):  # kept packed, as that expert's product (Experts.add_quant)
+                experts = model.get_submodule(prefix)
+                if isinstance(experts, Experts) and tensor.shape == (size, param.shape[2]):
+                    experts.add_quant(index, part, QuantPart(start, tensor.qtype, tensor.packed(), size))
+                    filled[target][index, start : start + size] += 1
+                    continue
+                tensor = tensor.dequantize()
             with torch.no_grad():
                 param[index, start : start + size].copy_(tensor)
             filled[target][index, start : start + size] += 1

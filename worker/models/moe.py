@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
     from worker.lora.slots import LoraBatch
     from worker.parallel.group import TensorParallelGroup
+    from worker.quant.blocks import QuantPart
 
 ROUTERS = ("softmax", "topk_softmax", "softmax_grouped", "sigmoid_grouped")
 # the experts' gated activations, by fused_experts' number: "swiglu_clamped" is gpt-oss's
@@ -62,10 +63,43 @@ class Experts(nn.Module):
         self.ops = ops
         self.w13: torch.Tensor | None = None  # packed for fused_experts
         self.w2: torch.Tensor | None = None
+        # quantized experts kept packed (a GGUF file's blocks): each expert's gate_up and down as Linears
+        # holding their parts (Linear.add_quant), run one expert at a time (forward)
+        self.quantized: nn.ModuleList | None = None
+
+    def add_quant(self, expert: int, part: str, quant: QuantPart) -> None:
+        """One expert's gate_proj, up_proj or down_proj, packed (worker/models/checkpoint.py)."""
+        if self.quantized is None:
+            (experts, inter2, hidden), inter = self.gate_up_proj.shape, self.down_proj.shape[2]
+            dtype = self.gate_up_proj.dtype
+            self.quantized = nn.ModuleList(
+                nn.ModuleList([Linear(hidden, inter2, bias=False, dtype=dtype), Linear(inter, hidden, bias=False, dtype=dtype)])
+                for _ in range(experts)
+            )  # fmt: skip
+        self.expert_products(expert)[1 if part == "down_proj" else 0].add_quant(quant)
+
+    def expert_products(self, expert: int) -> tuple[Linear, Linear]:
+        """A packed expert's gate_up and down products."""
+        assert self.quantized is not None
+        gate_up, down = cast(nn.ModuleList, self.quantized[expert])
+        return cast(Linear, gate_up), cast(Linear, down)
 
     def pack(self, pairs: bool = True) -> None:
         """Pack every expert's two products for fused_experts: pack_pairs' layout for bf16 where the kernels
-        have AVX-512 BF16 and the shapes allow (and `pairs`), else pack_rows' (float32, or bf16 elsewhere)."""
+        have AVX-512 BF16 and the shapes allow (and `pairs`), else pack_rows' (float32, or bf16 elsewhere).
+        Experts kept packed as their blocks drop the float weights instead (never written: no memory)."""
+        if self.quantized is not None:
+            partial = [
+                i for i in range(len(self.quantized)) if any(m.quant is None for m in self.expert_products(i))
+            ]
+            if partial:
+                raise ValueError(
+                    f"experts {partial[:3]} are partly packed: a checkpoint mixing float and blocks"
+                )
+            empty = torch.empty(0, dtype=self.gate_up_proj.dtype)
+            self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
+            self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
+            return
         ops = self.ops
         if ops is None or self.gate_up_proj.dtype not in (torch.float32, torch.bfloat16):
             return
@@ -96,6 +130,16 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """x [T, H]; ids [T, K] int64, each row's experts; weights [T, K] float32 -> [T, H]. shared: a
         shared expert's output [T, H], added times sigmoid(shared_gate [T, 1]) (or 1 without a gate)."""
+        if self.quantized is not None:
+            out = self.packed_experts(x, ids, weights)
+            if shared is not None and shared_gate is not None:
+                # the sigmoid in float64, rounded once: torch's float32 sigmoid of a [T, 1] tensor takes its
+                # scalar or its vector loop by T (fused_experts computes it in C++ for that reason)
+                gate = torch.sigmoid(shared_gate.double()).to(shared.dtype)
+                out = out + gate * shared
+            elif shared is not None:
+                out = out + shared
+            return out
         if self.w13 is None:
             out = self.reference(x, ids, weights)
             if shared is not None:
@@ -109,6 +153,30 @@ class Experts(nn.Module):
             NO_BIAS if shared is None else shared,
             NO_BIAS if shared_gate is None else shared_gate.float().view(-1),
         )  # fmt: skip
+
+    def packed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The reference's loop on experts kept packed: each expert hit, in ascending id, runs its rows through
+        its two packed products (batch-invariant, csrc/quant_cpu.cpp) and adds them, weighted, into a zero
+        sum: a row's result is its own whatever else the step holds."""
+        assert self.quantized is not None
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for expert in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == expert)
+            gate_up, down = self.expert_products(expert)
+            both = gate_up(x[rows])
+            if self.act == "silu" and self.ops is not None:  # the dense MLP's (and fused_experts') numbers
+                hidden = self.ops.silu_and_mul(both)
+            elif self.act == "gelu_tanh" and self.ops is not None:
+                hidden = self.ops.gelu_tanh_and_mul(both)
+            else:
+                gate, up = both.chunk(2, dim=-1)
+                if self.act == "swiglu_clamped":
+                    gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+                    hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+                else:
+                    hidden = activation(self.act, gate) * up
+            out.index_add_(0, rows, down(hidden).float() * weights[rows, slot, None])
+        return out.to(x.dtype)
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """transformers' loop: each expert hit, in ascending id, adds its weighted rows into a zero sum."""

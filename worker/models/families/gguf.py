@@ -314,6 +314,19 @@ def gguf_tensors(
                 rows = np.asarray(tensor.data).reshape(shape[0], -1)
                 yield from _as_hf(arch, name, GgufBlocks(qtype, rows, (shape[0], shape[1])), config)
                 continue
+            if (
+                len(shape) == 3
+                and ".experts." in name
+                and can_pack(qtype, shape[1:])
+                and not config.expert_bias
+            ):
+                # stacked experts [experts, out, in]: each expert's blocks, as HF checkpoints name them
+                stem, _, part = name.rpartition(".experts.")
+                stacked = np.asarray(tensor.data).reshape(shape[0], shape[1], -1)
+                for expert in range(shape[0]):
+                    blocks = GgufBlocks(qtype, stacked[expert], (shape[1], shape[2]))
+                    yield f"{stem}.experts.{expert}.{part}", blocks
+                continue
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # [out, in]
         yield from _as_hf(arch, name, weights, config)
 
@@ -341,7 +354,7 @@ def _as_hf(
             weights = weights.with_rows(lambda rows: _undo_rope_permute(rows, heads))
         elif arch == "gptneox" and ".query_key_value." in name:
             weights = weights.with_rows(lambda rows: _regroup_neox(rows, config.num_heads))
-        yield name, weights  # (only 2-d weights come as blocks: stacked experts are 3-d, dequantized)
+        yield name, weights  # (stacked experts come as each expert's blocks: gguf_tensors)
         return
     if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         weights = _undo_rope_permute(weights, config.num_heads if ".q_proj." in name else config.num_kv_heads)
