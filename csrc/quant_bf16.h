@@ -36,6 +36,13 @@ inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
     std::memcpy(&bits, &both, sizeof bits);
     return bits;
   } else {
+    if constexpr (T == MXFP4) {  // each code through the table, then (dim k, dim k + 1) into lane c's halves
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 8));
+      const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(MXFP4_Q)), nibble = _mm_set1_epi8(15);
+      const __m512i lo = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(lut, _mm_and_si128(v, nibble)));
+      const __m512i hi = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), nibble)));
+      return _mm512_or_si512(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)), _mm512_set1_epi32(0x43004300));
+    }
     // byte c: row c's dim k (low nibble) and dim k + 1 (high): into lane c as the 16-bit halves
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 8)));
     __m512i q = _mm512_ternarylogic_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)),

@@ -23,10 +23,16 @@ enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 
                        // integer weights of safetensors checkpoints (AWQ, GPTQ, compressed-tensors; worker/quant/
                        // int_pack.py): 4-bit groups of 32, 64 or 128 dims, 8-bit blocks of 64, each with a float32
                        // scale and offset per (row, group)
-                       I4_G32 = 100, I4_G64 = 101, I4_G128 = 102, I8_G64 = 103 };
+                       I4_G32 = 100, I4_G64 = 101, I4_G128 = 102, I8_G64 = 103,
+                       // gpt-oss's MXFP4 (worker/quant/int_pack.py): E2M1 codes, an E8M0 exponent per 32
+                       MXFP4 = 105 };
+
+// MXFP4's code c is twice its E2M1 value as an integer in [-12, 12], stored plus 12 (q in [0, 24]), with scale
+// 2^(e - 128) and offset -12 scale: fma(scale, q, offset) is the E2M1 value times 2^(e - 127), exactly.
+constexpr uint8_t MXFP4_Q[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 // The integer types' scale and offset are float32 [16] each, at 0 and 64 (the GGUF types' d is f16 at 0).
-constexpr bool float_scales(int64_t t) { return t >= I4_G32; }
+constexpr bool float_scales(int64_t t) { return t >= I4_G32 && t != MXFP4; }
 // Signed 8-bit values stored a dim pair per 16-bit word (Q8_0's layout); the other types store nibbles.
 constexpr bool eight_bit(int64_t t) { return t == Q8_0 || t == I8_G64; }
 
@@ -55,6 +61,7 @@ Traits traits_of(int64_t qtype) {
     case I4_G64: return {64, 64, 128 + 8 * 64, 64, -1, 128, -1, 0};
     case I4_G128: return {128, 128, 128 + 8 * 128, 64, -1, 128, -1, 0};
     case I8_G64: return {64, 64, 128 + 16 * 64, 64, -1, 128, -1, 0};
+    case MXFP4: return {32, 32, 16 + 8 * 32, -1, 0, 16, -1, 0};  // E8M0 exponents u8 [16], then the codes
     default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
   }
 }
@@ -72,6 +79,12 @@ constexpr bool high_one(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K;
 
 template <int64_t T>
 inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m512& s, __m512& o) {
+  if constexpr (T == MXFP4) {  // 2^(e - 127) from the exponent bits, halved (exact; e = 0 gives 0)
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec)));
+    s = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f));
+    o = _mm512_mul_ps(s, _mm512_set1_ps(-12.0f));
+    return;
+  }
   if constexpr (float_scales(T)) {
     s = _mm512_loadu_ps(reinterpret_cast<const float*>(rec));
     o = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + t.second));
@@ -108,7 +121,9 @@ inline __m512 unpack(const uint8_t* rec, const Traits& t, int64_t k) {
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + (k / 2) * 16));
     const __m128i nibble = _mm_set1_epi8(15);
-    __m512i q = _mm512_cvtepu8_epi32(_mm_and_si128(k % 2 ? _mm_srli_epi16(v, 4) : v, nibble));
+    __m128i codes = _mm_and_si128(k % 2 ? _mm_srli_epi16(v, 4) : v, nibble);
+    if constexpr (T == MXFP4) codes = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MXFP4_Q)), codes);
+    __m512i q = _mm512_cvtepu8_epi32(codes);
     if constexpr (high_one(T)) {
       uint16_t bits;
       std::memcpy(&bits, rec + t.high + k * 2, 2);
@@ -135,8 +150,13 @@ inline void unpack_two(const uint8_t* rec, const Traits& t, int64_t k, __m512& f
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + k * 8));  // dims k, k + 1
     const __m128i nibble = _mm_set1_epi8(15);
-    __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(v, nibble));
-    __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+    __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+    if constexpr (T == MXFP4) {
+      const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(MXFP4_Q));
+      lo = _mm_shuffle_epi8(lut, lo), hi = _mm_shuffle_epi8(lut, hi);
+    }
+    __m512i a = _mm512_cvtepu8_epi32(lo);
+    __m512i b = _mm512_cvtepu8_epi32(hi);
     if constexpr (high_one(T)) {
       uint32_t bits;
       std::memcpy(&bits, rec + t.high + k * 2, 4);
@@ -200,6 +220,14 @@ constexpr bool high_one(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K;
 template <int64_t T>
 inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m256& s0, __m256& s1, __m256& o0,
                       __m256& o1) {
+  if constexpr (T == MXFP4) {
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec));
+    const __m256 half = _mm256_set1_ps(0.5f), bias = _mm256_set1_ps(-12.0f);
+    s0 = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(e), 23)), half);
+    s1 = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(e, 8)), 23)), half);
+    o0 = _mm256_mul_ps(s0, bias), o1 = _mm256_mul_ps(s1, bias);
+    return;
+  }
   if constexpr (float_scales(T)) {
     const float* f = reinterpret_cast<const float*>(rec);
     s0 = _mm256_loadu_ps(f), s1 = _mm256_loadu_ps(f + 8);
@@ -248,7 +276,9 @@ inline void unpack(const uint8_t* rec, const Traits& t, int64_t k, __m256& q0, _
     q1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q, 1)));
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.low + (k / 2) * 16));
-    const __m128i nibbles = _mm_and_si128(k % 2 ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(15));
+    __m128i nibbles = _mm_and_si128(k % 2 ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(15));
+    if constexpr (T == MXFP4)
+      nibbles = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MXFP4_Q)), nibbles);
     __m256i i0 = _mm256_cvtepu8_epi32(nibbles);
     __m256i i1 = _mm256_cvtepu8_epi32(_mm_srli_si128(nibbles, 8));
     if constexpr (high_one(T)) {
@@ -325,6 +355,13 @@ void fused_pass(const float* x, int64_t k, const uint8_t* group, const Traits& t
 template <int64_t T>
 inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, float* scale, float* offset) {
   for (int c = 0; c < 16; ++c) {
+    if constexpr (T == MXFP4) {
+      const uint32_t bits = static_cast<uint32_t>(rec[c]) << 23;
+      std::memcpy(scale + c, &bits, 4);
+      scale[c] *= 0.5f;
+      offset[c] = -12.0f * scale[c];
+      continue;
+    }
     if constexpr (float_scales(T)) {
       std::memcpy(scale + c, rec + 4 * c, 4);
       std::memcpy(offset + c, rec + t.second + 4 * c, 4);
@@ -355,6 +392,7 @@ inline float q_of(const uint8_t* rec, const Traits& t, int64_t k, int c) {
   } else {
     const uint8_t byte = rec[t.low + (k / 2) * 16 + c];
     int q = k % 2 ? (byte >> 4) : (byte & 15);
+    if constexpr (T == MXFP4) q = MXFP4_Q[q];
     if (t.high_bits == 1) {
       uint16_t bits;
       std::memcpy(&bits, rec + t.high + k * 2, 2);

@@ -14,7 +14,8 @@
 //
 // Every weight is fma(scale, q, offset) in float32 with q the stored unsigned (Q8_0: signed) integer:
 //   Q4_0 d, -8d; Q5_0 d, -16d; Q8_0 d, 0; Q4_1 and Q5_1 d, m; Q4_K and Q5_K d * sc[j], -(dmin * m[j]);
-//   Q6_K d * sc[j], -32 (d * sc[j]); the integer types (I4_G*, I8_G64) their float32 s and o as stored.
+//   Q6_K d * sc[j], -32 (d * sc[j]); the integer types (I4_G*, I8_G64) their float32 s and o as stored;
+//   MXFP4 2^(e - 128), -12 of it, on its code's value twice plus 12 (csrc/quant_blocks.h).
 // Each scale and offset is an exact product and scale * q is exact, so this is the one rounding of the
 // `gguf` package's numpy dequantization (d * (q - 8), d * q + m, d * q - dm, ...): the same float32 values.
 // The product is linear_rows' (csrc/gemm_rows_cpu.cpp) on those values: y[m, n] = (one FMA chain over
@@ -122,6 +123,7 @@ void dispatch(int64_t qtype, F&& f) {
     case I4_G64: f(std::integral_constant<int64_t, I4_G64>{}); break;
     case I4_G128: f(std::integral_constant<int64_t, I4_G128>{}); break;
     case I8_G64: f(std::integral_constant<int64_t, I8_G64>{}); break;
+    case MXFP4: f(std::integral_constant<int64_t, MXFP4>{}); break;
     default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
   }
 }
@@ -138,7 +140,7 @@ void check_packing(const torch::Tensor& packed, const Traits& t, int64_t k) {
 bool quant_type_supported(int64_t qtype) {
   switch (qtype) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K:
-    case I4_G32: case I4_G64: case I4_G128: case I8_G64: return true;
+    case I4_G32: case I4_G64: case I4_G128: case I8_G64: case MXFP4: return true;
     default: return false;
   }
 }

@@ -83,3 +83,34 @@ def test_groups_the_kernels_do_not_take_are_refused() -> None:
         int_type(3, 128, 256)
     with pytest.raises(ValueError, match="does not divide"):
         int_type(4, 128, 320)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_rows_and_products(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    """gpt-oss's MXFP4 (every E2M1 code, exponents around 2^-4): the rows are worker/models/mxfp4.py's
+    dequantization bit for bit; the products linear_rows' on them (float32), within rounding of float64
+    (bf16), each row alone as in a batch."""
+    from worker.quant.blocks import Mxfp4Blocks
+
+    rng = np.random.default_rng(4)
+    n, k = 48, 256
+    weight = Mxfp4Blocks(rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8),
+                         rng.integers(118, 130, (n, k // 32), dtype=np.uint8))  # fmt: skip
+    dense = weight.dequantize()
+    packed = weight.packed()
+    assert torch.equal(ops.quant_rows(packed, weight.qtype, torch.arange(n), k, torch.float32), dense)
+    x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(n)
+    rows_layout = ops.pack_rows(dense)
+    alone = [ops.linear_quant(x_all[i : i + 1], packed, weight.qtype, bias, n) for i in range(4)]
+    for rows in ROWS:
+        x = x_all[:rows]
+        y = ops.linear_quant(x, packed, weight.qtype, bias, n)
+        if dtype == torch.float32:
+            assert torch.equal(y, ops.linear_rows(x, rows_layout, bias, n))
+        exact = x.double() @ dense.double().T + bias.double()
+        scale = x.double().abs() @ dense.double().abs().T + 1
+        tolerance = 1e-5 * scale + (exact.abs() * 2.0**-8 + scale * 2.0**-8 if dtype == torch.bfloat16 else 0)
+        assert bool(((y.double() - exact).abs() <= tolerance).all())
+        for i in range(min(rows, 4)):
+            assert torch.equal(y[i : i + 1], alone[i])

@@ -118,9 +118,16 @@ def test_gpt_oss_mxfp4_experts_serve_as_their_dequantized_weights(tmp_path) -> N
         (tmp_path / folder / "config.json").write_text(json.dumps({**config, **extra}))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
     prompt = [random.Random(4).randrange(VOCAB) for _ in range(30)]
-    ours = greedy(str(tmp_path / "packed"), [prompt], "float32", batch=1)[0]
     expected = hf_greedy(hf, prompt, MAX_TOKENS, None)
-    assert [token for token, _ in ours] == expected.token_ids
+    for quantization in ("mxfp4", "none"):  # kept packed (csrc MXFP4 products), and dequantized at load
+        ours = greedy(str(tmp_path / "packed"), [prompt], "float32", batch=1, quantization=quantization)[0]
+        assert [token for token, _ in ours] == expected.token_ids, quantization
+    from worker.model_runner import ModelRunner
+    from worker.models.moe import Experts
+
+    runner = ModelRunner(WorkerConfig(model=str(tmp_path / "packed"), dtype="float32", max_model_len=64))
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.quantized is not None and m.gate_up_proj.numel() == 0 for m in experts)
 
 
 BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

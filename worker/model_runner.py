@@ -234,7 +234,10 @@ class ModelRunner:
     def _build_model(self, weights: Any, phases: StartupPhases | None = None) -> CausalLM | BertModel:
         """The model from the checkpoint's weights, packed for the kernels (at start, and on a level-2 wake)."""
         model = build_model(self.model_config, self.dtype, self.ops, self.tp)
-        model.load_weights(weights if self.shard is None else self.shard.weights(weights))
+        if isinstance(model, CausalLM):
+            model.load_weights(weights if self.shard is None else self.shard.weights(weights), self.packed)
+        else:
+            model.load_weights(weights)
         if phases is not None:
             phases.mark("weights")
         model.finalize(self.batch_invariant, pack=self.device.type == "cpu")

@@ -219,8 +219,8 @@ class CausalLM(nn.Module):
             if native_stack_serves(self.config) and dtype_ok and not packed_experts:
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_checkpoint(self, self.config, weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], packed: bool = False) -> None:
+        load_checkpoint(self, self.config, weights, packed)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -43,9 +43,13 @@ def our_name(family_name: str, name: str) -> str:
 
 
 def load_checkpoint(
-    model: nn.Module, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
+    model: nn.Module,
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor | QuantWeight]],
+    packed: bool = False,
 ) -> None:
-    """model: a CausalLM of `config`."""
+    """model: a CausalLM of `config`; packed: the worker keeps quantized weights packed (a family's own
+    combining, gpt-oss's MXFP4, gives them as blocks then)."""
     family = BY_NAME.get(config.family)
     params = dict(model.named_parameters())
     # rows filled: per row (an expert's rows for [experts, rows, cols] tensors), per element of a vector
@@ -56,7 +60,7 @@ def load_checkpoint(
     }  # fmt: skip
     moe_inter = config.moe_intermediate_size
     if family is not None and family.combine is not None:
-        weights = family.combine(weights, config)
+        weights = family.combine(weights, config, packed)
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     stacked = {
         "q_proj": ("qkv_proj", 0, q_size),

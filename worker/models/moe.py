@@ -71,9 +71,9 @@ class Experts(nn.Module):
         """One expert's gate_proj, up_proj or down_proj, packed (worker/models/checkpoint.py)."""
         if self.quantized is None:
             (experts, inter2, hidden), inter = self.gate_up_proj.shape, self.down_proj.shape[2]
-            dtype = self.gate_up_proj.dtype
+            dtype, biased = self.gate_up_proj.dtype, self.gate_up_proj_bias is not None
             self.quantized = nn.ModuleList(
-                nn.ModuleList([Linear(hidden, inter2, bias=False, dtype=dtype), Linear(inter, hidden, bias=False, dtype=dtype)])
+                nn.ModuleList([Linear(hidden, inter2, bias=biased, dtype=dtype), Linear(inter, hidden, bias=biased, dtype=dtype)])
                 for _ in range(experts)
             )  # fmt: skip
         self.expert_products(expert)[1 if part == "down_proj" else 0].add_quant(quant)
@@ -96,6 +96,12 @@ class Experts(nn.Module):
                 raise ValueError(
                     f"experts {partial[:3]} are partly packed: a checkpoint mixing float and blocks"
                 )
+            if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:  # each expert's own
+                for expert in range(len(self.quantized)):
+                    first, second = self.expert_products(expert)
+                    assert first.bias is not None and second.bias is not None
+                    first.bias.data.copy_(self.gate_up_proj_bias[expert])
+                    second.bias.data.copy_(self.down_proj_bias[expert])
             empty = torch.empty(0, dtype=self.gate_up_proj.dtype)
             self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
             self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)

@@ -121,3 +121,34 @@ class QuantPart:
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
+
+
+@dataclass
+class Mxfp4Blocks(QuantWeight):
+    """A [N, K] MXFP4 weight as gpt-oss checkpoints hold it: blocks uint8 [N, K / 32, 16], scales uint8
+    [N, K / 32] (worker/models/mxfp4.py)."""
+
+    blocks: np.ndarray
+    scales: np.ndarray
+    qtype: int = int(int_pack.IntType.MXFP4)
+
+    @property
+    def shape(self) -> tuple[int, int]:  # type: ignore[override]
+        return (int(self.scales.shape[0]), int(self.scales.shape[1]) * 32)
+
+    @property
+    def type_name(self) -> str:
+        return "MXFP4"
+
+    def with_rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> Mxfp4Blocks:
+        return Mxfp4Blocks(
+            np.ascontiguousarray(reorder(self.blocks)), np.ascontiguousarray(reorder(self.scales))
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        from worker.models.mxfp4 import dequantize_mxfp4
+
+        return dequantize_mxfp4(torch.from_numpy(self.blocks), torch.from_numpy(self.scales), torch.float32)
+
+    def packed(self) -> torch.Tensor:
+        return torch.from_numpy(int_pack.pack_mxfp4(self.blocks, self.scales))

@@ -35,6 +35,7 @@ class IntType(IntEnum):
     I4_G128 = 102
     I8_G64 = 103
     I8_A8 = 104
+    MXFP4 = 105
 
 
 BLOCK = {IntType.I4_G32: 32, IntType.I4_G64: 64, IntType.I4_G128: 128, IntType.I8_G64: 64, IntType.I8_A8: 64}
@@ -112,3 +113,15 @@ def _pack_w8a8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     record = np.concatenate([_across(s), _across(sums.view(np.float32)), values], axis=-1)
     assert record.shape[-1] == record_bytes(IntType.I8_A8), record.shape
     return np.ascontiguousarray(record)
+
+
+def pack_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's MXFP4: blocks uint8 [N, K / 32, 16] (two E2M1 codes a byte, the low nibble first), scales
+    uint8 [N, K / 32] (E8M0) -> records [N / 16, K / 32, 272]: the 16 rows' exponents, then a dim pair's 16
+    bytes per pair (byte c: row c's first code in the low nibble, its second in the high one)."""
+    n, nb = scales.shape
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(n, nb, 32)  # [N, nb, 32] in dim order
+    pairs = codes.reshape(n // GROUP, GROUP, nb, 16, 2).transpose(0, 2, 3, 1, 4)  # [G, nb, pairs, 16, 2]
+    low = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8).reshape(n // GROUP, nb, -1)
+    exponents = np.ascontiguousarray(scales.reshape(n // GROUP, GROUP, nb).transpose(0, 2, 1))
+    return np.ascontiguousarray(np.concatenate([exponents, low], axis=-1))

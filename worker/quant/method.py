@@ -17,13 +17,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("engine.worker")
 
-METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "none")
+METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "mxfp4", "none")
 INTEGER = (
     "awq",
     "gptq",
     "compressed-tensors",
 )  # safetensors checkpoints of integers (worker/quant/formats.py)
-PACKED = ("gguf", *INTEGER)  # served packed by csrc/quant_cpu.cpp
+PACKED = ("gguf", *INTEGER, "mxfp4")  # served packed by csrc/quant_cpu.cpp (mxfp4: gpt-oss's experts)
 
 
 def quantization_config(model: str) -> dict[str, Any] | None:

@@ -78,8 +78,8 @@ class Family:
     # a checkpoint tensor (by our name) as our layout holds it, when the two differ (GPT-NeoX's fused qkv)
     convert: Callable[[str, Any, ModelConfig], Any] | None = None
     # the checkpoint's (name, tensor) stream before any of that, where tensors combine (gpt-oss's MXFP4
-    # blocks and scales into one weight)
-    combine: Callable[[Iterable[tuple[str, Any]], ModelConfig], Iterator[tuple[str, Any]]] | None = None
+    # blocks and scales into one weight); its bool: the worker keeps quantized weights packed
+    combine: Callable[[Iterable[tuple[str, Any]], ModelConfig, bool], Iterator[tuple[str, Any]]] | None = None
 
     def config(self, hf: HFConfig, eos: list[int], torch_dtype: str) -> ModelConfig:
         common = decoder_config(hf, self.default_rope_theta)

@@ -5,7 +5,9 @@ full attention alternating (`layer_types`), YaRN rope, and a mixture of experts 
 
 Its checkpoints hold every expert in one tensor, x @ W-oriented and with gate and up interleaved
 ([E, H, 2I], gate at the even columns): turned into ours ([E, 2I, H], gate rows first) at load. Real
-checkpoints ship those tensors as MXFP4 blocks and scales (worker/models/mxfp4.py), dequantized here.
+checkpoints ship those tensors as MXFP4 blocks and scales (worker/models/mxfp4.py): kept packed as each
+expert's products where the worker keeps quantized weights packed (csrc/quant_blocks.h's MXFP4), else
+dequantized here.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from worker.model_config import ModelConfig
 from worker.models.families.base import Family, HFConfig, layer_types
 from worker.models.families.moe import experts
 from worker.models.mxfp4 import dequantize_mxfp4
+from worker.quant.blocks import Mxfp4Blocks
 
 
 def gpt_oss_options(hf: HFConfig, common: dict[str, Any]) -> dict[str, Any]:
@@ -58,10 +62,11 @@ def convert(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tenso
 
 
 def combine(
-    weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
+    weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Mxfp4Blocks]]:
     """MXFP4 `<name>_blocks` and `<name>_scales` (in either order) -> `<name>` in the checkpoint's orientation
-    ([E, H, 2I], [E, I, H]); every other tensor as it is. In bf16, which holds every MXFP4 value exactly."""
+    ([E, H, 2I], [E, I, H]), in bf16, which holds every MXFP4 value exactly; packed: each expert's gate, up
+    and down as their blocks instead (Mxfp4Blocks, gate rows first). Every other tensor as it is."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         base, _, part = name.rpartition("_")
@@ -72,9 +77,32 @@ def combine(
         halves[part] = tensor
         if len(halves) == 2:
             del pending[base]
-            yield base, dequantize_mxfp4(halves["blocks"], halves["scales"], torch.bfloat16).transpose(1, 2)
+            if packed:
+                yield from _expert_blocks(base, halves["blocks"].numpy(), halves["scales"].numpy())
+            else:
+                yield (
+                    base,
+                    dequantize_mxfp4(halves["blocks"], halves["scales"], torch.bfloat16).transpose(1, 2),
+                )
     if pending:
         raise ValueError(f"MXFP4 tensors without their other half: {sorted(pending)[:3]}")
+
+
+def _expert_blocks(base: str, blocks: np.ndarray, scales: np.ndarray) -> Iterator[tuple[str, Mxfp4Blocks]]:
+    """`...experts.gate_up_proj` [E, 2I, H / 32, 16] (gate and up rows interleaved) or `...experts.down_proj`
+    -> each expert's products by HF's per-expert names."""
+    stem, _, kind = base.rpartition(".")
+    for expert in range(blocks.shape[0]):
+        if kind == "gate_up_proj":
+            for part, rows in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+                yield (
+                    f"{stem}.{expert}.{part}.weight",
+                    Mxfp4Blocks(
+                        np.ascontiguousarray(blocks[expert, rows]), np.ascontiguousarray(scales[expert, rows])
+                    ),
+                )
+        else:
+            yield f"{stem}.{expert}.{kind}.weight", Mxfp4Blocks(blocks[expert], scales[expert])
 
 
 GPT_OSS = Family(
