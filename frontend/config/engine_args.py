@@ -67,9 +67,10 @@ class EngineArgs:
     dtype: str = option("auto", "weights and activations", choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str | None = option(
         None,
-        "how the weights are quantized (default: as the checkpoint says); gguf keeps a GGUF file's blocks "
-        "packed, none dequantizes them to --dtype at load (docs/quantization.md)",
-        choices=["gguf", "awq", "gptq", "compressed-tensors", "none"],
+        "how the weights are quantized (default: as the checkpoint says); gguf, awq, gptq, "
+        "compressed-tensors and mxfp4 keep the checkpoint's quantized weights packed, none dequantizes "
+        "them to --dtype at load (docs/quantization.md)",
+        choices=["gguf", "awq", "gptq", "compressed-tensors", "mxfp4", "none"],
     )
     max_model_len: int | None = option(None, "prompt + output tokens per request (default: the model's)")
     block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block", choices=BLOCK_SIZES)

@@ -87,7 +87,7 @@ def load_checkpoint(
             size = param.shape[1] if part == "down_proj" else moe_inter
             if isinstance(tensor, QuantWeight):  # kept packed, as that expert's product (Experts.add_quant)
                 experts = model.get_submodule(prefix)
-                if isinstance(experts, Experts) and tensor.shape == (size, param.shape[2]):
+                if isinstance(experts, Experts) and tensor.shape == (size, param.shape[2]) and size % 16 == 0:
                     experts.add_quant(index, part, QuantPart(start, tensor.qtype, tensor.packed(), size))
                     filled[target][index, start : start + size] += 1
                     continue
@@ -113,7 +113,8 @@ def load_checkpoint(
                 continue
             if tensor.activations is not None:
                 raise ValueError(
-                    f"{checkpoint_name!r}: its activations are quantized, and it is not a product"
+                    f"{checkpoint_name!r} quantizes its activations (W8A8), which only its packed product does, "
+                    f"and it cannot be kept packed here (shape {tensor.shape})"
                 )
             tensor = tensor.dequantize()
         if family is not None and family.convert is not None:
@@ -160,8 +161,8 @@ def _keep_packed(
             return False
         blocks = blocks.with_rows(lambda r: r[order])
     start = 0 if rows is None else rows[0]
-    if blocks.shape[0] != (module.weight.shape[0] if rows is None else rows[1]):
-        return False
+    if blocks.shape[0] != (module.weight.shape[0] if rows is None else rows[1]) or blocks.shape[0] % 16:
+        return False  # (the tiles hold 16 rows side by side)
     if blocks.activations is not None and not isinstance(module, Linear):
         return False
     module.add_quant(QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0], blocks.activations))
