@@ -251,3 +251,15 @@ def test_a_quantized_checkpoint_as_an_embedder_through_the_llm_api(tmp_path) -> 
             out = dequantized(torch.tensor([prompt]), output_hidden_states=True)
         expected = torch.nn.functional.normalize(out.hidden_states[-1][0, -1], dim=-1).numpy()
         assert float(np.dot(result.outputs.embedding, expected)) >= 0.99999
+
+
+def test_a_group_size_the_tensors_contradict_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from worker.config_files import load_model_config
+    from worker.weights import iterate_weights
+
+    write(tiny_llama(), str(tmp_path), "awq", group=128)
+    edit_config(str(tmp_path), group_size=64)
+    with pytest.raises(
+        UnsupportedModelError, match="_proj: awq .* groups of 128 dims, the config's group_size is 64"
+    ):
+        list(iterate_weights(str(tmp_path), load_model_config(str(tmp_path)), progress=False, packed=True))

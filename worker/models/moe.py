@@ -175,14 +175,17 @@ class Experts(nn.Module):
             elif self.act == "gelu_tanh" and self.ops is not None:
                 hidden = self.ops.gelu_tanh_and_mul(both)
             else:
-                gate, up = both.chunk(2, dim=-1)
-                if self.act == "swiglu_clamped":
-                    gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-                    hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-                else:
-                    hidden = activation(self.act, gate) * up
+                hidden = self.gated(both)
             out.index_add_(0, rows, down(hidden).float() * weights[rows, slot, None])
         return out.to(x.dtype)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation in torch, [rows, 2I] (gate first) -> [rows, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.act == "swiglu_clamped":
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return activation(self.act, gate) * up
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """transformers' loop: each expert hit, in ascending id, adds its weighted rows into a zero sum."""
@@ -190,13 +193,7 @@ class Experts(nn.Module):
         for expert in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == expert)
             gate_up = F.linear(x[rows], self.gate_up_proj[expert], self._bias(self.gate_up_proj_bias, expert))
-            gate, up = gate_up.chunk(2, dim=-1)
-            if self.act == "swiglu_clamped":
-                gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-                hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            else:
-                hidden = activation(self.act, gate) * up
-            y = F.linear(hidden, self.down_proj[expert], self._bias(self.down_proj_bias, expert))
+            y = F.linear(self.gated(gate_up), self.down_proj[expert], self._bias(self.down_proj_bias, expert))
             out.index_add_(0, rows, y.float() * weights[rows, slot, None])
         return out.to(x.dtype)
 

@@ -25,6 +25,7 @@ import torch
 
 from worker.model_config import UnsupportedModelError
 from worker.quant.blocks import IntBlocks
+from worker.quant.int_pack import int_type
 
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 lies in nibble AWQ_ORDER[j]
 INT8_TOKEN = "int8-token"
@@ -203,10 +204,17 @@ def _read(module: str, tensors: dict[str, torch.Tensor], fmt: Format) -> IntBloc
     scheme = fmt.scheme_of(module)
     try:
         if fmt.method == "awq":
-            return _awq(tensors, scheme)
-        if fmt.method == "gptq":
-            return _gptq(tensors, scheme, fmt.zero_shift)
-        return _compressed(tensors, scheme, fmt.layout)
+            blocks = _awq(tensors, scheme)
+        elif fmt.method == "gptq":
+            blocks = _gptq(tensors, scheme, fmt.zero_shift)
+        else:
+            blocks = _compressed(tensors, scheme, fmt.layout)
+        expected = blocks.shape[1] if scheme.group == -1 else scheme.group
+        if blocks.group != expected:  # the config says one group size, the tensors hold another
+            raise ValueError(
+                f"its scales cover groups of {blocks.group} dims, the config's group_size is {expected}"
+            )
+        return blocks
     except (KeyError, ValueError) as e:
         raise UnsupportedModelError(f"{module}: {fmt.method} tensors not served as they are: {e}") from e
 
@@ -223,8 +231,6 @@ def _blocks(
     else:
         q = u
     offset = -(s * zero.astype(np.float32))
-    from worker.quant.int_pack import int_type
-
     int_type(
         bits, u.shape[1] // s.shape[1], u.shape[1]
     )  # a group the kernels take, or a ValueError naming it
