@@ -43,6 +43,27 @@ def prefix_cache_serves(info: ModelInfo) -> bool:
     return not info.is_encoder and info.pooler is not None and info.pooler.pooling_type == "LAST"
 
 
+def check_encoder_input(message: AddRequest, info: ModelInfo) -> None:
+    """An encoder-decoder model's request carries one encoder input of the model's shape; no other does."""
+    encoder = message.encoder_input
+    if (encoder is not None) != (info.encoder_len > 0):
+        raise InvalidParameterError(
+            "model",
+            "this model transcribes audio: each request needs its audio"
+            if encoder is None
+            else "this model takes no audio input.",
+        )
+    if encoder is None:
+        return
+    shape = [info.num_mel_bins, 2 * info.encoder_len]
+    if encoder.shape != shape or len(encoder.data) != 4 * shape[0] * shape[1]:
+        raise InvalidParameterError(
+            "file", f"the audio's features must be float32 of shape {shape}; got {encoder.shape}."
+        )
+    if encoder.num_tokens != info.encoder_len:
+        raise InvalidParameterError("file", f"an encoder input is {info.encoder_len} positions.")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.executor = executor
@@ -73,8 +94,13 @@ class EngineCore:
                 f"max_model_len {self.model_info.max_model_len} exceeds the KV pool's {capacity} tokens: "
                 "lower max_model_len or give the KV cache more memory"
             )
+        max_num_seqs = config.max_num_seqs
+        if info.max_num_encoder_outputs and info.max_num_encoder_outputs < max_num_seqs:
+            logger.info("max_num_seqs %d -> %d: the encoder outputs the KV cache memory holds",
+                        max_num_seqs, info.max_num_encoder_outputs)  # fmt: skip
+            max_num_seqs = info.max_num_encoder_outputs
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=self.model_info.max_model_len,
             block_size=self.model_info.block_size,
@@ -89,6 +115,8 @@ class EngineCore:
             kv_window=info.kv_window,
             num_window_blocks=info.num_window_blocks,
             rope_switch_len=info.rope_switch_len,
+            # NOTE: one step computes at most a step budget's encoder positions, and always one input's
+            max_num_encoder_input_tokens=max(budget, info.encoder_len) if info.encoder_len else 0,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0
@@ -112,6 +140,7 @@ class EngineCore:
             raise InvalidParameterError("prompt", "the prompt must contain at least one token.")
         if any(not 0 <= token_id < info.vocab_size for token_id in message.prompt_token_ids):
             raise InvalidParameterError("prompt", f"prompt token ids must be in [0, {info.vocab_size}).")
+        check_encoder_input(message, info)
         pooling = message.pooling_params
         if (pooling is not None) != (info.runner == "pooling"):
             runner = (

@@ -16,6 +16,7 @@ import time
 from engine_core.block_hash import BlockHash, hash_block_tokens
 from protocol.config import DEFAULT_BLOCK_SIZE
 from protocol.lora import LoraRequest
+from protocol.media import EncoderInput
 from protocol.messages import AddRequest
 from protocol.pooling import PoolingParams
 from protocol.sampling import SamplingParams
@@ -63,6 +64,7 @@ class Request:
         extra_keys: tuple[str, ...] = (),
         pooling_params: PoolingParams | None = None,
         lora: LoraRequest | None = None,
+        encoder_input: EncoderInput | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
@@ -70,6 +72,8 @@ class Request:
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params  # a pooling request: finished when its prompt is computed
         self.lora = lora  # the adapter it runs with (None: the base model)
+        self.encoder_input = encoder_input  # an encoder-decoder model's input (Whisper's features)
+        self.encoder_done = False  # the worker holds its encoder's output (from its first schedule)
         self.arrival_time = arrival_time
         self.priority = priority
         self.status = RequestStatus.WAITING
@@ -108,7 +112,9 @@ class Request:
         """lora: the adapter message.lora_name resolved to (engine_core/lora_table.py)."""
         # keyed by the adapter's id, not its name: a name loaded again from another folder shares no KV
         lora_key = f"lora:{lora.lora_id}" if lora is not None else None
-        extra_keys = tuple(k for k in (lora_key, message.cache_salt) if k is not None)
+        # the decoder's KV depends on the audio it attends to: blocks of another audio are not these
+        media_key = f"encoder:{message.encoder_input.content_hash}" if message.encoder_input else None
+        extra_keys = tuple(k for k in (lora_key, message.cache_salt, media_key) if k is not None)
         return cls(
             message.request_id,
             message.prompt_token_ids,
@@ -120,7 +126,15 @@ class Request:
             extra_keys=extra_keys,
             pooling_params=message.pooling_params,
             lora=lora,
+            encoder_input=message.encoder_input,
         )
+
+    @property
+    def encoder_tokens_needed(self) -> int:
+        """Encoder positions its next admission computes: its input's, unless the worker holds them."""
+        if self.encoder_input is None or self.encoder_done:
+            return 0
+        return self.encoder_input.num_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ they were scheduled for, so a request finished, aborted or preempted meanwhile d
 
 Invariants (check_invariants):
 - scheduled tokens never exceed max_num_batched_tokens; running requests never exceed max_num_seqs;
+- a step's new encoder inputs (whole) fit max_num_encoder_input_tokens: new audio cannot starve decodes;
 - the running requests use at most max_loras distinct LoRA adapters (the worker's slots), so every step
   fits them; a waiting request whose adapter would be one more waits, and later ones may go first;
 - every running request holds blocks for its computed tokens; waiting ones hold none;
@@ -24,7 +25,6 @@ Invariants (check_invariants):
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -34,50 +34,10 @@ from engine_core.config import SchedulerConfig
 from engine_core.hybrid_kv_cache import kv_cache_for
 from engine_core.kv_cache_manager import cdiv
 from engine_core.request import Request, RequestStatus
+from engine_core.waiting_queue import WaitingQueue
 from protocol.errors import InvalidParameterError
 from protocol.messages import ITERATION_TOKENS_BUCKETS, RequestOutput, SchedulerStats
 from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-
-
-class WaitingQueue:
-    """FCFS (a deque) or priority (a heap ordered by Request.__lt__)."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fcfs: deque[Request] = deque()
-        self._heap: list[Request] = []
-
-    def add(self, request: Request) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, request)
-        else:
-            self._fcfs.append(request)
-
-    def add_front(self, request: Request) -> None:
-        """Re-queue a preempted request ahead of newer arrivals."""
-        if self.policy == "priority":
-            heapq.heappush(self._heap, request)
-        else:
-            self._fcfs.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._heap[0] if self.policy == "priority" else self._fcfs[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap) if self.policy == "priority" else self._fcfs.popleft()
-
-    def remove(self, request: Request) -> None:
-        if self.policy == "priority":
-            self._heap.remove(request)
-            heapq.heapify(self._heap)
-        else:
-            self._fcfs.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._heap) + len(self._fcfs)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self._heap if self.policy == "priority" else self._fcfs)
 
 
 @dataclass
@@ -161,6 +121,7 @@ class Scheduler:
         """The next step, or None when there is nothing for a worker to do (no tokens, no state to drop)."""
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget()
+        encoder_budget = self.config.max_num_encoder_input_tokens  # an encoder-decoder model's, per step
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted = False
@@ -223,6 +184,9 @@ class Scheduler:
                 if len(loras) >= self.config.max_loras:
                     skipped.append(self.waiting.pop())  # vLLM's rule: later requests may still go
                     continue
+            encoder_tokens = request.encoder_tokens_needed
+            if encoder_tokens > encoder_budget:
+                break  # its encoder waits for a step with room (running decodes go on meanwhile)
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget, self._prefill_cap(), prefill_budget)
             if num_new <= 0 or (
@@ -233,6 +197,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
+            encoder_budget -= encoder_tokens
+            request.encoder_done = request.encoder_input is not None  # the worker runs it in this step
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 request.first_scheduled_time = time.monotonic()
@@ -292,6 +258,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_tokens_ahead = request.num_outputs_ahead = 0  # the output in flight is dropped
+        request.encoder_done = False  # the worker drops its cross-attention keys and values too
         request.num_preemptions += counted
         request.num_runs += 1
         self.num_preemptions += counted
@@ -334,6 +301,7 @@ class Scheduler:
                         request.pooling_params,
                         request.lora,
                         self.kv_cache.take_window_block_ids(request_id, True),
+                        request.encoder_input,
                     )
                 )
                 self.sent_to_worker.add(request_id)
@@ -477,6 +445,10 @@ class Scheduler:
             assert len({r.lora.lora_id for r in self.running if r.lora is not None}) <= self.config.max_loras
         if scheduler_output is not None:
             assert scheduler_output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+            encoders = [
+                new.encoder_input.num_tokens for new in scheduler_output.new_requests if new.encoder_input
+            ]
+            assert sum(encoders) <= self.config.max_num_encoder_input_tokens
         block_size = self.config.block_size
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, request

@@ -1,6 +1,7 @@
 """The contract between processes. Imports only the standard library and msgspec."""
 
 from protocol.errors import EngineDeadError, InvalidParameterError, ProtocolVersionError
+from protocol.media import EncoderInput
 from protocol.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -28,6 +29,7 @@ __all__ = [
     "AddRequest",
     "EngineDead",
     "EngineDeadError",
+    "EncoderInput",
     "EngineOutputs",
     "InvalidParameterError",
     "Logprobs",

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.media import EncoderInput
 from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 8  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 9  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
 # 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
 # runner and tasks, AddRequest.pooling_params, RequestOutput.pooled); 7: LoRA (RequestError.code,
 # SchedulerStats' adapters, NewRequestData.lora, the worker calls); 8: data parallel (ModelInfo's
-# data_parallel_rank and data_parallel_addresses)
+# data_parallel_rank and data_parallel_addresses); 9: encoder-decoder models (AddRequest.encoder_input,
+# ModelInfo's encoder fields, NewRequestData.encoder_input)
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -46,7 +48,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     batch_invariant: bool = False  # whether greedy output is independent of the batch (the worker's kernels)
     # what an operator should know of how the worker serves (e.g. without the csrc kernels): /health's detail
     notices: list[str] = msgspec.field(default_factory=list)
-    runner: str = "generate"  # or "pooling": the model returns pooled values, not tokens
+    # or "pooling": the model returns pooled values, not tokens; or "transcription": an encoder-decoder
+    # speech model (Whisper) that generates tokens from each request's encoder input
+    runner: str = "generate"
     pooling_tasks: list[str] = msgspec.field(
         default_factory=list
     )  # what a pooling model does (POOLING_TASKS)
@@ -68,6 +72,13 @@ class ModelInfo(msgspec.Struct, array_like=True):
     # >0: a LongRoPE model: a request with more tokens runs on the long factors at every position, so the
     # engine recomputes one that crosses it (as transformers does) and keys its prefix-cache blocks apart
     rope_switch_len: int = 0
+    # >0: an encoder-decoder model (Whisper, runner "transcription"): each request carries one encoder input
+    # (AddRequest.encoder_input) of this many encoder positions, run once when the request is first scheduled
+    encoder_len: int = 0
+    num_mel_bins: int = 0  # the encoder's input: [num_mel_bins, 2 * encoder_len] (Whisper's log-mel bins)
+    # requests that may hold an encoder output at once (the worker's store of cross-attention keys and
+    # values): the engine runs at most this many
+    max_num_encoder_outputs: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -94,6 +105,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, kw_only=True):
     lora_name: str | None = None  # part of the prefix-cache key
     cache_salt: str | None = None  # isolates prefix-cache entries between tenants
     pooling_params: PoolingParams | None = None  # a pooling request: prefill only, finished with `pooled`
+    encoder_input: EncoderInput | None = None  # an encoder-decoder model's input (ModelInfo.encoder_len)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

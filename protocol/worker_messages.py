@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from protocol.lora import LoraRequest
+from protocol.media import EncoderInput
 from protocol.messages import Logprobs, ModelInfo, RequestError
 from protocol.pooling import PooledOutput, PoolingParams
 from protocol.sampling import SamplingParams
@@ -24,6 +25,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     pooling_params: PoolingParams | None = None  # a pooling request: pooled when its prompt is computed
     lora: LoraRequest | None = None  # the adapter its products add (None: the base model)
     window_block_ids: list[int] = []  # its table in the windowed layers' pool (ModelInfo.num_window_blocks)
+    # an encoder-decoder model's input: the worker runs the encoder on it once (this step) and keeps the
+    # cross-attention keys and values until the request finishes or is preempted
+    encoder_input: EncoderInput | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

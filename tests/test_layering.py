@@ -67,6 +67,9 @@ ALLOWED = {
         "tokenizers",
         "huggingface_hub",  # hub ids resolved through its cache (frontend/model_files.py)
         "numpy",  # pooled vectors: float32 bytes to arrays, base64, cosines (frontend/pooling/)
+        "soundfile",  # audio: wav, flac, ogg (frontend/audio/)
+        "av",  # audio: mp3, m4a, webm, mp4, and resampling (frontend/audio/)
+        "websockets",  # the realtime WebSocket's client in tests and its server under uvicorn
     },  # fmt: skip
 }
 # modules only the benchmark harness (frontend/bench/, the [bench] extra) may import

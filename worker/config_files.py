@@ -10,6 +10,7 @@ from typing import Any
 from worker.model_config import ModelConfig, UnsupportedModelError
 
 ENCODER_ARCHITECTURES = {"BertModel": "bert", "BertForSequenceClassification": "bert"}
+ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
 # the text model of a vision-language checkpoint: its config's text_config, with these defaults for
 # fields an older config leaves out (transformers' Gemma3TextConfig)
 TEXT_CONFIG_DEFAULTS = {
@@ -25,7 +26,7 @@ TEXT_CONFIG_DEFAULTS = {
 def supported_architectures() -> list[str]:
     from worker.models.families import BY_ARCHITECTURE
 
-    return sorted([*BY_ARCHITECTURE, *ENCODER_ARCHITECTURES])
+    return sorted([*BY_ARCHITECTURE, *ENCODER_ARCHITECTURES, *ENCODER_DECODER_ARCHITECTURES])
 
 
 def load_model_config(model: str, gguf_reader: Any = None) -> ModelConfig:
@@ -46,7 +47,7 @@ def _from_hf_folder(folder: str) -> ModelConfig:
     with open(path) as f:
         config = json.load(f)
     architectures = config.get("architectures") or []
-    known = {**BY_ARCHITECTURE, **ENCODER_ARCHITECTURES}
+    known = {**BY_ARCHITECTURE, **ENCODER_ARCHITECTURES, **dict.fromkeys(ENCODER_DECODER_ARCHITECTURES)}
     architecture = next((a for a in architectures if a in known), None)
     if architecture is None:
         raise UnsupportedModelError(
@@ -59,6 +60,10 @@ def _from_hf_folder(folder: str) -> ModelConfig:
     if os.path.exists(generation_path):
         with open(generation_path) as f:
             eos = _eos_ids(json.load(f).get("eos_token_id")) or eos
+    if architecture in ENCODER_DECODER_ARCHITECTURES:
+        from worker.models.whisper_config import whisper_config
+
+        return whisper_config(HFConfig(config, architecture), eos)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     if architecture in TEXT_CONFIG_DEFAULTS:  # a vision-language checkpoint: its language model
         text = {**TEXT_CONFIG_DEFAULTS[architecture], **(config.get("text_config") or {})}

@@ -13,6 +13,7 @@ from worker.attention.cpu import CpuAttentionBackend
 from worker.csrc_ops import cpu_isa_flags
 from worker.models.causal_lm import CausalLM
 from worker.models.layers import Linear
+from worker.models.whisper import WhisperModel
 
 if TYPE_CHECKING:
     from worker.attention.base import AttentionBackend
@@ -42,10 +43,13 @@ def product_kernel(linear: Linear) -> str:
 
 
 def kernel_table(
-    model: CausalLM | BertModel, backend: AttentionBackend, dtype: torch.dtype
+    model: CausalLM | BertModel | WhisperModel, backend: AttentionBackend, dtype: torch.dtype
 ) -> list[tuple[str, str]]:
     linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
     first = next(iter(linears.values()))
+    if isinstance(model, WhisperModel):  # worker/models/whisper.py
+        return [("products", product_kernel(first)), ("encoder attention", "torch SDPA per input"),
+                ("cross attention", "torch SDPA per request"), ("self attention", type(backend).__name__)]  # fmt: skip
     if not isinstance(model, CausalLM):  # an encoder (worker/models/bert.py)
         return [("products", product_kernel(first)), ("attention", "torch SDPA per input, bidirectional")]
     table = [
@@ -70,7 +74,9 @@ def kernel_table(
     return table
 
 
-def log_kernel_table(model: CausalLM | BertModel, backend: AttentionBackend, dtype: torch.dtype) -> None:
+def log_kernel_table(
+    model: CausalLM | BertModel | WhisperModel, backend: AttentionBackend, dtype: torch.dtype
+) -> None:
     device = next(model.parameters()).device
     if device.type == "cuda":  # the CPU's table below does not apply
         logger.info(

@@ -91,6 +91,15 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
 
+    # ---- an encoder-decoder model (Whisper; worker/models/whisper.py): num_layers counts the decoder's ----
+    encoder_layers: int = 0
+    num_mel_bins: int = 0  # the encoder's input rows
+    encoder_len: int = 0  # the encoder's output positions (its input has twice as many frames)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder_len > 0
+
     @property
     def kv_entry(self) -> tuple[int, int, int]:
         """A layer's cache per token: (halves, heads, width). Keys and values of the KV heads, or MLA's one

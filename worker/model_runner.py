@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from structured_outputs import resolve_backend_name
 from worker.attention import AttentionBackend, get_attention_backend
 from worker.attention.torch_ref import TorchAttentionBackend
+from worker.cross_attention import CrossAttentionStore, check_encoder_decoder, plan_cross_entries
 from worker.gguf_cache import load_model_files
 from worker.gpu.device import cuda_dtype, worker_device
 from worker.gpu.graph_runner import DecodeGraphs, captured_graphs, decode_graph_sizes
@@ -35,8 +36,10 @@ from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
 from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.models import build_model
+from worker.models.bert import BertModel
 from worker.models.causal_lm import CausalLM
 from worker.models.rope import check_rope_length, rope_length_limit, rope_switch_length
+from worker.models.whisper import WhisperModel
 from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
 from worker.pooling import resolve_pooling
@@ -44,9 +47,6 @@ from worker.pooling_runner import PoolingStep
 from worker.quant.method import packed_blocks
 from worker.sampler import gather_logprobs, sample
 from worker.sampling_batch import sampling_batch
-
-if TYPE_CHECKING:
-    from worker.models.bert import BertModel
 
 logger = logging.getLogger("engine.worker")
 
@@ -150,7 +150,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.backend = cuda_backend(config.attention_backend, self.model_config, self.dtype, self.device,
                                         self.block_size)  # fmt: skip
+        encoder_decoder = self.model_config.is_encoder_decoder
+        if encoder_decoder:
+            check_encoder_decoder(config, self.device.type)  # worker/cross_attention.py
         self.model = self._build_model(weights, phases)
+        self.cross: CrossAttentionStore | None = None
         log_kernel_table(self.model, self.backend, self.dtype)
         phases.mark("packing")
         mc = self.model_config
@@ -170,7 +174,14 @@ class ModelRunner:
         else:
             if self.tp is not None:
                 self.tp.wait_for_all()  # the collectives below run once every rank has loaded
-            self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(config.kv_cache_memory_bytes)
+            budget = config.kv_cache_memory_bytes
+            if encoder_decoder:  # the encoder outputs' store takes its share of the KV budget first
+                assert isinstance(self.model, WhisperModel)
+                entries, budget = plan_cross_entries(
+                    self.model, config, self._bytes_per_block(), self.max_model_len
+                )
+                self.cross = CrossAttentionStore(self.model, entries)
+            self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(budget)
             if self.device.type == "cuda" and not config.num_kv_blocks:  # from the device's free memory
                 self.num_kv_blocks = kv_cache_plan(self.model, mc, self.dtype, self.device, self.block_size,
                     min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs, self.max_model_len,
@@ -231,7 +242,9 @@ class ModelRunner:
         self.shard = Shard(self.model_config, self.config.rank, size)
         self.model_config = shard_config(self.model_config, size)
 
-    def _build_model(self, weights: Any, phases: StartupPhases | None = None) -> CausalLM | BertModel:
+    def _build_model(
+        self, weights: Any, phases: StartupPhases | None = None
+    ) -> CausalLM | BertModel | WhisperModel:
         """The model from the checkpoint's weights, packed for the kernels (at start, and on a level-2 wake)."""
         model = build_model(self.model_config, self.dtype, self.ops, self.tp)
         if isinstance(model, CausalLM):
@@ -246,7 +259,7 @@ class ModelRunner:
             model.init_rotary(self.max_model_len, self.device)
         return model.eval()
 
-    def reload_model(self) -> CausalLM | BertModel:
+    def reload_model(self) -> CausalLM | BertModel | WhisperModel:
         """A second copy of the model, read from the checkpoint again (a level-2 wake copies it in)."""
         _, weights = load_model_files(self.config.model, self.config.cache_dir, self.packed)
         return self._build_model(weights)
@@ -267,11 +280,13 @@ class ModelRunner:
             explicit=bool(config.num_kv_blocks),
         )
 
-    def _num_blocks_for(self, num_bytes: int) -> int:
+    def _bytes_per_block(self) -> int:
         mc = self.model_config
         halves, heads, width = mc.kv_entry
-        bytes_per_block = halves * self.block_size * heads * width * mc.num_layers * self.dtype.itemsize
-        return max(num_bytes // bytes_per_block, 1)
+        return halves * self.block_size * heads * width * mc.num_layers * self.dtype.itemsize
+
+    def _num_blocks_for(self, num_bytes: int) -> int:
+        return max(num_bytes // self._bytes_per_block(), 1)
 
     def model_info(self) -> ModelInfo:
         names = self.config.served_model_names or [self.config.model]
@@ -288,7 +303,11 @@ class ModelRunner:
             structured_outputs_backend=resolve_backend_name(self.config.structured_outputs_backend),
             batch_invariant=self.batch_invariant,
             notices=self.notices,
-            runner="generate" if self.pooling is None else "pooling",
+            runner="pooling"
+            if self.pooling is not None
+            else "transcription"
+            if self.cross is not None
+            else "generate",
             pooling_tasks=[] if self.pooling is None else self.pooling.tasks,
             pooler=None if self.pooling is None else self.pooling.pooler,
             hidden_size=self.model_config.hidden_size,
@@ -297,6 +316,9 @@ class ModelRunner:
             kv_window=self.model_config.kv_window or self.pools.window,
             num_window_blocks=self.pools.num_window_blocks,
             rope_switch_len=self.rope_switch,
+            encoder_len=self.model_config.encoder_len,
+            num_mel_bins=self.model_config.num_mel_bins,
+            max_num_encoder_outputs=self.cross.max_entries if self.cross is not None else 0,
         )
 
     # ---- one step ----
@@ -314,7 +336,7 @@ class ModelRunner:
             step = self.pooling_step
             pooled = step.execute(self.model, inputs, self.batch, self.kv_caches, self.backend, lora)
             return self._with_lora_errors(pooled, inputs)
-        assert isinstance(self.model, CausalLM)  # an encoder only pools
+        assert not isinstance(self.model, BertModel)  # an encoder only pools
         ends = np.cumsum(inputs.counts)
         sample_pos = [
             i
@@ -334,15 +356,21 @@ class ModelRunner:
         if logits is None:
             if self.device.type == "cuda":
                 inputs = to_device(inputs, self.device, self.backend)
-            hidden = self.model(
-                inputs.input_ids,
-                inputs.positions,
-                self.kv_caches,
-                inputs.metadata,
-                self.backend,
-                out_rows,
-                lora,
-            )  # [len(score_rows), hidden]
+            model = self.model
+            if isinstance(model, WhisperModel):
+                assert self.cross is not None
+                hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend,
+                               out_rows, self.cross.segments(inputs))  # fmt: skip
+            else:
+                hidden = model(
+                    inputs.input_ids,
+                    inputs.positions,
+                    self.kv_caches,
+                    inputs.metadata,
+                    self.backend,
+                    out_rows,
+                    lora,
+                )  # [len(score_rows), hidden]
             logits = self.model.compute_logits(hidden) if score_rows else None  # [n, vocab]
         if self.tp is not None and logits is not None:
             logits = self.tp.gather_logits(logits, self.model_config.vocab_size)  # rank 0's alone
@@ -436,12 +464,16 @@ class ModelRunner:
             self.grammar.remove(request_id)
             if self.pooling_step is not None:
                 self.pooling_step.remove(request_id)
+            if self.cross is not None:
+                self.cross.drop(request_id)
         for new in scheduler_output.new_requests:
             self.batch.add(new)
             if new.sampling_params.structured_outputs is not None and self.config.rank == 0:  # it samples
                 self.grammar.add(new.request_id, new.sampling_params.structured_outputs, new.output_token_ids)
         for cached in scheduler_output.cached_requests:
             self.batch.update(cached)
+        if self.cross is not None:
+            self.cross.add(scheduler_output.new_requests)  # each new request's encoder, once
 
     def _prompt_logprob_rows(
         self, inputs: StepInputs, ends: np.ndarray

@@ -41,6 +41,8 @@ def resolve_pooling(config: WorkerConfig, model_config: ModelConfig) -> PoolingS
     if convert not in CONVERSIONS:
         raise UnsupportedModelError(f"--convert must be one of {', '.join(CONVERSIONS)}, got {convert!r}")
     classifier = model_config.num_labels > 0
+    if model_config.is_encoder_decoder and runner == "pooling":
+        raise UnsupportedModelError(f"{model_config.architecture} transcribes audio: it does not pool")
     if runner == "auto":
         pools = model_config.is_encoder or classifier or convert not in ("auto", "none")
         runner = "pooling" if pools else "generate"

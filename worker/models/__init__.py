@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
     from worker.models.bert import BertModel
     from worker.models.causal_lm import CausalLM
+    from worker.models.whisper import WhisperModel
     from worker.parallel.group import TensorParallelGroup
 
 
@@ -20,13 +21,17 @@ def build_model(
     dtype: torch.dtype,
     ops: CpuOps | None = None,
     tp: TensorParallelGroup | None = None,
-) -> CausalLM | BertModel:
+) -> CausalLM | BertModel | WhisperModel:
     """ops: the csrc kernels for the fused layers, or None for plain torch; tp: a tensor-parallel rank's
     share (config is then the rank's, worker/parallel/sharding.py). Call finalize() after loading."""
     if config.family == "bert":
         from worker.models.bert import BertModel
 
         return BertModel(config, dtype, ops)
+    if config.family == "whisper":
+        from worker.models.whisper import WhisperModel
+
+        return WhisperModel(config, dtype, ops)
     from worker.models.causal_lm import CausalLM
 
     # NOTE: built on the CPU with uninitialized weights (the layers skip reset_parameters), not on the meta

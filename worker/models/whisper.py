@@ -1,0 +1,243 @@
+"""Whisper (WhisperForConditionalGeneration): an audio encoder run once per request, and a text decoder on
+the paged KV cache that attends to the encoder's output.
+
+The encoder turns a [num_mel_bins, 2 * encoder_len] log-mel window into encoder_len hidden rows (two
+convolutions, the second of stride 2, fixed sinusoidal positions, pre-norm layers with bidirectional
+attention over the input alone). Each decoder layer then projects those rows once into the request's
+cross-attention keys and values (`encode`), which the worker keeps for the request's life
+(worker/cross_attention.py); the decoder's own self-attention is paged like any other model's.
+
+As transformers does, a query is scaled before its product with the keys (its order of operations, for
+float32 results equal to the oracle's), and Whisper's k_proj has no bias. A row's result depends on its own
+request alone: the products are the model's Linear kernels, norms and GELU are row by row, and each
+request's cross-attention is its own scaled_dot_product_attention call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend, AttentionMetadata
+from worker.model_config import ModelConfig
+from worker.models.bert import LayerNorm
+from worker.models.layers import Embedding, Linear, can_pack
+
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
+
+CrossKV = list[
+    tuple[torch.Tensor, torch.Tensor]
+]  # per decoder layer: keys, values [heads, encoder_len, head_dim]
+
+
+class Projections(nn.Module):
+    """Whisper's attention products: q, k (no bias), v and out."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.q_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
+        self.k_proj = Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.v_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
+        self.out_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fc1 = Linear(config.hidden_size, config.intermediate_size, bias=True, dtype=dtype)
+        self.fc2 = Linear(config.intermediate_size, config.hidden_size, bias=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc2(F.gelu(self.fc1(x)))
+        return out
+
+
+class Conv1d(nn.Conv1d):
+    """nn.Conv1d without the initialization: its weights come from the checkpoint."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.self_attn_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Projections(hidden, dtype)
+        self.final_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_inputs, encoder_len, hidden]; each input attends to itself alone."""
+        batch, length, hidden = x.shape
+        attn = self.self_attn
+        h = self.self_attn_layer_norm(x).view(batch * length, hidden)
+        shape = (batch, length, self.num_heads, self.head_dim)
+        q = (attn.q_proj(h) * self.head_dim**-0.5).view(shape).transpose(1, 2)  # [b, heads, n, head_dim]
+        k = attn.k_proj(h).view(shape).transpose(1, 2)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), scale=1.0)
+        x = x + attn.out_proj(out.transpose(1, 2).reshape(batch * length, hidden)).view(x.shape)
+        mlp: torch.Tensor = self.mlp(self.final_layer_norm(x).view(batch * length, hidden)).view(x.shape)
+        return x + mlp
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.conv1 = Conv1d(config.num_mel_bins, hidden, kernel_size=3, padding=1, dtype=dtype)
+        self.conv2 = Conv1d(hidden, hidden, kernel_size=3, stride=2, padding=1, dtype=dtype)
+        self.embed_positions = Embedding(config.encoder_len, hidden, dtype=dtype)
+        self.layers = nn.ModuleList(EncoderLayer(config, dtype) for _ in range(config.encoder_layers))
+        self.layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [num_inputs, num_mel_bins, 2 * encoder_len] -> [num_inputs, encoder_len, hidden]."""
+        x = F.gelu(self.conv1(features))  # [b, hidden, 2 * encoder_len]
+        x = F.gelu(self.conv2(x)).transpose(1, 2)  # [b, encoder_len, hidden]
+        x = x + self.embed_positions.weight
+        for layer in self.layers:
+            x = layer(x)
+        out: torch.Tensor = self.layer_norm(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.self_attn_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Projections(hidden, dtype)
+        self.encoder_attn_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
+        self.encoder_attn = Projections(hidden, dtype)
+        self.final_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config, dtype)
+
+    def cross_kv(self, encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """encoded: [encoder_len, hidden] -> this layer's keys and values, [heads, encoder_len, head_dim]."""
+        shape = (encoded.shape[0], self.num_heads, self.head_dim)
+        k = self.encoder_attn.k_proj(encoded).view(shape).transpose(0, 1).contiguous()
+        v = self.encoder_attn.v_proj(encoded).view(shape).transpose(0, 1).contiguous()
+        return k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        cross: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]],  # rows [start, end) and their k, v
+    ) -> torch.Tensor:
+        num_tokens, hidden = x.shape
+        heads = (num_tokens, self.num_heads, self.head_dim)
+        scale = self.head_dim**-0.5
+        attn = self.self_attn
+        h = self.self_attn_layer_norm(x)
+        q = (attn.q_proj(h) * scale).view(heads)  # [num_tokens, heads, head_dim]
+        out = backend.forward(
+            q, attn.k_proj(h).view(heads), attn.v_proj(h).view(heads), kv_cache, metadata, 1.0
+        )
+        x = x + attn.out_proj(out.reshape(num_tokens, hidden))
+        attn = self.encoder_attn
+        q = (attn.q_proj(self.encoder_attn_layer_norm(x)) * scale).view(heads)
+        attended = torch.empty_like(q)  # [num_tokens, heads, head_dim]
+        for start, end, k, v in cross:
+            rows = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+            got = F.scaled_dot_product_attention(rows, k.unsqueeze(0), v.unsqueeze(0), scale=1.0)
+            attended[start:end] = got[0].transpose(0, 1)
+        x = x + attn.out_proj(attended.view(num_tokens, hidden))
+        out_mlp: torch.Tensor = x + self.mlp(self.final_layer_norm(x))
+        return out_mlp
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_positions = Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layer_norm = LayerNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class WhisperModel(nn.Module):
+    is_encoder = False
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
+        super().__init__()
+        self.config, self.ops = config, ops
+        self.encoder = Encoder(config, dtype)
+        self.decoder = Decoder(config, dtype)
+        self.proj_out = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.batch_invariant = False
+
+    @torch.inference_mode()
+    def encode(self, features: torch.Tensor) -> list[CrossKV]:
+        """features: [num_inputs, num_mel_bins, 2 * encoder_len] -> each input's cross-attention keys and
+        values for every decoder layer."""
+        encoded = self.encoder(
+            features.to(self.decoder.embed_tokens.weight.dtype)
+        )  # [b, encoder_len, hidden]
+        layers = [cast(DecoderLayer, layer) for layer in self.decoder.layers]
+        return [[layer.cross_kv(one) for layer in layers] for one in encoded]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        out_rows: torch.Tensor | None,
+        cross: list[tuple[int, int, CrossKV]],  # each request's rows [start, end) and its keys and values
+    ) -> torch.Tensor:  # [len(out_rows) or num_tokens, hidden]
+        decoder = self.decoder
+        x = decoder.embed_tokens(input_ids) + decoder.embed_positions(positions)  # [num_tokens, hidden]
+        for i, (layer, kv_cache) in enumerate(zip(decoder.layers, kv_caches, strict=True)):
+            layer_cross = [(start, end, *kv[i]) for start, end, kv in cross]
+            x = layer(x, kv_cache, metadata, backend, layer_cross)
+        hidden: torch.Tensor = x if out_rows is None else x.index_select(0, out_rows)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.proj_out(self.decoder.layer_norm(hidden))  # [n, vocab]
+        return logits
+
+    def finalize(self, batch_invariant: bool = False, pack: bool = True) -> None:
+        """Tie the output projection to the token embedding, then pack the products as BERT's are."""
+        self.proj_out.weight = self.decoder.embed_tokens.weight
+        if not pack:
+            return
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        self.batch_invariant = batch_invariant and self.ops is not None
+        for linear in linears:
+            if self.batch_invariant and self.ops is not None and linear.invariant_kernel(self.ops):
+                linear.pack_invariant(self.ops)
+            elif can_pack(self.decoder.embed_tokens.weight.dtype):
+                linear.pack(self.ops)  # the tied proj_out packs a copy: the embedding keeps its plain one
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face names: model.encoder.*, model.decoder.*, proj_out (the embedding, tied)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = name.removeprefix("model.").replace(".fc1.", ".mlp.fc1.").replace(".fc2.", ".mlp.fc2.")
+            if target == "proj_out.weight":
+                continue  # tied to the decoder's embedding (finalize)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            with torch.no_grad():
+                param.copy_(tensor.view(param.shape))
+            loaded.add(target)
+        missing = set(params) - loaded - {"proj_out.weight"}
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
