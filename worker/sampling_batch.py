@@ -61,6 +61,9 @@ def sampling_batch(
         if p.bad_words_token_ids
         for t in _bad_word_bans(p.bad_words_token_ids, outputs[row])
     ]
+    banned += [
+        (row, t) for row, p in enumerate(params) if not len(outputs[row]) for t in p.begin_suppress_token_ids
+    ]
     if any(p.allowed_token_ids is not None for p in params):
         allowed = torch.ones(len(params), vocab_size, dtype=torch.bool)  # [B, vocab]
         for row, p in enumerate(params):

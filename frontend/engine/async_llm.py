@@ -20,6 +20,7 @@ from frontend.engine.output_processor import Delta, OutputProcessor, RequestStat
 from frontend.engine.pieces import TextParser
 from frontend.metrics import Metrics
 from protocol.errors import EngineDeadError, InvalidParameterError, RequestAbortedError
+from protocol.media import EncoderInput
 from protocol.messages import AddRequest, RequestOutput
 from protocol.pooling import PooledOutput, PoolingParams
 from protocol.sampling import SamplingParams
@@ -54,10 +55,12 @@ class AsyncLLM:
         parser: TextParser | None = None,
         incremental: bool = True,
         lora_name: str | None = None,
+        encoder_input: EncoderInput | None = None,
     ) -> AsyncGenerator[tuple[RequestState, Delta], None]:
         """Run the n choices of one prompt; yield each delta as it comes, with the request's state.
         parser, incremental: how the door reads the text (OutputProcessor.add_request); lora_name: the
-        adapter it runs with (None: the base model)."""
+        adapter it runs with (None: the base model); encoder_input: an encoder-decoder model's input (the
+        audio's features), shared by the n choices."""
         state, requests = self.processor.add_request(
             request_id,
             prompt_token_ids,
@@ -67,6 +70,7 @@ class AsyncLLM:
             parser=parser,
             incremental=incremental,
             lora_name=lora_name,
+            encoder_input=encoder_input,
         )
         self._log(state, log_id)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend.audio.decode import AudioLimits
+from frontend.audio.speech_model import SpeechModel
 from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.data_parallel import EngineClient
 from frontend.openai.format import TokenText
@@ -35,6 +37,8 @@ class OpenAIServing:
     force_include_usage: bool = (
         False  # usage in every stream, asked for or not (--enable-force-include-usage)
     )
+    speech: SpeechModel | None = None  # a speech-to-text model's features and prompts (frontend/audio/)
+    audio_limits: AudioLimits = field(default_factory=AudioLimits)  # the audio doors' upload limits
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.tokenizer)

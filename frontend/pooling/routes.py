@@ -1,6 +1,6 @@
-"""Which doors an API server opens: a generative model's, or a pooling model's (vLLM registers routes by
-what the model supports). The other runner's paths answer 404 with a message naming the model's tasks,
-not FastAPI's bare "Not Found"."""
+"""Which doors an API server opens: a generative model's, a pooling model's or a speech model's (vLLM
+registers routes by what the model supports). The other runners' paths answer 404 with a message naming
+the model's tasks, not FastAPI's bare "Not Found"."""
 
 from __future__ import annotations
 
@@ -32,17 +32,31 @@ POOLING_PATHS = (
 )
 
 
+AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+RUNNER_PATHS = {"generate": GENERATE_PATHS, "pooling": POOLING_PATHS, "transcription": AUDIO_PATHS}
+WHAT = {
+    "generate": "is a generative model",
+    "pooling": "generates no text",
+    "transcription": "is a speech-to-text model",
+}
+
+
+def model_tasks(info: ModelInfo) -> list[str]:
+    """What the model does: a pooling model's tasks, or its runner's one."""
+    return list(info.pooling_tasks) if info.runner == "pooling" else [info.runner]
+
+
 def absent_router(info: ModelInfo) -> APIRouter:
-    """POST on the other runner's paths: 404 naming what the model does."""
-    pooling = info.runner == "pooling"
-    paths = GENERATE_PATHS if pooling else POOLING_PATHS
-    tasks = ", ".join(info.pooling_tasks) if pooling else "generate"
+    """POST on the other runners' paths: 404 naming what the model does."""
+    paths = [path for runner, paths in RUNNER_PATHS.items() if runner != info.runner for path in paths]
+    tasks = ", ".join(model_tasks(info))
     router = APIRouter()
 
     async def absent(request: Request) -> Any:
-        what = "generates no text" if pooling else "is a generative model: it serves no pooling route"
+        what = WHAT.get(info.runner, "does not serve this route")
         raise OpenAIError(
-            f"The model `{info.served_model_names[0]}` {what} ({request.url.path}); its tasks: {tasks}.",
+            f"The model `{info.served_model_names[0]}` {what}: it does not serve {request.url.path}; "
+            f"its tasks: {tasks}.",
             status=404,
             type="NotFoundError",
             param="model",

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from frontend.anthropic import messages
+from frontend.audio import routes as audio_routes
 from frontend.openai import chat, chat_batch, completions, invocations, tokenize
 from frontend.pooling import embeddings as pooling_embeddings
 from frontend.pooling import score as pooling_score
@@ -45,7 +46,7 @@ def build_app(deps: AppDeps) -> FastAPI:
         api_keys=config.api_keys,
         server_index=config.server_index,
         metrics=deps.metrics,
-        max_body_bytes=config.max_request_body_bytes,
+        max_body_bytes=body_limit(config.max_request_body_bytes, deps.serving),
         routes=routes,  # filled in below, with the routers
     )
     if config.allowed_origins:
@@ -83,6 +84,8 @@ def build_app(deps: AppDeps) -> FastAPI:
 
     if deps.serving.model_info.runner == "pooling":
         doors = [pooling_embeddings.router, pooling_score.router]
+    elif deps.serving.model_info.runner == "transcription":
+        doors = [audio_routes.router]
     else:
         doors = [
             chat.router,
@@ -99,3 +102,9 @@ def build_app(deps: AppDeps) -> FastAPI:
         app.include_router(router)
         routes.extend(router.routes)
     return app
+
+
+def body_limit(configured: int, serving: Any) -> int:
+    """A speech model's server takes an upload of the audio limit's size (25 MB), with room for the form."""
+    limits = serving.audio_limits
+    return configured if serving.speech is None else max(configured, limits.max_file_bytes + (1 << 20))

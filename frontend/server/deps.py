@@ -4,8 +4,11 @@ OpenAIServing a ServerConfig describes."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
+from frontend.audio.decode import AudioLimits
+from frontend.audio.speech_model import SpeechModel
 from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.data_parallel import DataParallelClient, EngineClient
 from frontend.metrics import EngineStatsCollector, Metrics
@@ -49,6 +52,10 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
     defaults = load_generation_defaults(config.model or model_info.model, config.generation_config)
     if defaults:
         logger.info("sampling defaults from the generation config: %s", defaults)
+    speech = None
+    if model_info.runner == "transcription":  # its feature extractor and special tokens (frontend/audio/)
+        folder = config.model or model_info.model
+        speech = SpeechModel.load(folder, llm.tokenizer, model_info.encoder_len)
     llm.log_requests = config.log_requests
     llm.max_log_len = config.max_log_len
     limits = AdmissionLimits(
@@ -74,4 +81,6 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
         ),
         force_include_usage=config.force_include_usage,
         response_role=config.response_role,
+        speech=speech,
+        audio_limits=AudioLimits.from_env(os.environ),
     )

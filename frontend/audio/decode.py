@@ -1,0 +1,289 @@
+"""An uploaded audio file's bytes -> float32 mono samples at the model's rate (16 kHz for Whisper).
+
+Two decoders, one per family of formats, so that each format has one tested path:
+- libsndfile (soundfile) for WAV, FLAC and Ogg (Vorbis, Opus, FLAC in Ogg), read in blocks of about 1 s;
+- FFmpeg (PyAV) for everything else it opens (MP3, M4A/MP4 with AAC, WebM/Matroska with Opus, ...),
+  decoded packet by packet.
+Both feed one `_Resampler`: the channels are averaged (librosa's and vLLM's downmix; FFmpeg's own mono
+matrix weighs each side of a stereo pair by 1/sqrt(2), which can leave [-1, 1]), then FFmpeg's swresample
+converts the rate.
+
+Invariants:
+- The limits are checked as the samples arrive, never after the whole file is decoded: what is held is at
+  most a limit's worth of output plus one block or packet. A header's claimed length or rate is never
+  trusted (vLLM's #49948: a forged 655 kHz sample rate slipped 11.7 GiB of PCM past a header check).
+- A file that fails to decode raises `InvalidAudioError` and one past a limit `AudioTooLargeError`, both
+  ValueErrors for the HTTP edge to map to a 400; no other exception type escapes but MemoryError.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import av
+import numpy as np
+import numpy.typing as npt
+import soundfile as sf  # type: ignore[import-untyped]
+
+from frontend.config.flags import ConfigError
+
+MIB = 1024**2
+WHISPER_SAMPLE_RATE = 16_000
+FLOAT32_BYTES = 4
+# First name wins. vLLM's come from vllm/envs.py: VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25), and, since its
+# decompression-bomb fixes (#44970, #49948), VLLM_MAX_AUDIO_DECODE_DURATION_S (600) and
+# VLLM_MAX_AUDIO_DECODE_BYTES (256 MiB, in bytes).
+FILE_SIZE_ENV = ("ENGINE_MAX_AUDIO_CLIP_FILESIZE_MB", "VLLM_MAX_AUDIO_CLIP_FILESIZE_MB")
+DURATION_ENV = ("ENGINE_MAX_AUDIO_DECODE_DURATION_S", "VLLM_MAX_AUDIO_DECODE_DURATION_S")
+DECODED_BYTES_ENV = ("ENGINE_MAX_AUDIO_DECODE_BYTES", "VLLM_MAX_AUDIO_DECODE_BYTES")
+# libsndfile's share; it also reads MP3 (through mpg123) and a dozen rarer containers, which go to FFmpeg
+# so that a format never has two decoders. Only bytes with these first four bytes reach libsndfile: its
+# mpg123 prints warnings to stderr on a broken MP3, and what it need not parse cannot hurt it.
+SOUNDFILE_FORMATS = frozenset({"WAV", "WAVEX", "RF64", "FLAC", "OGG"})
+SOUNDFILE_MAGIC = (b"RIFF", b"RF64", b"fLaC", b"OggS")
+# one soundfile read holds at most this much, whatever the channel count
+MAX_BLOCK_BYTES = MIB
+# swresample sees batches of about this much audio: one PyAV frame per 26 ms MP3 packet costs more in
+# Python than the resampling itself; it is also the soundfile block's length
+BATCH_S = 1.0
+# FFmpeg opens nothing beyond the upload itself: a playlist or concat list inside it may not reach file:,
+# http: or data: URLs (the upload's own bytes come through PyAV's IO callbacks, not a protocol)
+NO_NESTED_PROTOCOLS = {"protocol_whitelist": "none"}
+
+Samples = npt.NDArray[np.float32]
+
+
+class InvalidAudioError(ValueError):
+    """The upload is not audio that we can decode (corrupt, truncated, empty, another kind of file, no
+    samples). The message is vLLM's ("Invalid or unsupported audio file"), then the reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"Invalid or unsupported audio file: {reason}")
+        self.reason = reason
+
+
+class AudioTooLargeError(ValueError):
+    """The upload is past one of `AudioLimits`: `limit` is the field's name, `value` and `maximum` are in
+    its unit. vLLM answers 400 for all three (its "Maximum file size exceeded" is a VLLMValidationError
+    with param audio_filesize_mb, sent as a BadRequestError); a door that prefers 413 for the file size
+    can key on `limit == "max_file_bytes"`."""
+
+    def __init__(self, limit: str, value: float, maximum: float) -> None:
+        if limit == "max_file_bytes":
+            message = (
+                f"Maximum file size exceeded: {value / MIB:.1f} MB, the limit is {maximum / MIB:g} MB "
+                f"({FILE_SIZE_ENV[0]})"
+            )
+        elif limit == "max_duration_s":
+            message = (
+                f"Audio exceeds the maximum duration of {maximum:g} s: stopped decoding at {value:.1f} s "
+                f"({DURATION_ENV[0]})"
+            )
+        else:
+            message = (
+                f"Decoded audio exceeds the maximum of {maximum:g} bytes: stopped decoding at {value:g} "
+                f"({DECODED_BYTES_ENV[0]})"
+            )
+        super().__init__(message)
+        self.limit = limit
+        self.value = value
+        self.maximum = maximum
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """What one upload may cost; `from_env` reads the ENGINE_ names, or vLLM's (see FILE_SIZE_ENV)."""
+
+    max_file_bytes: int = 25 * MIB
+    """The upload's size; vLLM's VLLM_MAX_AUDIO_CLIP_FILESIZE_MB=25, whose MB are MiB (len / 1024**2)."""
+
+    max_duration_s: float = 1800.0
+    """The decoded duration. NOTE: 30 min rather than vLLM's 600 s so that what fits in 25 MB fits here
+    too: a 128 kbit/s MP3 of 25 MB plays 27 min (60 Whisper chunks, 115 MB of 16 kHz float32)."""
+
+    max_decoded_bytes: int | None = None
+    """float32 samples kept after resampling. None: the duration limit's worth at the decode's rate
+    (115 MB at 16 kHz), plus 1 s for the resampler's rounding, so the duration is the one limit that
+    bites. vLLM's VLLM_MAX_AUDIO_DECODE_BYTES bounds the PCM at the file's own rate and channel count
+    instead; here that PCM lives one block at a time and only the 16 kHz mono output accumulates."""
+
+    def __post_init__(self) -> None:
+        if self.max_file_bytes <= 0:
+            raise ConfigError("max_file_bytes", f"must be positive, got {self.max_file_bytes}")
+        if not (math.isfinite(self.max_duration_s) and self.max_duration_s > 0):
+            raise ConfigError("max_duration_s", f"must be positive, got {self.max_duration_s}")
+        if self.max_decoded_bytes is not None and self.max_decoded_bytes <= 0:
+            raise ConfigError("max_decoded_bytes", f"must be positive, got {self.max_decoded_bytes}")
+
+    def decoded_bytes_limit(self, sample_rate: int) -> int:
+        if self.max_decoded_bytes is not None:
+            return self.max_decoded_bytes
+        return math.ceil((self.max_duration_s + 1.0) * sample_rate) * FLOAT32_BYTES
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> AudioLimits:
+        """Each limit from its ENGINE_ variable, else vLLM's, else the default. A limit cannot be turned
+        off (vLLM's loaders take 0 as no limit): an unbounded decode is the denial of service these guard;
+        set a large number instead."""
+        file_mb = _positive_number(environ, FILE_SIZE_ENV)
+        duration_s = _positive_number(environ, DURATION_ENV)
+        decoded_bytes = _positive_number(environ, DECODED_BYTES_ENV)
+        return cls(
+            max_file_bytes=cls.max_file_bytes if file_mb is None else int(file_mb * MIB),
+            max_duration_s=cls.max_duration_s if duration_s is None else duration_s,
+            max_decoded_bytes=None if decoded_bytes is None else int(decoded_bytes),
+        )
+
+
+def _positive_number(environ: Mapping[str, str], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        raw = environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(name, f"must be a number, got {raw!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(name, f"must be positive, got {raw!r}")
+        return value
+    return None
+
+
+def decode_audio(data: bytes, limits: AudioLimits, sample_rate: int = WHISPER_SAMPLE_RATE) -> Samples:
+    """The upload -> float32 mono samples at `sample_rate`, never empty. The file size is checked before
+    anything is decoded, the duration and the decoded bytes while decoding. Synchronous: run it in a
+    thread (libsndfile and FFmpeg keep no shared state here; concurrent decodes give identical results)."""
+    if sample_rate <= 0:
+        raise ValueError(f"sample_rate must be positive, got {sample_rate}")
+    if len(data) > limits.max_file_bytes:
+        raise AudioTooLargeError("max_file_bytes", len(data), limits.max_file_bytes)
+    if not data:
+        raise InvalidAudioError("the file is empty")
+    resampler = _Resampler(limits, sample_rate)
+    try:
+        if not _read_with_soundfile(data, resampler):
+            _read_with_pyav(data, resampler)
+        return resampler.finish()
+    except (InvalidAudioError, AudioTooLargeError, MemoryError):
+        raise
+    except Exception as error:  # whatever a decoder raises on these bytes is the file's fault
+        raise InvalidAudioError(f"it could not be decoded ({_describe(error)})") from error
+
+
+def _read_with_soundfile(data: bytes, resampler: _Resampler) -> bool:
+    """False, having read nothing, when libsndfile does not open the bytes as one of SOUNDFILE_FORMATS."""
+    if not data.startswith(SOUNDFILE_MAGIC):
+        return False
+    try:
+        file = sf.SoundFile(io.BytesIO(data))
+    except Exception:  # LibsndfileError, with code 0 when threads race on sf_error (python-soundfile#479)
+        return False
+    with file:
+        if file.format not in SOUNDFILE_FORMATS:
+            return False
+        rate, channels = int(file.samplerate), int(file.channels)
+        if rate <= 0 or channels <= 0:
+            raise InvalidAudioError(f"{rate} Hz, {channels} channels")
+        block_frames = max(1, min(int(rate * BATCH_S), MAX_BLOCK_BYTES // (FLOAT32_BYTES * channels)))
+        while True:
+            block = file.read(block_frames, dtype="float32", always_2d=True)  # [frames, channels]
+            if len(block) == 0:
+                return True
+            resampler.add(block.mean(axis=1, dtype=np.float32), rate)  # [frames]
+
+
+def _read_with_pyav(data: bytes, resampler: _Resampler) -> None:
+    with av.open(io.BytesIO(data), mode="r", container_options=NO_NESTED_PROTOCOLS) as container:
+        if not container.streams.audio:
+            raise InvalidAudioError("it has no audio stream")
+        stream = container.streams.audio[0]
+        for frame in container.decode(stream):
+            resampler.add(_mono(frame), frame.sample_rate)
+
+
+def _mono(frame: av.AudioFrame) -> Samples:
+    """A decoded frame in any sample format -> the mean of its channels as float32."""
+    samples = frame.to_ndarray()  # planar: [channels, frames]; packed: [1, frames * channels]
+    if not frame.format.is_planar:
+        samples = samples.reshape(-1, frame.layout.nb_channels).T  # [channels, frames]
+    floats = samples.astype(np.float32)
+    if samples.dtype.kind in "iu":  # integer PCM -> [-1, 1)
+        half = 2.0 ** (8 * samples.dtype.itemsize - 1)
+        floats = (floats - (half if samples.dtype.kind == "u" else 0.0)) / np.float32(half)
+    mono: Samples = floats.mean(axis=0, dtype=np.float32)  # [frames]
+    return mono
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, av.FFmpegError) and error.strerror:
+        return str(error.strerror)
+    if isinstance(error, sf.LibsndfileError):
+        return str(error.error_string)
+    return type(error).__name__
+
+
+class _Resampler:
+    """Mono float32 at the file's rate in, float32 at `sample_rate` out, under the duration and decoded
+    bytes limits. Input is batched to about BATCH_S before swresample sees it; a new rate mid-stream (a
+    chained Ogg, an MP3 that switches) flushes the old resampler and starts another."""
+
+    def __init__(self, limits: AudioLimits, sample_rate: int) -> None:
+        self.max_duration_s = limits.max_duration_s
+        self.max_decoded_bytes = limits.decoded_bytes_limit(sample_rate)
+        self.sample_rate = sample_rate
+        self.duration_s = 0.0  # decoded so far, at the file's rate
+        self.num_bytes = 0  # kept so far, at sample_rate
+        self.outputs: list[Samples] = []
+        self.pending: list[Samples] = []
+        self.num_pending = 0
+        self.rate = 0
+        self.swr: av.AudioResampler | None = None
+
+    def add(self, mono: Samples, rate: int) -> None:
+        if len(mono) == 0:
+            return
+        if rate <= 0:
+            raise InvalidAudioError(f"a sample rate of {rate} Hz")
+        if not np.isfinite(mono).all():
+            raise InvalidAudioError("samples that are not finite numbers")
+        self.duration_s += len(mono) / rate
+        if self.duration_s > self.max_duration_s:
+            raise AudioTooLargeError("max_duration_s", self.duration_s, self.max_duration_s)
+        if rate != self.rate:
+            self._flush(final=True)
+            self.rate = rate
+            self.swr = av.AudioResampler(format="flt", layout="mono", rate=self.sample_rate)
+        self.pending.append(mono)
+        self.num_pending += len(mono)
+        if self.num_pending >= BATCH_S * rate:
+            self._flush(final=False)
+
+    def finish(self) -> Samples:
+        self._flush(final=True)
+        if sum(len(out) for out in self.outputs) == 0:
+            raise InvalidAudioError("it holds no audio samples")
+        return np.concatenate(self.outputs)
+
+    def _flush(self, final: bool) -> None:
+        if self.swr is None:
+            return
+        frames = []
+        if self.pending:
+            batch = np.concatenate(self.pending)[None, :]  # [1, num_pending]: packed mono
+            self.pending, self.num_pending = [], 0
+            frame = av.AudioFrame.from_ndarray(batch, format="flt", layout="mono")
+            frame.sample_rate = self.rate
+            frames += self.swr.resample(frame)
+        if final:
+            frames += self.swr.resample(None)
+            self.swr = None
+        for out in frames:
+            samples: Samples = out.to_ndarray()[0]  # [frames]
+            self.num_bytes += samples.nbytes
+            if self.num_bytes > self.max_decoded_bytes:
+                raise AudioTooLargeError("max_decoded_bytes", self.num_bytes, self.max_decoded_bytes)
+            self.outputs.append(samples)

@@ -1,0 +1,192 @@
+"""The audio doors end to end: `engine serve` of whisper-base (converted from the offline CTranslate2 wheels)
+driven by the openai SDK and plain HTTP, on speech that espeak-ng says at test time.
+
+The transcript equals transformers' float32 transcript of the same audio (same features, same language
+detection, same suppressed tokens); a 2-minute clip is cut into windows that run as separate engine requests
+and come back whole and in order; a client that leaves aborts every window.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile
+
+from tests.serve_helpers import SHARED_API_KEY, Served, serving, wait_until
+from tests.speech import espeak_available, speak
+from tests.test_serve_e2e import scrape
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not espeak_available(), reason="espeak-ng is not installed"),
+]
+
+FOX = "The quick brown fox jumps over the lazy dog."
+PARAGRAPH = (
+    "Every morning the baker opens his shop at six. He sells fresh bread, small cakes and hot coffee. "
+    "The children stop there on their way to school."
+)
+
+
+def words(text: str) -> str:
+    return re.sub(r"[^a-z0-9 ]", "", text.lower()).strip()
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    folder = tmp_path_factory.mktemp("speech")
+    fox = speak(FOX, folder / "fox.wav")
+    paragraph = speak(PARAGRAPH, folder / "paragraph.wav")
+    samples, rate = soundfile.read(paragraph, dtype="float32")
+    pause = np.zeros(rate // 2, dtype=np.float32)
+    repeats = -(-120 * rate // (len(samples) + len(pause)))  # at least 2 minutes
+    long = np.concatenate([np.concatenate([samples, pause])] * repeats)
+    soundfile.write(folder / "long.wav", long, rate)
+    return {"fox": fox, "paragraph": paragraph, "long": folder / "long.wav", "repeats": repeats}  # type: ignore[dict-item]
+
+
+@pytest.fixture(scope="module")
+def server(whisper_base: str) -> Any:
+    env = {"ENGINE_MAX_AUDIO_CLIP_FILESIZE_MB": "5"}  # a small limit, to see it refuse
+    with serving(whisper_base, "--dtype", "float32", "--served-model-name", "whisper", env=env) as served:
+        yield served
+
+
+def client(served: Served) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
+
+
+def hf_transcript(folder: str, path: pathlib.Path) -> str:
+    """transformers' own: its processor's features, generate() detecting the language, float32."""
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(folder)
+    model = WhisperForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    samples, rate = soundfile.read(path, dtype="float32")
+    assert rate == 16000
+    features = processor(samples, sampling_rate=rate, return_tensors="pt").input_features
+    with torch.inference_mode():
+        ids = model.generate(features, task="transcribe")
+    return str(processor.batch_decode(ids, skip_special_tokens=True)[0])
+
+
+def test_the_transcript_equals_transformers(server: Served, whisper_base: str, clips: dict) -> None:  # type: ignore[type-arg]
+    sdk = client(server)
+    for name in ("fox", "paragraph"):
+        expected = hf_transcript(whisper_base, clips[name])
+        with open(clips[name], "rb") as f:
+            answer = sdk.audio.transcriptions.create(model="whisper", file=f)
+        assert answer.text == expected, name
+        assert answer.usage.type == "duration" and answer.usage.seconds >= 2
+    with open(clips["fox"], "rb") as f:
+        text = sdk.audio.transcriptions.create(model="whisper", file=f, response_format="text")
+    assert "quick brown fox" in words(text)
+
+
+def test_translation_and_subtitles(server: Served, clips: dict) -> None:  # type: ignore[type-arg]
+    sdk = client(server)
+    with open(clips["fox"], "rb") as f:
+        translated = sdk.audio.translations.create(model="whisper", file=f)
+    assert "lazy dog" in words(translated.text)
+    with open(clips["long"], "rb") as f:
+        verbose = sdk.audio.transcriptions.create(
+            model="whisper", file=f, response_format="verbose_json", timestamp_granularities=["segment"]
+        )
+    assert verbose.language == "en" and verbose.duration > 120
+    segments = verbose.segments
+    assert len(segments) >= 4 and segments[0].start == 0.0
+    assert all(0 < s.end - s.start <= 30.0 for s in segments)
+    assert all(a.end == b.start for a, b in zip(segments, segments[1:], strict=False))  # contiguous
+    assert abs(segments[-1].end - verbose.duration) < 0.01
+    with open(clips["fox"], "rb") as f:
+        srt = sdk.audio.transcriptions.create(model="whisper", file=f, response_format="srt")
+    assert re.match(r"1\n00:00:00,000 --> 00:00:0\d,\d{3}\n.*quick brown fox", srt, re.S | re.I)
+    with open(clips["fox"], "rb") as f:
+        vtt = sdk.audio.transcriptions.create(model="whisper", file=f, response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> ")
+
+
+def generation_tokens(server: Served) -> float:
+    values = scrape({"base": server.base})
+    return sum(v for k, v in values.items() if k.startswith("engine:generation_tokens_total"))
+
+
+def test_a_long_clip_is_cut_whole_and_a_client_that_leaves_aborts_it(server: Served, clips: dict) -> None:  # type: ignore[type-arg]
+    before = generation_tokens(server)
+    with open(clips["long"], "rb") as f:
+        answer = client(server).audio.transcriptions.create(model="whisper", file=f, language="en")
+    full_run = generation_tokens(server) - before
+    text = words(answer.text)
+    assert text.count("morning") >= clips["repeats"] - 1, text  # a sentence cut at a window edge may blur
+    assert text.count("coffee") >= clips["repeats"] - 1, text
+    # the same clip streamed, left after its first delta: every window's engine request is aborted
+    before = generation_tokens(server)
+    with httpx.Client(timeout=60) as http, open(clips["long"], "rb") as f:
+        form = {"model": "whisper", "language": "en", "stream": "true"}
+        with http.stream("POST", f"{server.base}/v1/audio/transcriptions", data=form, files={"file": f}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first delta: every window is running
+
+    def running() -> float:
+        values = scrape({"base": server.base})
+        return sum(v for k, v in values.items() if k.startswith("engine:num_requests_running"))
+
+    wait_until(lambda: running() == 0, 60, "every window's engine request aborted")
+    assert generation_tokens(server) - before < full_run / 2, (full_run, generation_tokens(server) - before)
+
+
+def test_streamed_deltas_make_the_text(server: Served, clips: dict) -> None:  # type: ignore[type-arg]
+    sdk = client(server)
+    with open(clips["paragraph"], "rb") as f:
+        whole = sdk.audio.transcriptions.create(model="whisper", file=f, language="en").text
+    with open(clips["paragraph"], "rb") as f:
+        stream = sdk.audio.transcriptions.create(
+            model="whisper", file=f, language="en", stream=True, extra_body={"stream_include_usage": True}
+        )
+        events = list(stream)
+    chunks = [e for e in events if e.choices]
+    assert "".join(c.choices[0]["delta"]["content"] for c in chunks) == whole
+    assert chunks[-1].choices[0]["finish_reason"] == "stop" and events[-1].usage["completion_tokens"] > 5
+    assert all(e.object == "transcription.chunk" for e in events)
+
+
+def test_bad_input_gets_a_400_naming_it(server: Served, clips: dict) -> None:  # type: ignore[type-arg]
+    url = f"{server.base}/v1/audio/transcriptions"
+    fox = pathlib.Path(clips["fox"]).read_bytes()
+    cases = [
+        ({"file": ("a.wav", b"RIFF not really a wave file")}, {}, "file", "Invalid or unsupported audio file"),
+        ({"file": ("a.txt", b"hello")}, {}, "file", "Invalid or unsupported audio file"),
+        ({"file": ("a.wav", b"\0" * (6 << 20))}, {}, "file", "ENGINE_MAX_AUDIO_CLIP_FILESIZE_MB"),
+        ({"file": ("a.wav", fox)}, {"language": "xx"}, "language", "unsupported language"),
+        ({"file": ("a.wav", fox)}, {"n": "2"}, "n", "not supported"),
+        ({"file": ("a.wav", fox)}, {"response_format": "verbose_json", "timestamp_granularities[]": "word"},
+         "timestamp_granularities", "word"),
+        ({"file": ("a.wav", fox)}, {"stream_include_usage": "true"}, "stream_include_usage", "stream"),
+        ({"file": ("a.wav", fox)}, {"model": "nope"}, "model", "nope"),
+        ({}, {"model": "whisper"}, "file", "required"),
+    ]  # fmt: skip
+    with httpx.Client(timeout=60) as http:
+        for files, data, param, message in cases:
+            response = http.post(url, files=files or {"x": ("x", b"")}, data=data)
+            error = response.json()["error"]
+            assert response.status_code in (400, 404) and error["param"] == param, (data, error)
+            assert message in error["message"], error
+        chat = http.post(f"{server.base}/v1/chat/completions", json={"model": "whisper", "messages": []})
+        assert chat.status_code == 404 and "its tasks: transcription" in chat.json()["error"]["message"]
+
+
+def test_a_text_model_answers_the_audio_doors_with_404(smollm2_server: Served) -> None:
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {SHARED_API_KEY}"}) as http:
+        for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+            response = http.post(f"{smollm2_server.base}{path}", files={"file": ("a.wav", b"x")})
+            error = response.json()["error"]
+            assert response.status_code == 404 and error["code"] == "model_task_not_supported", error
+            assert "its tasks: generate" in error["message"]
