@@ -19,6 +19,18 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 17
 MAX_BAD_WORDS = 256
 
 
+class TimestampRules(msgspec.Struct, array_like=True):
+    """Whisper's timestamp tokens (transformers' WhisperTimeStampLogitsProcessor): the output opens with a
+    timestamp of at most max_initial_index steps; timestamps come in pairs (a segment's end, the next one's
+    start), except right before EOS; they never go back; a timestamp is taken whenever the timestamps'
+    probabilities together beat every text token's."""
+
+    timestamp_begin: int  # <|0.00|>: every id from it on is a timestamp
+    no_timestamps: int  # <|notimestamps|>: never sampled
+    eos: int  # ids below it are text
+    max_initial_index: int = 50  # the first timestamp's greatest step
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     """Per-request sampling and stop settings. Field order is an ABI: append defaulted fields only."""
 
@@ -47,6 +59,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     # whenever the output ends with the rest of the sequence)
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar, ...
     begin_suppress_token_ids: list[int] = []  # never the first output token (Whisper's begin_suppress_tokens)
+    timestamp_rules: TimestampRules | None = None  # Whisper's timestamp tokens, when it places text in time
 
     def for_choice(self, index: int) -> SamplingParams:
         """Completion `index` of an n > 1 request: its own engine request (n = 1), its own seed."""
@@ -139,6 +152,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 ("allowed_token_ids", self.allowed_token_ids or []),
                 ("bad_words", [t for word in self.bad_words_token_ids for t in word]),
                 ("begin_suppress_token_ids", self.begin_suppress_token_ids),
+                ("timestamp_rules", _rule_ids(self.timestamp_rules)),
             ):
                 for token_id in ids:
                     _check(0 <= token_id < vocab_size, name, f"token id {token_id} is out of vocabulary.")
@@ -154,3 +168,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidParameterError(param, message)
+
+
+def _rule_ids(rules: TimestampRules | None) -> list[int]:
+    return [] if rules is None else [rules.timestamp_begin, rules.no_timestamps, rules.eos]

@@ -91,6 +91,36 @@ def test_the_transcript_equals_transformers(server: Served, whisper_base: str, c
     assert "quick brown fox" in words(text)
 
 
+def hf_timestamped(folder: str, path: pathlib.Path) -> list[tuple[float, float, list[int]]]:
+    """transformers' generate with return_timestamps: (start, end, text tokens) between its timestamps."""
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(folder)
+    model = WhisperForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    samples, rate = soundfile.read(path, dtype="float32")
+    features = processor(samples, sampling_rate=rate, return_tensors="pt").input_features
+    with torch.inference_mode():
+        ids = model.generate(features, task="transcribe", return_timestamps=True)[0].tolist()
+    begin = model.generation_config.no_timestamps_token_id + 1
+    marks = [i for i, token_id in enumerate(ids) if token_id >= begin]
+    return [
+        ((ids[a] - begin) * 0.02, (ids[b] - begin) * 0.02, ids[a + 1 : b])
+        for a, b in zip(marks, marks[1:], strict=False)
+        if b > a + 1
+    ]
+
+
+def test_segments_equal_transformers_timestamps(server: Served, whisper_base: str, clips: dict) -> None:  # type: ignore[type-arg]
+    expected = hf_timestamped(whisper_base, clips["paragraph"])
+    with open(clips["paragraph"], "rb") as f:
+        verbose = client(server).audio.transcriptions.create(
+            model="whisper", file=f, response_format="verbose_json", timestamp_granularities=["segment"]
+        )
+    ours = [(s.start, s.end, s.tokens) for s in verbose.segments]
+    assert len(expected) >= 2 and ours == [(round(a, 3), round(b, 3), t) for a, b, t in expected]
+
+
 def test_translation_and_subtitles(server: Served, clips: dict) -> None:  # type: ignore[type-arg]
     sdk = client(server)
     with open(clips["fox"], "rb") as f:
@@ -102,10 +132,10 @@ def test_translation_and_subtitles(server: Served, clips: dict) -> None:  # type
         )
     assert verbose.language == "en" and verbose.duration > 120
     segments = verbose.segments
-    assert len(segments) >= 4 and segments[0].start == 0.0
+    assert len(segments) >= 2 * clips["repeats"] - 2 and segments[0].start == 0.0  # about one a sentence
     assert all(0 < s.end - s.start <= 30.0 for s in segments)
-    assert all(a.end == b.start for a, b in zip(segments, segments[1:], strict=False))  # contiguous
-    assert abs(segments[-1].end - verbose.duration) < 0.01
+    assert all(a.end <= b.start for a, b in zip(segments, segments[1:], strict=False))  # in order
+    assert segments[-1].end <= verbose.duration
     with open(clips["fox"], "rb") as f:
         srt = sdk.audio.transcriptions.create(model="whisper", file=f, response_format="srt")
     assert re.match(r"1\n00:00:00,000 --> 00:00:0\d,\d{3}\n.*quick brown fox", srt, re.S | re.I)

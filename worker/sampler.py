@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.timestamp_rules import force_timestamps
+
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
 
@@ -39,6 +41,9 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None = None  # [M] min_tokens: (row, token) pairs masked to -inf
     banned_tokens: torch.Tensor | None = None
     allowed_mask: torch.Tensor | None = None  # [B, vocab] bool: allowed_token_ids (rows without: all True)
+    # (row, its first timestamp id): Whisper rows whose text tokens give way when the timestamps' summed
+    # probability beats each (worker/timestamp_rules.py)
+    timestamp_rows: list[tuple[int, int]] | None = None
     max_num_logprobs: int | None = None  # None: no logprobs for any row
     ops: CpuOps | None = None  # the csrc kernels (a vectorized argmax), or None for torch's
 
@@ -59,6 +64,7 @@ class SamplingBatch:
             or self.repetition_penalty is not None
             or self.banned_rows is not None
             or self.allowed_mask is not None
+            or bool(self.timestamp_rows)
         )
 
     @property
@@ -136,6 +142,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits[batch.banned_rows, batch.banned_tokens] = float("-inf")
     if batch.allowed_mask is not None:
         logits = logits.masked_fill(~batch.allowed_mask, float("-inf"))
+    if batch.timestamp_rows:
+        force_timestamps(logits, batch.timestamp_rows)
     return logits
 
 

@@ -12,6 +12,7 @@ import torch
 
 from worker.input_batch import InputBatch, RequestState
 from worker.sampler import SamplingBatch
+from worker.timestamp_rules import timestamp_masks
 
 
 def sampling_batch(
@@ -71,6 +72,10 @@ def sampling_batch(
                 allowed[row] = False
                 allowed[row, p.allowed_token_ids] = True
         batch.allowed_mask = allowed
+    if any(p.timestamp_rules is not None for p in params):
+        batch.allowed_mask, batch.timestamp_rows = timestamp_masks(
+            params, outputs, vocab_size, batch.allowed_mask
+        )
     if grammar_mask is not None:
         batch.allowed_mask = grammar_mask if batch.allowed_mask is None else batch.allowed_mask & grammar_mask
     if banned:

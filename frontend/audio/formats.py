@@ -1,15 +1,22 @@
 """An audio answer's shapes: json, text, verbose_json (with segments), srt and vtt subtitles.
 
-Segments are the windows the audio was cut into (at most 30 s each, cut in the quietest 100 ms before each
-boundary): the model runs without timestamp tokens, so a window's text is placed over the window's span.
+Segments come from the model's timestamp tokens (the answer ran with them, frontend/audio/speech_model.py):
+the text between two timestamps is one segment, placed at the window's start plus 0.02 s a step, as vLLM's
+verbose_json places them. Text after the last timestamp ends at the window's end.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
-from frontend.audio.pipeline import AudioRun, Window
+from frontend.audio.pipeline import AudioRun, Segment, segments_of
+from frontend.audio.speech_model import SpeechModel
+
+
+def all_segments(run: AudioRun, speech: SpeechModel) -> list[Segment]:
+    return [segment for window in run.windows for segment in segments_of(window, speech)]
 
 
 def duration_usage(run: AudioRun) -> dict[str, Any]:
@@ -21,31 +28,32 @@ def json_body(run: AudioRun) -> dict[str, Any]:
     return {"text": run.text, "usage": duration_usage(run)}
 
 
-def _segment(window: Window, run: AudioRun) -> dict[str, Any]:
+def _segment(index: int, segment: Segment, run: AudioRun) -> dict[str, Any]:
+    encoded = segment.text.encode()
     return {
-        "id": window.index,
-        "seek": round(window.start_s * 100),  # in 10 ms frames, as OpenAI's
-        "start": round(window.start_s, 3),
-        "end": round(window.end_s, 3),
-        "text": window.text,
-        "tokens": [],
+        "id": index,
+        "seek": int(segment.start_s),  # as vLLM's
+        "start": round(segment.start_s, 3),
+        "end": round(segment.end_s, 3),
+        "text": segment.text,
+        "tokens": segment.token_ids,
         "temperature": run.params.temperature,
-        "avg_logprob": None,
-        "compression_ratio": None,
-        "no_speech_prob": None,
+        "avg_logprob": sum(segment.logprobs) / max(len(segment.logprobs), 1),
+        "compression_ratio": len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,
+        "no_speech_prob": None,  # (Whisper's no-speech token is not read)
     }
 
 
-def verbose_body(run: AudioRun) -> dict[str, Any]:
-    body: dict[str, Any] = {
+def verbose_body(run: AudioRun, speech: SpeechModel) -> dict[str, Any]:
+    segments = all_segments(run, speech)
+    return {
         "task": run.body.task,
         "language": run.language or "en",
         "duration": round(run.duration_s, 3),
         "text": run.text,
-        "segments": [_segment(window, run) for window in run.windows],
+        "segments": [_segment(i, segment, run) for i, segment in enumerate(segments)],
         "usage": duration_usage(run),
     }
-    return body
 
 
 def _clock(seconds: float, separator: str) -> str:
@@ -56,18 +64,19 @@ def _clock(seconds: float, separator: str) -> str:
     return f"{hours:02d}:{minutes:02d}:{whole:02d}{separator}{fraction:03d}"
 
 
-def srt_text(run: AudioRun) -> str:
+def srt_text(run: AudioRun, speech: SpeechModel) -> str:
+    shown = [segment for segment in all_segments(run, speech) if segment.text.strip()]
     cues = [
-        f"{n}\n{_clock(w.start_s, ',')} --> {_clock(w.end_s, ',')}\n{w.text.strip()}\n"
-        for n, w in enumerate((w for w in run.windows if w.text.strip()), start=1)
+        f"{n}\n{_clock(s.start_s, ',')} --> {_clock(s.end_s, ',')}\n{s.text.strip()}\n"
+        for n, s in enumerate(shown, start=1)
     ]
     return "\n".join(cues)
 
 
-def vtt_text(run: AudioRun) -> str:
+def vtt_text(run: AudioRun, speech: SpeechModel) -> str:
     cues = [
-        f"{_clock(w.start_s, '.')} --> {_clock(w.end_s, '.')}\n{w.text.strip()}\n"
-        for w in run.windows
-        if w.text.strip()
+        f"{_clock(s.start_s, '.')} --> {_clock(s.end_s, '.')}\n{s.text.strip()}\n"
+        for s in all_segments(run, speech)
+        if s.text.strip()
     ]
     return "WEBVTT\n\n" + "\n".join(cues)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from frontend.audio.chunks import chunk_bounds
 from frontend.audio.decode import AudioLimits, AudioTooLargeError, InvalidAudioError, decode_audio
 from frontend.audio.form import AudioRequest, invalid
-from frontend.audio.speech_model import SAMPLE_RATE, SpeechModel
+from frontend.audio.speech_model import SAMPLE_RATE, TIME_PRECISION_S, SpeechModel
 from frontend.engine.async_llm import AsyncLLM, final_state, gather_all, merged
 from frontend.engine.output_processor import Delta, RequestState
 from protocol.media import EncoderInput
@@ -36,8 +36,13 @@ class Window:
     encoder_input: EncoderInput
     prompt_token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    num_output_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each output token's, when the answer has segments
     finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -112,8 +117,10 @@ async def prepare(
         presence_penalty=body.presence_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         max_tokens=body.max_completion_tokens or room,
+        logprobs=0 if body.timestamps else None,  # a segment's avg_logprob
         bad_words_token_ids=[[token_id] for token_id in speech.suppress_ids],
         begin_suppress_token_ids=speech.begin_suppress_ids,
+        timestamp_rules=speech.timestamp_rules() if body.timestamps else None,
     )
     params.validate()
     duration_s = len(samples) / SAMPLE_RATE
@@ -145,11 +152,14 @@ def _generate(
     )
 
 
-async def run_all(llm: AsyncLLM, run: AudioRun) -> AudioRun:
-    """Every window to its end (one batch in the engine); the run with their texts."""
+async def run_all(llm: AsyncLLM, speech: SpeechModel, run: AudioRun) -> AudioRun:
+    """Every window to its end (one batch in the engine); the run with their texts (with timestamps, the
+    text of their segments: a tokenizer that spells the timestamp tokens does not put them in the text)."""
     states = await gather_all([final_state(_generate(llm, run, window)) for window in run.windows])
     for window, state in zip(run.windows, states, strict=True):
         _finish(window, state)
+        if run.body.timestamps:
+            window.text = "".join(segment.text for segment in segments_of(window, speech))
     return run
 
 
@@ -188,5 +198,42 @@ async def stream_texts(llm: AsyncLLM, run: AudioRun) -> AsyncIterator[tuple[Wind
 def _finish(window: Window, state: RequestState) -> None:
     choice = state.choices[0]
     window.text = choice.text
-    window.num_output_tokens = len(choice.token_ids)
+    window.token_ids = list(choice.token_ids)
+    if choice.logprobs is not None:
+        window.logprobs = [row[0] for row in choice.logprobs.logprobs]
     window.finish_reason = choice.finish_reason
+
+
+@dataclass
+class Segment:
+    start_s: float
+    end_s: float
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str = ""
+
+
+def segments_of(window: Window, speech: SpeechModel) -> list[Segment]:
+    """A window's output cut at its timestamp tokens (its prompt opened the first at <|0.00|>)."""
+    begin, found = speech.timestamp_begin, []
+    start, ids, logprobs = 0.0, [], []  # type: ignore[var-annotated]
+    values = window.logprobs or [0.0] * len(window.token_ids)
+    for token_id, logprob in zip(window.token_ids, values, strict=True):
+        if token_id >= begin:
+            time_s = (token_id - begin) * TIME_PRECISION_S
+            if ids:
+                found.append(Segment(start, time_s, ids, logprobs))
+                ids, logprobs = [], []
+            start = time_s
+        elif token_id != speech.eos_id:
+            ids.append(token_id)
+            logprobs.append(logprob)
+    if ids:
+        found.append(Segment(start, window.end_s - window.start_s, ids, logprobs))
+    for segment in found:
+        segment.start_s = min(window.start_s + segment.start_s, window.end_s)
+        segment.end_s = min(
+            window.start_s + max(segment.end_s, segment.start_s - window.start_s), window.end_s
+        )
+        segment.text = speech.tokenizer.decode(segment.token_ids, skip_special_tokens=True)
+    return found

@@ -51,19 +51,19 @@ async def _serve(request: Request, serving: Any, task: str) -> Response:
     if body.stream:
         chunks = _stream(serving, run, model, int(time.time()))
         return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-    run = await until_disconnected(request, run_all(serving.llm, run))
-    return _answer(run, body, headers)
+    run = await until_disconnected(request, run_all(serving.llm, speech, run))
+    return _answer(run, body, speech, headers)
 
 
-def _answer(run: AudioRun, body: AudioRequest, headers: dict[str, str] | None) -> Response:
+def _answer(run: AudioRun, body: AudioRequest, speech: Any, headers: dict[str, str] | None) -> Response:
     if body.response_format == "text":
         return PlainTextResponse(run.text, headers=headers)
     if body.response_format == "srt":
-        return PlainTextResponse(srt_text(run), headers=headers)
+        return PlainTextResponse(srt_text(run, speech), headers=headers)
     if body.response_format == "vtt":
-        return PlainTextResponse(vtt_text(run), media_type="text/vtt", headers=headers)
+        return PlainTextResponse(vtt_text(run, speech), media_type="text/vtt", headers=headers)
     if body.response_format == "verbose_json":
-        return json_response(verbose_body(run), headers)
+        return json_response(verbose_body(run, speech), headers)
     return json_response(json_body(run), headers)
 
 

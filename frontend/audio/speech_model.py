@@ -6,6 +6,9 @@ preprocessor_config.json describes it), so the engine's input equals what transf
 The decoder prompt is vLLM's and transformers': `[<|startofprev|> prompt] <|startoftranscript|> <|lang|>
 <|transcribe|> or <|translate|> [<|notimestamps|>]`. Sampling suppresses the generation config's
 `suppress_tokens` at every step and its `begin_suppress_tokens` at the first (as transformers' generate does).
+An answer placed in time (verbose_json, srt, vtt) runs with timestamp tokens under transformers' timestamp
+rules (worker/timestamp_rules.py): the prompt has no <|notimestamps|>, and the text between two timestamps
+is one segment.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from protocol.media import EncoderInput
+from protocol.sampling import TimestampRules
 
 SAMPLE_RATE = 16000
 TIME_PRECISION_S = 0.02  # one timestamp token's step
@@ -37,6 +41,7 @@ class SpeechModel:
     suppress_ids: list[int] = field(default_factory=list)
     begin_suppress_ids: list[int] = field(default_factory=list)
     encoder_len: int = 1500
+    max_initial_index: int = 50  # the first timestamp's greatest step (1.0 s)
 
     @classmethod
     def load(cls, folder: str, tokenizer: Any, encoder_len: int) -> SpeechModel:
@@ -57,6 +62,7 @@ class SpeechModel:
             suppress_ids=list(generation.get("suppress_tokens") or []),
             begin_suppress_ids=list(generation.get("begin_suppress_tokens") or []),
             encoder_len=encoder_len,
+            max_initial_index=int(generation.get("max_initial_timestamp_index") or 50),
         )
 
     @property
@@ -90,7 +96,13 @@ class SpeechModel:
         if language is None:
             return ids
         ids += [self.language_ids[language], self.task_ids[task]]
+        # with timestamps the model opens the first segment itself (timestamp_rules), as transformers runs it
         return ids if timestamps else [*ids, self.no_timestamps_id]
+
+    def timestamp_rules(self) -> TimestampRules:
+        return TimestampRules(
+            self.timestamp_begin, self.no_timestamps_id, self.eos_id, self.max_initial_index
+        )
 
     def language_of(self, token_id: int) -> str:
         return next(code for code, value in self.language_ids.items() if value == token_id)
