@@ -18,7 +18,9 @@ class AppResponse:
     complete: bool = False  # the app sent its last body message
 
 
-async def call_app(app: Any, method: str, path: str, body: bytes) -> AppResponse:
+async def call_app(
+    app: Any, method: str, path: str, body: bytes, content_type: str = "application/json"
+) -> AppResponse:
     """Send one request; the whole response. The caller never disconnects: after the body, receive()
     waits until the app is done (a door that watches for a disconnect sees none)."""
     scope = {
@@ -31,7 +33,7 @@ async def call_app(app: Any, method: str, path: str, body: bytes) -> AppResponse
         "raw_path": path.encode(),
         "root_path": "",
         "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())],
         "client": None,
         "server": None,
     }

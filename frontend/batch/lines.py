@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from frontend.batch.audio_lines import AUDIO_DOORS, AudioLineError, multipart_body
+
 # url -> what it serves; a line's url must be one of them
 DOORS = {
     "/v1/chat/completions": "chat completions",
@@ -30,6 +32,7 @@ DOORS = {
     "/rerank": "reranking",
     "/v1/rerank": "reranking",
     "/v2/rerank": "reranking",
+    **AUDIO_DOORS,  # a speech model's: `file` a path or a data URL (frontend/batch/audio_lines.py)
 }
 # OpenAI batch urls this server does not serve yet
 NOT_YET = {"/v1/moderations": "moderations"}
@@ -39,7 +42,8 @@ NOT_YET = {"/v1/moderations": "moderations"}
 class BatchLine:
     custom_id: str
     url: str
-    body: bytes  # the request body as JSON, what the door receives
+    body: bytes  # the request body as JSON (an audio door's: its multipart form), what the door receives
+    content_type: str = "application/json"
 
 
 class LineError(Exception):
@@ -90,6 +94,12 @@ def parse_line(text: str, number: int) -> BatchLine:
         raise fail("body must be a JSON object (the request's body)", "invalid_body", "body")
     if body.get("stream"):
         raise fail("stream is not supported in a batch file", "unsupported_field", "body.stream")
+    if url in AUDIO_DOORS:
+        try:
+            content_type, form = multipart_body(body)
+        except AudioLineError as error:
+            raise fail(str(error), "invalid_file", "body.file") from None
+        return BatchLine(custom_id, url, form, content_type)
     return BatchLine(custom_id, url, msgspec.json.encode(body))
 
 

@@ -51,7 +51,7 @@ class OrderedWriter:
 async def answer(app: Any, line: BatchLine) -> dict[str, Any]:
     """The output record of one line, from its door's answer."""
     try:
-        response = await call_app(app, "POST", line.url, line.body)
+        response = await call_app(app, "POST", line.url, line.body, line.content_type)
     except Exception as error:  # the app failed without an answer: this line's error, not the run's
         logger.error("line %s: internal error", line.custom_id, exc_info=error)
         message = f"Internal error: {type(error).__name__}: {error}"

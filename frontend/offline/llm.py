@@ -24,6 +24,7 @@ from frontend.model_files import load_tokenizer
 from frontend.offline.lora import LoraLoader, LoRARequest
 from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
 from frontend.offline.pooling import PoolingMethods
+from frontend.offline.transcription import TranscriptionMethods
 from protocol.errors import InvalidParameterError
 from protocol.messages import Logprobs, ModelInfo
 from protocol.sampling import SamplingParams
@@ -38,7 +39,7 @@ T = TypeVar("T")
 ENGINE_POLL_S = 0.5  # how often a running call checks that the engine process is alive
 
 
-class LLM(PoolingMethods):
+class LLM(PoolingMethods, TranscriptionMethods):
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.args = EngineArgs(model=model, **engine_args)
         config = self.args.engine_config()
