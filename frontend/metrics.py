@@ -55,6 +55,9 @@ N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for request_params_n
 UNMETERED_PATHS = frozenset({"/metrics", "/health", "/ping", "/load", "/version"})
 
 
+WEBSOCKET_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)  # vLLM's
+
+
 class Metrics:
     """The per-request families, named `{prefix}:...`. `registry` is for tests: render() reads REGISTRY."""
 
@@ -109,6 +112,18 @@ class Metrics:
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens request parameter, when set.", TOKEN_BUCKETS
         )
+        # the realtime WebSocket's connections (frontend/audio/realtime.py), as vLLM names them
+        self.websocket_active = Gauge(
+            f"{prefix}:websocket_connections_active", "Open realtime WebSocket connections.",
+            ["model_name"], multiprocess_mode="livesum", registry=registry,
+        )  # fmt: skip
+        self.websocket_total = counter(
+            "websocket_connections_total", "Realtime WebSocket connections.", ["model_name"]
+        )
+        self.websocket_duration = histogram(
+            "websocket_connection_duration_seconds", "How long realtime WebSocket connections stay open.",
+            WEBSOCKET_BUCKETS, ["model_name"],
+        )  # fmt: skip
         self.engine_info = info(
             "engine_info",
             "The model and engine this server fronts.",

@@ -8,6 +8,7 @@ and come back whole and in order; a client that leaves aborts every window.
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import re
 from typing import Any
@@ -27,6 +28,8 @@ pytestmark = [
 ]
 
 FOX = "The quick brown fox jumps over the lazy dog."
+KEY = "audio-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PARAGRAPH = (
     "Every morning the baker opens his shop at six. He sells fresh bread, small cakes and hot coffee. "
     "The children stop there on their way to school."
@@ -53,14 +56,15 @@ def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
 @pytest.fixture(scope="module")
 def server(whisper_base: str) -> Any:
     env = {"ENGINE_MAX_AUDIO_CLIP_FILESIZE_MB": "5"}  # a small limit, to see it refuse
-    with serving(whisper_base, "--dtype", "float32", "--served-model-name", "whisper", env=env) as served:
+    flags = ("--dtype", "float32", "--served-model-name", "whisper", "--api-key", KEY)
+    with serving(whisper_base, *flags, env=env) as served:
         yield served
 
 
 def client(served: Served) -> Any:
     import openai
 
-    return openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{served.base}/v1", api_key=KEY, max_retries=0)
 
 
 def hf_transcript(folder: str, path: pathlib.Path) -> str:
@@ -159,7 +163,7 @@ def test_a_long_clip_is_cut_whole_and_a_client_that_leaves_aborts_it(server: Ser
     assert text.count("coffee") >= clips["repeats"] - 1, text
     # the same clip streamed, left after its first delta: every window's engine request is aborted
     before = generation_tokens(server)
-    with httpx.Client(timeout=60) as http, open(clips["long"], "rb") as f:
+    with httpx.Client(timeout=60, headers=AUTH) as http, open(clips["long"], "rb") as f:
         form = {"model": "whisper", "language": "en", "stream": "true"}
         with http.stream("POST", f"{server.base}/v1/audio/transcriptions", data=form, files={"file": f}) as r:
             assert r.status_code == 200
@@ -203,7 +207,7 @@ def test_bad_input_gets_a_400_naming_it(server: Served, clips: dict) -> None:  #
         ({"file": ("a.wav", fox)}, {"model": "nope"}, "model", "nope"),
         ({}, {"model": "whisper"}, "file", "required"),
     ]  # fmt: skip
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=AUTH) as http:
         for files, data, param, message in cases:
             response = http.post(url, files=files or {"x": ("x", b"")}, data=data)
             error = response.json()["error"]
@@ -220,3 +224,73 @@ def test_a_text_model_answers_the_audio_doors_with_404(smollm2_server: Served) -
             error = response.json()["error"]
             assert response.status_code == 404 and error["code"] == "model_task_not_supported", error
             assert "its tasks: generate" in error["message"]
+
+
+async def realtime_session(
+    served: Served, events: list[dict[str, Any]], wait_for: str, headers: Any = AUTH
+) -> list[dict[str, Any]]:  # type: ignore[misc]
+    """Send the events, then collect the server's until one of type `wait_for` (after session.created)."""
+    import json
+
+    import websockets
+
+    url = served.base.replace("http", "ws", 1) + "/v1/realtime"
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        received = [json.loads(await ws.recv())]
+        for event in events:
+            await ws.send(event if isinstance(event, str) else json.dumps(event))
+        while received[-1]["type"] != wait_for:
+            received.append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
+    return received
+
+
+def pcm_events(path: pathlib.Path, seconds: float) -> list[dict[str, Any]]:
+    """The clip as base64 PCM16 appends of `seconds` each, a commit after each, then a final commit."""
+    import base64
+
+    samples, rate = soundfile.read(path, dtype="int16")
+    step = int(seconds * rate)
+    events: list[dict[str, Any]] = []
+    for start in range(0, len(samples), step):
+        audio = base64.b64encode(samples[start : start + step].tobytes()).decode()
+        events += [
+            {"type": "input_audio_buffer.append", "audio": audio},
+            {"type": "input_audio_buffer.commit"},
+        ]
+    return [*events, {"type": "input_audio_buffer.commit", "final": True}]
+
+
+def test_realtime_transcribes_a_growing_buffer(server: Served, whisper_base: str, clips: dict) -> None:  # type: ignore[type-arg]
+    update = {"type": "session.update", "model": "whisper"}
+    events = asyncio.run(
+        realtime_session(server, [update, *pcm_events(clips["fox"], 0.5)], "transcription.done")
+    )
+    assert events[0]["type"] == "session.created" and events[0]["id"].startswith("sess-")
+    done = events[-1]
+    assert done["text"] == hf_transcript(whisper_base, clips["fox"])
+    assert done["usage"]["completion_tokens"] > 5
+    deltas = "".join(e["delta"] for e in events if e["type"] == "transcription.delta")
+    assert done["text"].startswith(deltas)  # partials are never taken back (they may lag the final text)
+    assert not [e for e in events if e["type"] == "error"], events
+    metrics = scrape({"base": server.base})
+    assert sum(v for k, v in metrics.items() if k.startswith("engine:websocket_connections_total")) >= 1
+
+
+def test_realtime_errors_carry_vllms_codes(server: Served) -> None:
+    append = {"type": "input_audio_buffer.append", "audio": "AAAA"}
+    cases = [
+        ({"type": "input_audio_buffer.commit"}, "model_not_validated"),
+        ("{not json", "invalid_json"),
+        ({"type": "bogus"}, "unknown_event"),
+        ({"type": "session.update"}, "invalid_event"),
+        ({"type": "session.update", "model": "nope"}, "model_not_found"),
+        ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "invalid_audio"),
+        ({**append, "rate": 8000}, "invalid_event"),
+    ]
+    for event, code in cases:
+        received = asyncio.run(realtime_session(server, [event], "error"))
+        assert received[-1]["code"] == code, (event, received)
+    import websockets
+
+    with pytest.raises(websockets.exceptions.InvalidStatus, match="403"):
+        asyncio.run(realtime_session(server, [], "session.created", headers={}))  # no API key

@@ -14,6 +14,8 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from frontend.audio.chunks import chunk_bounds
 from frontend.audio.decode import AudioLimits, AudioTooLargeError, InvalidAudioError, decode_audio
 from frontend.audio.form import AudioRequest, invalid
@@ -86,6 +88,18 @@ async def prepare(
         samples = await asyncio.to_thread(decode_audio, body.file, limits, SAMPLE_RATE)
     except (InvalidAudioError, AudioTooLargeError) as error:
         raise invalid("file", str(error)) from None
+    return await prepare_samples(llm, speech, body, request_id, samples, max_model_len)
+
+
+async def prepare_samples(
+    llm: AsyncLLM,
+    speech: SpeechModel,
+    body: AudioRequest,
+    request_id: str,
+    samples: np.ndarray,
+    max_model_len: int,
+) -> AudioRun:
+    """prepare() of audio already decoded: float32 mono samples at 16 kHz."""
     bounds = chunk_bounds(samples, SAMPLE_RATE, chunk_s=speech.chunk_samples / SAMPLE_RATE)
     inputs = await asyncio.to_thread(lambda: [speech.features(samples[start:end]) for start, end in bounds])
     windows = [

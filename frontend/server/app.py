@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from frontend.anthropic import messages
+from frontend.audio import realtime as audio_realtime
 from frontend.audio import routes as audio_routes
 from frontend.openai import chat, chat_batch, completions, invocations, tokenize
 from frontend.pooling import embeddings as pooling_embeddings
@@ -85,7 +86,7 @@ def build_app(deps: AppDeps) -> FastAPI:
     if deps.serving.model_info.runner == "pooling":
         doors = [pooling_embeddings.router, pooling_score.router]
     elif deps.serving.model_info.runner == "transcription":
-        doors = [audio_routes.router]
+        doors = [audio_routes.router, audio_realtime.router]
     else:
         doors = [
             chat.router,
