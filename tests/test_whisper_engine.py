@@ -85,9 +85,15 @@ def tiny_whisper(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def run_engine(folder: str, cases, **engine_kwargs):  # type: ignore[no-untyped-def]
-    worker_keys = ("num_kv_blocks", "max_model_len", "kv_cache_memory_bytes", "max_num_seqs")
+    worker_keys = (
+        "num_kv_blocks",
+        "max_model_len",
+        "kv_cache_memory_bytes",
+        "max_num_seqs",
+        "attention_backend",
+    )
     worker_kwargs = {k: engine_kwargs[k] for k in worker_keys if k in engine_kwargs}
-    for k in ("num_kv_blocks", "max_model_len", "kv_cache_memory_bytes"):
+    for k in ("num_kv_blocks", "max_model_len", "kv_cache_memory_bytes", "attention_backend"):
         engine_kwargs.pop(k, None)
     worker = WorkerConfig(model=folder, dtype="float32", block_size=4, **worker_kwargs)
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))
@@ -125,6 +131,7 @@ def run_engine(folder: str, cases, **engine_kwargs):  # type: ignore[no-untyped-
 CONFIGS = {
     "prefix_caching": dict(enable_prefix_caching=True),
     "no_prefix_caching": dict(enable_prefix_caching=False),
+    "torch_attention": dict(attention_backend="torch"),  # cross-attention by SDPA per request, not csrc
     "chunk_4": dict(max_num_batched_tokens=4),
     "tiny_pool_preemption": dict(num_kv_blocks=16, max_model_len=48, max_num_batched_tokens=64),
     "async_chunk_4": dict(async_scheduling=True, max_num_batched_tokens=4),

@@ -1,18 +1,23 @@
 """The cross-attention keys and values of an encoder-decoder model's running requests (Whisper).
 
-A store beside the paged pool, not in it: a request's encoder output is written once, whole, when it is
-first scheduled, and read whole by every decoder step; it never grows, is never shared by a prefix (the
-decoder's blocks are keyed by the audio's hash instead) and needs no block table. The paged kernels attend
-causally over a request's own tokens, which cross-attention is not. Its memory is still the KV budget's:
-the worker sizes the pool and the number of requests that may hold an entry together
-(ModelInfo.max_num_encoder_outputs), and the engine runs no more requests than that.
+A pool beside the decoder's paged pool, in the same layout ([blocks, 2, block_size, heads, head_dim] per
+decoder layer), where each entry owns a fixed run of blocks: a request's encoder output is written once,
+whole, when it is first scheduled, and read whole by each of its decoder rows. It is not in the decoder's
+pool because it never grows, is never shared by a prefix (the decoder's blocks are keyed by the audio's
+hash instead) and needs no block table of its own; it is in the paged layout so that the csrc decode
+kernel serves cross-attention: every decoder row, a prompt's or a decode step's, is one kernel row over its
+request's encoder_len keys (cross-attention is not causal), row by row as the decode kernel always is.
+Its memory is the KV budget's: the worker sizes the two pools and the number of requests that may hold
+an entry together (ModelInfo.max_num_encoder_outputs), and the engine runs no more requests than that.
 
 Invariants: an entry exists from the step that first schedules its request until the request finishes
-or is preempted (a preempted request comes back as new and is encoded again); at most max_entries exist.
+or is preempted (a preempted request comes back as new and is encoded again); at most max_entries exist;
+an entry's blocks are [slot * blocks_per_entry, (slot + 1) * blocks_per_entry).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,28 +26,57 @@ import torch
 from protocol.worker_messages import NewRequestData
 from worker.input_batch import StepInputs
 from worker.model_config import UnsupportedModelError
-from worker.models.whisper import CrossKV, WhisperModel
+from worker.models.whisper import WhisperModel
+
+
+@dataclass
+class CrossBatch:
+    """A step's cross-attention: the caches, each row's blocks and key count, each request's rows."""
+
+    caches: list[torch.Tensor]  # per decoder layer: [blocks, 2, block_size, heads, head_dim]
+    tables: torch.Tensor  # [num_tokens, blocks_per_entry] (long): each row's request's blocks
+    seq_lens: torch.Tensor  # [num_tokens] (long): encoder_len for every row
+    segments: list[tuple[int, int, int]]  # (first row, end row, slot) of each request
+
+    def keys_values(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An entry's keys and values, [heads, length, head_dim] each (the torch path)."""
+        cache = self.caches[layer]
+        blocks = self.tables.shape[1]
+        run = cache[slot * blocks : (slot + 1) * blocks]  # [blocks, 2, block_size, heads, head_dim]
+        flat = run.transpose(0, 1).reshape(2, -1, *run.shape[3:])[
+            :, :length
+        ]  # a copy: [2, length, heads, hd]
+        return flat[0].transpose(0, 1), flat[1].transpose(0, 1)
 
 
 class CrossAttentionStore:
-    def __init__(self, model: WhisperModel, max_entries: int) -> None:
+    def __init__(self, model: WhisperModel, max_entries: int, block_size: int) -> None:
+        config = model.config
         self.model = model
         self.max_entries = max_entries
-        self.entries: dict[str, CrossKV] = {}
+        self.encoder_len = config.encoder_len
+        self.blocks_per_entry = -(-config.encoder_len // block_size)
+        dtype = model.decoder.embed_tokens.weight.dtype
+        shape = (max_entries * self.blocks_per_entry, 2, block_size, config.num_heads, config.head_dim)
+        # (untouched pages cost nothing: an entry's memory is committed when it is first written)
+        self.caches = [torch.empty(shape, dtype=dtype) for _ in range(config.num_layers)]
+        self.free_slots = list(range(max_entries - 1, -1, -1))
+        self.slots: dict[str, int] = {}
 
     @staticmethod
-    def bytes_per_entry(model: WhisperModel) -> int:
+    def bytes_per_entry(model: WhisperModel, block_size: int) -> int:
         config, dtype = model.config, model.decoder.embed_tokens.weight.dtype
-        return config.num_layers * 2 * config.encoder_len * config.hidden_size * dtype.itemsize
+        positions = -(-config.encoder_len // block_size) * block_size
+        return config.num_layers * 2 * positions * config.hidden_size * dtype.itemsize
 
     def add(self, new_requests: list[NewRequestData]) -> None:
-        """Run the encoder once over the new requests' inputs (one batch) and keep each one's keys and values."""
+        """Run the encoder once over the new requests' inputs (one batch) and write each one's entry."""
         todo = [new for new in new_requests if new.encoder_input is not None]
         if not todo:
             return
-        if len(self.entries) + len(todo) > self.max_entries:
+        if len(todo) > len(self.free_slots):
             raise RuntimeError(
-                f"{len(self.entries) + len(todo)} encoder outputs exceed the worker's {self.max_entries}"
+                f"{len(self.slots) + len(todo)} encoder outputs exceed the worker's {self.max_entries}"
             )
         arrays = []
         for new in todo:
@@ -51,18 +85,37 @@ class CrossAttentionStore:
             array = np.frombuffer(encoder_input.data, dtype="<f4").reshape(encoder_input.shape)
             arrays.append(torch.from_numpy(array.copy()))
         for new, kv in zip(todo, self.model.encode(torch.stack(arrays)), strict=True):
-            self.entries[new.request_id] = kv
+            slot = self.slots[new.request_id] = self.free_slots.pop()
+            first = slot * self.blocks_per_entry
+            for cache, (k, v) in zip(self.caches, kv, strict=True):  # k, v: [heads, encoder_len, head_dim]
+                run = cache[first : first + self.blocks_per_entry]  # [blocks, 2, block_size, heads, head_dim]
+                for half, values in enumerate((k, v)):
+                    padded = values.new_zeros(run.shape[0] * run.shape[2], *run.shape[3:])
+                    padded[: self.encoder_len] = values.transpose(0, 1)  # [positions, heads, head_dim]
+                    run[:, half] = padded.view(run.shape[0], run.shape[2], *run.shape[3:])
 
     def drop(self, request_id: str) -> None:
-        self.entries.pop(request_id, None)
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
 
-    def segments(self, inputs: StepInputs) -> list[tuple[int, int, CrossKV]]:
-        """Each scheduled request's rows in the step's flattened tokens, with its keys and values."""
+    @property
+    def entries(self) -> dict[str, int]:
+        return self.slots
+
+    def batch(self, inputs: StepInputs) -> CrossBatch:
+        """The step's rows: each request's block run, one kernel row per token."""
         ends = np.cumsum(inputs.counts)
-        return [
-            (int(end - count), int(end), self.entries[request_id])
-            for request_id, count, end in zip(inputs.request_ids, inputs.counts, ends, strict=True)
+        slots = [self.slots[request_id] for request_id in inputs.request_ids]
+        first = torch.tensor(slots, dtype=torch.long) * self.blocks_per_entry  # [R]
+        runs = first[:, None] + torch.arange(self.blocks_per_entry)  # [R, blocks]
+        counts = torch.from_numpy(inputs.counts)
+        tables = runs.repeat_interleave(counts, dim=0)  # [num_tokens, blocks]
+        seq_lens = torch.full((tables.shape[0],), self.encoder_len, dtype=torch.long)
+        segments = [
+            (int(end - n), int(end), slot) for n, end, slot in zip(inputs.counts, ends, slots, strict=True)
         ]
+        return CrossBatch(self.caches, tables, seq_lens, segments)
 
 
 def check_encoder_decoder(config: Any, device: str) -> None:
@@ -84,7 +137,7 @@ def plan_cross_entries(
     """How many requests may hold encoder outputs at once, and the KV budget left for the paged pool: each
     such request also needs the blocks of a whole decoder sequence, so the two shares are planned together
     (an explicit --num-kv-blocks leaves the store at max_num_seqs)."""
-    per_entry = CrossAttentionStore.bytes_per_entry(model)
+    per_entry = CrossAttentionStore.bytes_per_entry(model, config.block_size)
     if config.num_kv_blocks:
         return config.max_num_seqs, 0
     blocks_per_request = -(-max_model_len // config.block_size)

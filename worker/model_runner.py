@@ -180,7 +180,7 @@ class ModelRunner:
                 entries, budget = plan_cross_entries(
                     self.model, config, self._bytes_per_block(), self.max_model_len
                 )
-                self.cross = CrossAttentionStore(self.model, entries)
+                self.cross = CrossAttentionStore(self.model, entries, self.block_size)
             self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_for(budget)
             if self.device.type == "cuda" and not config.num_kv_blocks:  # from the device's free memory
                 self.num_kv_blocks = kv_cache_plan(self.model, mc, self.dtype, self.device, self.block_size,
@@ -360,7 +360,7 @@ class ModelRunner:
             if isinstance(model, WhisperModel):
                 assert self.cross is not None
                 hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend,
-                               out_rows, self.cross.segments(inputs))  # fmt: skip
+                               out_rows, self.cross.batch(inputs))  # fmt: skip
             else:
                 hidden = model(
                     inputs.input_ids,

@@ -4,18 +4,19 @@ the paged KV cache that attends to the encoder's output.
 The encoder turns a [num_mel_bins, 2 * encoder_len] log-mel window into encoder_len hidden rows (two
 convolutions, the second of stride 2, fixed sinusoidal positions, pre-norm layers with bidirectional
 attention over the input alone). Each decoder layer then projects those rows once into the request's
-cross-attention keys and values (`encode`), which the worker keeps for the request's life
-(worker/cross_attention.py); the decoder's own self-attention is paged like any other model's.
+cross-attention keys and values (`encode`), which the worker keeps for the request's life in a paged pool of
+their own (worker/cross_attention.py), read by the csrc decode kernel; the decoder's own self-attention is
+paged like any other model's.
 
 As transformers does, a query is scaled before its product with the keys (its order of operations, for
 float32 results equal to the oracle's), and Whisper's k_proj has no bias. A row's result depends on its own
-request alone: the products are the model's Linear kernels, norms and GELU are row by row, and each
-request's cross-attention is its own scaled_dot_product_attention call.
+request alone: the products are the model's Linear kernels, norms and GELU are row by row, and
+cross-attention is the decode kernel's row by row (or, without the kernels, each request's own SDPA call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -28,7 +29,10 @@ from worker.models.bert import LayerNorm
 from worker.models.layers import Embedding, Linear, can_pack
 
 if TYPE_CHECKING:
+    from worker.cross_attention import CrossBatch
     from worker.csrc_ops import CpuOps
+
+NO_SINKS = torch.empty(0)  # paged_decode_attention's "no attention sinks"
 
 CrossKV = list[
     tuple[torch.Tensor, torch.Tensor]
@@ -111,8 +115,9 @@ class Encoder(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int, ops: CpuOps | None) -> None:
         super().__init__()
+        self.index, self.ops = index, ops  # its cross-attention cache; the csrc kernels, or None
         hidden = config.hidden_size
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.self_attn_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
@@ -121,6 +126,24 @@ class DecoderLayer(nn.Module):
         self.encoder_attn = Projections(hidden, dtype)
         self.final_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config, dtype)
+
+    def cross_attention(self, q: torch.Tensor, cross: CrossBatch) -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim], scaled -> each row over its request's encoder keys: the csrc
+        decode kernel, a kernel row per token (every row sees all the keys), or SDPA per request."""
+        if self.ops is not None:
+            cache = cross.caches[self.index]
+            return self.ops.paged_decode_attention(
+                q.contiguous(), cache, cross.tables, cross.seq_lens, 1.0, 0, 0.0, NO_SINKS
+            )
+        attended = torch.empty_like(q)
+        for start, end, slot in cross.segments:
+            k, v = cross.keys_values(
+                self.index, slot, int(cross.seq_lens[0])
+            )  # [heads, encoder_len, head_dim]
+            rows = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+            got = F.scaled_dot_product_attention(rows, k.unsqueeze(0), v.unsqueeze(0), scale=1.0)
+            attended[start:end] = got[0].transpose(0, 1)
+        return attended
 
     def cross_kv(self, encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """encoded: [encoder_len, hidden] -> this layer's keys and values, [heads, encoder_len, head_dim]."""
@@ -135,7 +158,7 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
-        cross: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]],  # rows [start, end) and their k, v
+        cross: CrossBatch,
     ) -> torch.Tensor:
         num_tokens, hidden = x.shape
         heads = (num_tokens, self.num_heads, self.head_dim)
@@ -149,22 +172,18 @@ class DecoderLayer(nn.Module):
         x = x + attn.out_proj(out.reshape(num_tokens, hidden))
         attn = self.encoder_attn
         q = (attn.q_proj(self.encoder_attn_layer_norm(x)) * scale).view(heads)
-        attended = torch.empty_like(q)  # [num_tokens, heads, head_dim]
-        for start, end, k, v in cross:
-            rows = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-            got = F.scaled_dot_product_attention(rows, k.unsqueeze(0), v.unsqueeze(0), scale=1.0)
-            attended[start:end] = got[0].transpose(0, 1)
-        x = x + attn.out_proj(attended.view(num_tokens, hidden))
+        attended = self.cross_attention(q, cross)  # [num_tokens, heads, head_dim]
+        x = x + attn.out_proj(attended.reshape(num_tokens, hidden))
         out_mlp: torch.Tensor = x + self.mlp(self.final_layer_norm(x))
         return out_mlp
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_positions = Embedding(config.max_position_embeddings, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, i, ops) for i in range(config.num_layers))
         self.layer_norm = LayerNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
 
@@ -175,18 +194,22 @@ class WhisperModel(nn.Module):
         super().__init__()
         self.config, self.ops = config, ops
         self.encoder = Encoder(config, dtype)
-        self.decoder = Decoder(config, dtype)
+        self.decoder = Decoder(config, dtype, ops)
         self.proj_out = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        # NOTE: Whisper's 51865 (51866) tokens are no multiple of 16: csrc linear_rows takes them padded, or
+        # the batch-invariant mode would leave the largest product on a plain matmul (19 ms a step at 16 rows)
+        self.proj_out.pad_rows = True
         self.batch_invariant = False
 
     @torch.inference_mode()
     def encode(self, features: torch.Tensor) -> list[CrossKV]:
         """features: [num_inputs, num_mel_bins, 2 * encoder_len] -> each input's cross-attention keys and
         values for every decoder layer."""
-        encoded = self.encoder(
-            features.to(self.decoder.embed_tokens.weight.dtype)
-        )  # [b, encoder_len, hidden]
+        dtype = self.decoder.embed_tokens.weight.dtype
         layers = [cast(DecoderLayer, layer) for layer in self.decoder.layers]
+        # NOTE: one input a call: every product then has encoder_len rows whatever the batch, so oneDNN's
+        # (or MKL's) kernels give each input the same result alone or beside others (finalize)
+        encoded = [self.encoder(one[None].to(dtype))[0] for one in features]  # [encoder_len, hidden] each
         return [[layer.cross_kv(one) for layer in layers] for one in encoded]
 
     def forward(
@@ -197,13 +220,12 @@ class WhisperModel(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         out_rows: torch.Tensor | None,
-        cross: list[tuple[int, int, CrossKV]],  # each request's rows [start, end) and its keys and values
+        cross: CrossBatch,  # the step's cross-attention keys and values (worker/cross_attention.py)
     ) -> torch.Tensor:  # [len(out_rows) or num_tokens, hidden]
         decoder = self.decoder
         x = decoder.embed_tokens(input_ids) + decoder.embed_positions(positions)  # [num_tokens, hidden]
-        for i, (layer, kv_cache) in enumerate(zip(decoder.layers, kv_caches, strict=True)):
-            layer_cross = [(start, end, *kv[i]) for start, end, kv in cross]
-            x = layer(x, kv_cache, metadata, backend, layer_cross)
+        for layer, kv_cache in zip(decoder.layers, kv_caches, strict=True):
+            x = layer(x, kv_cache, metadata, backend, cross)
         hidden: torch.Tensor = x if out_rows is None else x.index_select(0, out_rows)
         return hidden
 
@@ -216,10 +238,14 @@ class WhisperModel(nn.Module):
         self.proj_out.weight = self.decoder.embed_tokens.weight
         if not pack:
             return
+        encoder = {id(module) for module in self.encoder.modules()}
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         self.batch_invariant = batch_invariant and self.ops is not None
         for linear in linears:
-            if self.batch_invariant and self.ops is not None and linear.invariant_kernel(self.ops):
+            if id(linear) in encoder:  # fixed shapes (encode): oneDNN's packing, MKL's float32 (20% faster)
+                if can_pack(linear.weight.dtype):
+                    linear.pack(self.ops)
+            elif self.batch_invariant and self.ops is not None and linear.invariant_kernel(self.ops):
                 linear.pack_invariant(self.ops)
             elif can_pack(self.decoder.embed_tokens.weight.dtype):
                 linear.pack(self.ops)  # the tied proj_out packs a copy: the embedding keeps its plain one
