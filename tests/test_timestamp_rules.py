@@ -54,3 +54,19 @@ def test_begin_suppress_holds_for_the_first_token_only() -> None:
     logits = apply_penalties(torch.zeros(2, VOCAB), sampling)
     assert torch.isinf(logits[0, [2, 8]]).all() and torch.isinf(logits[0]).sum() == 2
     assert not torch.isinf(logits[1]).any()
+
+
+def test_segments_are_placed_at_their_windows_offset() -> None:
+    """A later window's timestamps count from its own start (frontend/audio/pipeline.py's segments_of)."""
+    from types import SimpleNamespace
+
+    from frontend.audio.pipeline import Window, segments_of
+
+    speech = SimpleNamespace(
+        timestamp_begin=10,
+        eos_id=8,
+        tokenizer=SimpleNamespace(decode=lambda ids, **_: "".join(map(str, ids))),
+    )
+    window = Window(1, 29.5, 59.5, None, token_ids=[10, 1, 2, 60, 60, 3, 8])  # type: ignore[arg-type]
+    segments = segments_of(window, speech)  # type: ignore[arg-type]
+    assert [(s.start_s, s.end_s, s.text) for s in segments] == [(29.5, 30.5, "12"), (30.5, 59.5, "3")]

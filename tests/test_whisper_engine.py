@@ -134,7 +134,6 @@ CONFIGS = {
     "torch_attention": dict(attention_backend="torch"),  # cross-attention by SDPA per request, not csrc
     "chunk_4": dict(max_num_batched_tokens=4),
     "tiny_pool_preemption": dict(num_kv_blocks=16, max_model_len=48, max_num_batched_tokens=64),
-    "async_chunk_4": dict(async_scheduling=True, max_num_batched_tokens=4),
     "async_tiny_pool_preemption": dict(
         async_scheduling=True, num_kv_blocks=16, max_model_len=48, max_num_batched_tokens=64
     ),

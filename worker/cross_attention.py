@@ -17,7 +17,6 @@ an entry's blocks are [slot * blocks_per_entry, (slot + 1) * blocks_per_entry).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,27 +25,7 @@ import torch
 from protocol.worker_messages import NewRequestData
 from worker.input_batch import StepInputs
 from worker.model_config import UnsupportedModelError
-from worker.models.whisper import WhisperModel
-
-
-@dataclass
-class CrossBatch:
-    """A step's cross-attention: the caches, each row's blocks and key count, each request's rows."""
-
-    caches: list[torch.Tensor]  # per decoder layer: [blocks, 2, block_size, heads, head_dim]
-    tables: torch.Tensor  # [num_tokens, blocks_per_entry] (long): each row's request's blocks
-    seq_lens: torch.Tensor  # [num_tokens] (long): encoder_len for every row
-    segments: list[tuple[int, int, int]]  # (first row, end row, slot) of each request
-
-    def keys_values(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An entry's keys and values, [heads, length, head_dim] each (the torch path)."""
-        cache = self.caches[layer]
-        blocks = self.tables.shape[1]
-        run = cache[slot * blocks : (slot + 1) * blocks]  # [blocks, 2, block_size, heads, head_dim]
-        flat = run.transpose(0, 1).reshape(2, -1, *run.shape[3:])[
-            :, :length
-        ]  # a copy: [2, length, heads, hd]
-        return flat[0].transpose(0, 1), flat[1].transpose(0, 1)
+from worker.models.whisper import CrossBatch, WhisperModel
 
 
 class CrossAttentionStore:

@@ -17,6 +17,7 @@ cross-attention is the decode kernel's row by row (or, without the kernels, each
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -29,7 +30,6 @@ from worker.models.bert import LayerNorm
 from worker.models.layers import Embedding, Linear, can_pack
 
 if TYPE_CHECKING:
-    from worker.cross_attention import CrossBatch
     from worker.csrc_ops import CpuOps
 
 NO_SINKS = torch.empty(0)  # paged_decode_attention's "no attention sinks"
@@ -37,6 +37,26 @@ NO_SINKS = torch.empty(0)  # paged_decode_attention's "no attention sinks"
 CrossKV = list[
     tuple[torch.Tensor, torch.Tensor]
 ]  # per decoder layer: keys, values [heads, encoder_len, head_dim]
+
+
+@dataclass
+class CrossBatch:
+    """A step's cross-attention: the caches, each row's blocks and key count, each request's rows."""
+
+    caches: list[torch.Tensor]  # per decoder layer: [blocks, 2, block_size, heads, head_dim]
+    tables: torch.Tensor  # [num_tokens, blocks_per_entry] (long): each row's request's blocks
+    seq_lens: torch.Tensor  # [num_tokens] (long): encoder_len for every row
+    segments: list[tuple[int, int, int]]  # (first row, end row, slot) of each request
+
+    def keys_values(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An entry's keys and values, [heads, length, head_dim] each (the torch path)."""
+        cache = self.caches[layer]
+        blocks = self.tables.shape[1]
+        run = cache[slot * blocks : (slot + 1) * blocks]  # [blocks, 2, block_size, heads, head_dim]
+        flat = run.transpose(0, 1).reshape(2, -1, *run.shape[3:])[
+            :, :length
+        ]  # a copy: [2, length, heads, hd]
+        return flat[0].transpose(0, 1), flat[1].transpose(0, 1)
 
 
 class Projections(nn.Module):
