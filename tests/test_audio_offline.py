@@ -41,7 +41,7 @@ def test_llm_transcribes_a_list_of_files(
         (timed,) = llm.transcribe(clips["paragraph"], timestamps=True)
         assert len(timed.segments) >= 2 and "".join(s.text for s in timed.segments) == timed.text
         assert all(a.end <= b.start for a, b in zip(timed.segments, timed.segments[1:], strict=False))
-        assert "lazy dog" in llm.translate(clips["fox"])[0].text.lower()
+        assert "lazy dog" in llm.translate(clips["fox"], language="en")[0].text.lower()
         with pytest.raises(InvalidParameterError, match="Invalid or unsupported audio file"):
             llm.transcribe(b"not audio")
 

@@ -249,7 +249,7 @@ def pcm_events(path: pathlib.Path, seconds: float) -> list[dict[str, Any]]:
 def test_realtime_transcribes_a_growing_buffer(server: Served, hf_whisper: Any, clips: dict) -> None:  # type: ignore[type-arg]
     update = {"type": "session.update", "model": "whisper"}
     events = asyncio.run(
-        realtime_session(server, [update, *pcm_events(clips["fox"], 0.5)], "transcription.done")
+        realtime_session(server, [update, *pcm_events(clips["fox"], 1.0)], "transcription.done")
     )
     assert events[0]["type"] == "session.created" and events[0]["id"].startswith("sess-")
     done = events[-1]

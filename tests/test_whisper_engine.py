@@ -130,7 +130,6 @@ def run_engine(folder: str, cases, **engine_kwargs):  # type: ignore[no-untyped-
 
 CONFIGS = {
     "prefix_caching": dict(enable_prefix_caching=True),
-    "no_prefix_caching": dict(enable_prefix_caching=False),
     "torch_attention": dict(attention_backend="torch"),  # cross-attention by SDPA per request, not csrc
     "chunk_4": dict(max_num_batched_tokens=4),
     "tiny_pool_preemption": dict(num_kv_blocks=16, max_model_len=48, max_num_batched_tokens=64),
@@ -152,9 +151,8 @@ def test_greedy_matches_hf_generate(tiny_whisper, config_name: str) -> None:  # 
 
 def test_alone_equals_batched(tiny_whisper) -> None:  # type: ignore[no-untyped-def]
     folder, cases, oracle = tiny_whisper
-    for i in (0, 3):
-        alone, _, _ = run_engine(folder, [cases[i]])
-        assert alone == [oracle[i]]
+    alone, _, _ = run_engine(folder, [cases[3]])
+    assert alone == [oracle[3]]
 
 
 def test_the_encoder_budget_holds_one_input_a_step(tiny_whisper) -> None:  # type: ignore[no-untyped-def]
