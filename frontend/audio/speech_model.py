@@ -87,15 +87,19 @@ class SpeechModel:
     def decoder_prompt(
         self, language: str | None, task: str, previous_text: str | None, timestamps: bool
     ) -> list[int]:
-        """The decoder's prompt; language None: the start token alone (the language-detection request's)."""
+        """The decoder's prompt; a multilingual model's with language None: the start token alone (the
+        language-detection request's). An English-only model's names neither language nor task."""
         ids: list[int] = []
         if previous_text and self.prev_id is not None:
             previous = self.tokenizer.encode(" " + previous_text.strip(), add_special_tokens=False)
             ids = [self.prev_id, *previous[-(MAX_PREVIOUS_TOKENS):]]
         ids.append(self.start_id)
-        if language is None:
-            return ids
-        ids += [self.language_ids[language], self.task_ids[task]]
+        if (
+            self.language_ids
+        ):  # a multilingual model names the language and the task; an English-only one neither
+            if language is None:
+                return ids  # the language-detection request's prompt
+            ids += [self.language_ids[language], self.task_ids[task]]
         # with timestamps the model opens the first segment itself (timestamp_rules), as transformers runs it
         return ids if timestamps else [*ids, self.no_timestamps_id]
 
@@ -110,7 +114,7 @@ class SpeechModel:
     def check_language(self, language: str) -> str | None:
         """None when the model knows `language` (an ISO 639-1 code, e.g. "en"); else why not."""
         if not self.language_ids:
-            return "this model is English-only: it takes no language"
+            return None if language == "en" else "this model is English-only: its language is `en`"
         if language not in self.language_ids:
             return (
                 f"unsupported language {language!r}; this model knows: {', '.join(sorted(self.language_ids))}"
