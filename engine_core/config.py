@@ -35,6 +35,9 @@ class SchedulerConfig:
     # an encoder-decoder model's encoder positions per step (ModelInfo.encoder_len each new request): at
     # least one input's; 0 for a model without an encoder input
     max_num_encoder_input_tokens: int = 0
+    # a vision-language model's image embeddings the worker may hold at once (scheduled, not yet consumed):
+    # at least one image's; 0 for a model without images
+    encoder_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in (

@@ -22,6 +22,7 @@ import msgspec
 from engine_core.config import SchedulerConfig
 from engine_core.executor import Executor
 from engine_core.lora_table import LoraTable
+from engine_core.mm_inputs import check_mm_inputs
 from engine_core.request import Request, RequestStatus
 from engine_core.run_state import RunState
 from engine_core.scheduler import Scheduler
@@ -116,7 +117,11 @@ class EngineCore:
             num_window_blocks=info.num_window_blocks,
             rope_switch_len=info.rope_switch_len,
             # NOTE: one step computes at most a step budget's encoder positions, and always one input's
-            max_num_encoder_input_tokens=max(budget, info.encoder_len) if info.encoder_len else 0,
+            # (an image's tower too: vLLM's encoder compute budget and cache, both at least one image's)
+            max_num_encoder_input_tokens=max(budget, info.encoder_len or info.max_image_tokens)
+            if info.encoder_len or info.image_token_id >= 0
+            else 0,
+            encoder_cache_tokens=max(budget, info.max_image_tokens) if info.image_token_id >= 0 else 0,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0
@@ -141,6 +146,7 @@ class EngineCore:
         if any(not 0 <= token_id < info.vocab_size for token_id in message.prompt_token_ids):
             raise InvalidParameterError("prompt", f"prompt token ids must be in [0, {info.vocab_size}).")
         check_encoder_input(message, info)
+        check_mm_inputs(message, info)  # engine_core/mm_inputs.py
         pooling = message.pooling_params
         if (pooling is not None) != (info.runner == "pooling"):
             runner = (

@@ -5,7 +5,9 @@ Invariants:
 - num_computed_after_flight <= num_tokens_after_flight: a step in flight computes only tokens that are
   known, or that the step before it samples.
 - status only moves forward through the finished states: once finished, a request never runs again.
-- block_hashes[i] is the chained hash of full block i of all_token_ids (prompt then output).
+- block_hashes[i] is the chained hash of full block i of all_token_ids (prompt then output), keyed by the
+  request's extra keys and by the content hash of every image whose span the block touches.
+- encoder_held holds images whose tower output the worker keeps: scheduled, span not yet computed past.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from engine_core.block_hash import BlockHash, hash_block_tokens
 from protocol.config import DEFAULT_BLOCK_SIZE
 from protocol.lora import LoraRequest
-from protocol.media import EncoderInput
+from protocol.media import EncoderInput, MultiModalInput
 from protocol.messages import AddRequest
 from protocol.pooling import PoolingParams
 from protocol.sampling import SamplingParams
@@ -65,6 +67,7 @@ class Request:
         pooling_params: PoolingParams | None = None,
         lora: LoraRequest | None = None,
         encoder_input: EncoderInput | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
@@ -74,6 +77,8 @@ class Request:
         self.lora = lora  # the adapter it runs with (None: the base model)
         self.encoder_input = encoder_input  # an encoder-decoder model's input (Whisper's features)
         self.encoder_done = False  # the worker holds its encoder's output (from its first schedule)
+        self.mm_inputs = mm_inputs or []  # a vision-language model's images, in prompt order
+        self.encoder_held: set[int] = set()  # images whose tower output the worker keeps (see above)
         self.arrival_time = arrival_time
         self.priority = priority
         self.status = RequestStatus.WAITING
@@ -127,6 +132,7 @@ class Request:
             pooling_params=message.pooling_params,
             lora=lora,
             encoder_input=message.encoder_input,
+            mm_inputs=message.mm_inputs,
         )
 
     @property
@@ -183,8 +189,35 @@ class Request:
         size = self.block_size
         parent = self.block_hashes[-1] if self.block_hashes else None
         for start in range(len(self.block_hashes) * size, len(self.all_token_ids) - size + 1, size):
-            parent = hash_block_tokens(parent, self.all_token_ids[start : start + size], self.extra_keys)
+            keys = self.extra_keys
+            if self.mm_inputs:  # the images the block's tokens stand for (the same text, another image)
+                keys = keys + tuple(
+                    f"mm:{item.content_hash}"
+                    for item in self.mm_inputs
+                    if item.offset < start + size and item.offset + item.length > start
+                )
+            parent = hash_block_tokens(parent, self.all_token_ids[start : start + size], keys)
             self.block_hashes.append(parent)
+
+    def encoder_items_in(self, start: int, num_tokens: int) -> list[int]:
+        """Images whose span meets positions [start, start + num_tokens) and whose tower output the worker
+        does not hold: what computing those positions needs run first."""
+        return [
+            index
+            for index, item in enumerate(self.mm_inputs)
+            if item.offset < start + num_tokens
+            and item.offset + item.length > start
+            and index not in self.encoder_held
+        ]
+
+    def release_encoder_outputs(self) -> None:
+        """Forget the images whose span the computed tokens (those in flight included) have passed: the
+        worker frees their outputs once it computes past them."""
+        done = self.num_computed_after_flight
+        self.encoder_held = {
+            index for index in self.encoder_held
+            if self.mm_inputs[index].offset + self.mm_inputs[index].length > done
+        }  # fmt: skip
 
     def __lt__(self, other: Request) -> bool:
         """Priority order: lower priority value first, then earlier arrival, then id."""

@@ -15,6 +15,8 @@ they were scheduled for, so a request finished, aborted or preempted meanwhile d
 Invariants (check_invariants):
 - scheduled tokens never exceed max_num_batched_tokens; running requests never exceed max_num_seqs;
 - a step's new encoder inputs (whole) fit max_num_encoder_input_tokens: new audio cannot starve decodes;
+  likewise the images whose tower a step runs (a prefill chunk stops before an image that does not fit),
+  and the images the worker holds (scheduled, span not yet computed past) fit encoder_cache_tokens;
 - the running requests use at most max_loras distinct LoRA adapters (the worker's slots), so every step
   fits them; a waiting request whose adapter would be one more waits, and later ones may go first;
 - every running request holds blocks for its computed tokens; waiting ones hold none;
@@ -38,6 +40,18 @@ from engine_core.waiting_queue import WaitingQueue
 from protocol.errors import InvalidParameterError
 from protocol.messages import ITERATION_TOKENS_BUCKETS, RequestOutput, SchedulerStats
 from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+
+@dataclass
+class EncoderRoom:
+    """What a step may still give image towers: its encoder budget, and the encoder cache's free room."""
+
+    budget: int
+    free: int
+
+
+def embeds_of(request: Request, indices: Iterable[int]) -> int:
+    return sum(request.mm_inputs[index].num_embeds for index in indices)
 
 
 @dataclass
@@ -124,6 +138,8 @@ class Scheduler:
         encoder_budget = self.config.max_num_encoder_input_tokens  # an encoder-decoder model's, per step
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
+        encoder_items: dict[str, list[int]] = {}  # the images whose tower runs this step
+        room = self._encoder_room()
         preempted = False
 
         index = 0
@@ -140,6 +156,9 @@ class Scheduler:
             prefill = num_new > 1 or request.num_computed_after_flight < request.num_prompt_tokens
             if prefill:
                 num_new = min(num_new, prefill_budget)
+            num_new, items = self._fit_encoder_inputs(
+                request, request.num_computed_after_flight, num_new, room
+            )
             if num_new <= 0:
                 index += 1
                 continue
@@ -152,6 +171,8 @@ class Scheduler:
                     index -= 1
                 budget += num_scheduled.pop(victim.request_id, 0)
                 new_block_ids.pop(victim.request_id, None)
+                room.budget += embeds_of(victim, encoder_items.pop(victim.request_id, []))
+                room.free += embeds_of(victim, victim.encoder_held)  # the worker drops them with it
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -160,6 +181,7 @@ class Scheduler:
                 continue  # the request itself was preempted; running shrank under index
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
+            self._take_encoder_inputs(request, items, room, encoder_items)
             budget -= num_new
             if prefill:
                 prefill_budget -= num_new
@@ -193,6 +215,9 @@ class Scheduler:
                 not self.config.chunked_prefill and num_new < request.num_tokens - num_cached
             ):
                 break  # (an encoder's input waits for a step with room for all of it)
+            num_new, items = self._fit_encoder_inputs(request, num_cached, num_new, room)
+            if num_new <= 0:
+                break  # its first image's tower waits for a step with room
             new_blocks = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
             if new_blocks is None:
                 break
@@ -207,13 +232,54 @@ class Scheduler:
             self.running.append(request)
             if request.lora is not None:
                 loras.add(request.lora.lora_id)
+            self._take_encoder_inputs(request, items, room, encoder_items)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             prefill_budget -= num_new
         for request in reversed(skipped):
             self.waiting.add_front(request)
 
-        return self._make_output(num_scheduled, new_block_ids)
+        return self._make_output(num_scheduled, new_block_ids, encoder_items)
+
+    def _encoder_room(self) -> EncoderRoom:
+        """A step's encoder budget and the cache's free room, once the images the running requests have
+        computed past are let go."""
+        held = 0
+        for request in self.running:
+            if request.encoder_held:
+                request.release_encoder_outputs()
+                held += embeds_of(request, request.encoder_held)
+        return EncoderRoom(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_tokens - held)
+
+    def _fit_encoder_inputs(
+        self, request: Request, start: int, num_new: int, room: EncoderRoom
+    ) -> tuple[int, list[int]]:
+        """The tokens from `start` the step may compute, cut to stop before the first image whose tower
+        finds no room (the step's encoder budget, the cache's), and the images whose tower runs for them."""
+        if not request.mm_inputs:
+            return num_new, []
+        items: list[int] = []
+        budget, free = room.budget, room.free
+        for index in request.encoder_items_in(start, num_new):
+            item = request.mm_inputs[index]
+            if item.num_embeds > min(budget, free):
+                return max(item.offset - start, 0), items
+            items.append(index)
+            budget -= item.num_embeds
+            free -= item.num_embeds
+        return num_new, items
+
+    @staticmethod
+    def _take_encoder_inputs(
+        request: Request, items: list[int], room: EncoderRoom, encoder_items: dict[str, list[int]]
+    ) -> None:
+        if not items:
+            return
+        num_embeds = embeds_of(request, items)
+        room.budget -= num_embeds
+        room.free -= num_embeds
+        request.encoder_held.update(items)
+        encoder_items[request.request_id] = items
 
     def _length_capped_ahead(self, request: Request) -> bool:
         """Whether the outputs in flight take the request to max_tokens or max_model_len (a pooling request:
@@ -259,6 +325,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_tokens_ahead = request.num_outputs_ahead = 0  # the output in flight is dropped
         request.encoder_done = False  # the worker drops its cross-attention keys and values too
+        request.encoder_held = set()  # and its images' tower outputs
         request.num_preemptions += counted
         request.num_runs += 1
         self.num_preemptions += counted
@@ -268,7 +335,10 @@ class Scheduler:
         self.waiting.add_front(request)
 
     def _make_output(
-        self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]
+        self,
+        num_scheduled: dict[str, int],
+        new_block_ids: dict[str, list[int]],
+        encoder_items: dict[str, list[int]],
     ) -> SchedulerOutput | None:
         if not num_scheduled and not self.finished_request_ids and not self.preempted_request_ids:
             return None
@@ -302,6 +372,7 @@ class Scheduler:
                         request.lora,
                         self.kv_cache.take_window_block_ids(request_id, True),
                         request.encoder_input,
+                        request.mm_inputs,
                     )
                 )
                 self.sent_to_worker.add(request_id)
@@ -318,6 +389,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_request_ids=self.finished_request_ids + self.preempted_request_ids,
             preempted_request_ids=self.preempted_request_ids,
+            scheduled_encoder_inputs=encoder_items,
         )
         self.finished_request_ids = []
         self.preempted_request_ids = []
@@ -449,6 +521,13 @@ class Scheduler:
                 new.encoder_input.num_tokens for new in scheduler_output.new_requests if new.encoder_input
             ]
             assert sum(encoders) <= self.config.max_num_encoder_input_tokens
+            images = scheduler_output.scheduled_encoder_inputs
+            assert sum(embeds_of(self.requests[rid], items) for rid, items in images.items()) <= (
+                self.config.max_num_encoder_input_tokens
+            )
+        assert sum(embeds_of(r, r.encoder_held) for r in self.running) <= max(
+            self.config.encoder_cache_tokens, 0
+        )
         block_size = self.config.block_size
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, request

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.media import EncoderInput
+from protocol.media import EncoderInput, MultiModalInput
 from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 9  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 10  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
 # 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
 # runner and tasks, AddRequest.pooling_params, RequestOutput.pooled); 7: LoRA (RequestError.code,
 # SchedulerStats' adapters, NewRequestData.lora, the worker calls); 8: data parallel (ModelInfo's
 # data_parallel_rank and data_parallel_addresses); 9: encoder-decoder models (AddRequest.encoder_input,
-# ModelInfo's encoder fields, NewRequestData.encoder_input)
+# ModelInfo's encoder fields, NewRequestData.encoder_input); 10: images (AddRequest.mm_inputs, ModelInfo's
+# image fields, NewRequestData.mm_inputs, SchedulerOutput.scheduled_encoder_inputs)
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -79,6 +80,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     # requests that may hold an encoder output at once (the worker's store of cross-attention keys and
     # values): the engine runs at most this many
     max_num_encoder_outputs: int = 0
+    # >=0: a vision-language model: the token an image's embeddings replace (MultiModalInput)
+    image_token_id: int = -1
+    max_image_tokens: int = 0  # the most embeddings one image makes: a step's encoder budget is at least this
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -106,6 +110,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, kw_only=True):
     cache_salt: str | None = None  # isolates prefix-cache entries between tenants
     pooling_params: PoolingParams | None = None  # a pooling request: prefill only, finished with `pooled`
     encoder_input: EncoderInput | None = None  # an encoder-decoder model's input (ModelInfo.encoder_len)
+    mm_inputs: list[MultiModalInput] = []  # a vision-language model's images, in prompt order
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from protocol.lora import LoraRequest
-from protocol.media import EncoderInput
+from protocol.media import EncoderInput, MultiModalInput
 from protocol.messages import Logprobs, ModelInfo, RequestError
 from protocol.pooling import PooledOutput, PoolingParams
 from protocol.sampling import SamplingParams
@@ -28,6 +28,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     # an encoder-decoder model's input: the worker runs the encoder on it once (this step) and keeps the
     # cross-attention keys and values until the request finishes or is preempted
     encoder_input: EncoderInput | None = None
+    mm_inputs: list[MultiModalInput] = []  # its images (the engine says when each one's tower runs)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -48,6 +49,9 @@ class SchedulerOutput(msgspec.Struct, tag="schedule", array_like=True):
     total_num_scheduled_tokens: int
     finished_request_ids: list[str]  # finished, aborted or preempted since the last step: drop their state
     preempted_request_ids: list[str] = []  # subset of the above that will come back as new requests
+    # request id -> indices of its images whose vision tower runs this step; the worker keeps each output
+    # until the request's computed tokens pass the image's span (or the request leaves)
+    scheduled_encoder_inputs: dict[str, list[int]] = {}
 
 
 class ModelRunnerOutput(msgspec.Struct, tag="model_output", array_like=True):

@@ -11,6 +11,8 @@ from worker.model_config import ModelConfig, UnsupportedModelError
 
 ENCODER_ARCHITECTURES = {"BertModel": "bert", "BertForSequenceClassification": "bert"}
 ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
+# a language model with a vision tower (worker/models/vision_config.py)
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 # the text model of a vision-language checkpoint: its config's text_config, with these defaults for
 # fields an older config leaves out (transformers' Gemma3TextConfig)
 TEXT_CONFIG_DEFAULTS = {
@@ -26,7 +28,8 @@ TEXT_CONFIG_DEFAULTS = {
 def supported_architectures() -> list[str]:
     from worker.models.families import BY_ARCHITECTURE
 
-    return sorted([*BY_ARCHITECTURE, *ENCODER_ARCHITECTURES, *ENCODER_DECODER_ARCHITECTURES])
+    return sorted([*BY_ARCHITECTURE, *ENCODER_ARCHITECTURES, *ENCODER_DECODER_ARCHITECTURES,
+                   *VISION_LANGUAGE_ARCHITECTURES])  # fmt: skip
 
 
 def load_model_config(model: str, gguf_reader: Any = None) -> ModelConfig:
@@ -47,7 +50,8 @@ def _from_hf_folder(folder: str) -> ModelConfig:
     with open(path) as f:
         config = json.load(f)
     architectures = config.get("architectures") or []
-    known = {**BY_ARCHITECTURE, **ENCODER_ARCHITECTURES, **dict.fromkeys(ENCODER_DECODER_ARCHITECTURES)}
+    known = {**BY_ARCHITECTURE, **ENCODER_ARCHITECTURES,
+             **dict.fromkeys(ENCODER_DECODER_ARCHITECTURES + VISION_LANGUAGE_ARCHITECTURES)}  # fmt: skip
     architecture = next((a for a in architectures if a in known), None)
     if architecture is None:
         raise UnsupportedModelError(
@@ -64,6 +68,10 @@ def _from_hf_folder(folder: str) -> ModelConfig:
         from worker.models.whisper_config import whisper_config
 
         return whisper_config(HFConfig(config, architecture), eos)
+    if architecture in VISION_LANGUAGE_ARCHITECTURES:
+        from worker.models.vision_config import llava_config
+
+        return llava_config(config, eos)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     if architecture in TEXT_CONFIG_DEFAULTS:  # a vision-language checkpoint: its language model
         text = {**TEXT_CONFIG_DEFAULTS[architecture], **(config.get("text_config") or {})}

@@ -12,6 +12,40 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language model's image side (worker/models/vit.py, worker/models/vision_config.py): the
+    vision transformer, the layer its features come from, the projector onto the language model's width."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # the tower's layers that run: up to the feature layer (the rest change nothing)
+    num_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str  # "quick_gelu" (CLIP), "gelu_tanh" (SigLIP), "gelu"
+    class_token: bool  # CLIP: a learned first position
+    patch_bias: bool  # the patch convolution's bias (SigLIP)
+    pre_norm: bool  # CLIP's pre_layrnorm on the embeddings
+    post_norm: bool  # the features pass the tower's post_layernorm (only when they come from its last layer)
+    drop_first: (
+        bool  # the features skip the first position (LLaVA's vision_feature_select_strategy "default")
+    )
+    projector_act: str
+    projector_bias: bool
+    image_token_id: int
+    num_channels: int = 3
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.num_patches + self.class_token - self.drop_first
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str  # a decoder family's name (worker/models/families/) or "bert"
     vocab_size: int
@@ -95,6 +129,7 @@ class ModelConfig:
     encoder_layers: int = 0
     num_mel_bins: int = 0  # the encoder's input rows
     encoder_len: int = 0  # the encoder's output positions (its input has twice as many frames)
+    vision: VisionConfig | None = None  # a vision-language model's image side (its text model is the rest)
 
     @property
     def is_encoder_decoder(self) -> bool:

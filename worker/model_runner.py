@@ -34,6 +34,7 @@ from worker.kernel_table import log_kernel_table
 from worker.kv_groups import KVPools, plan_pools
 from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
+from worker.mm_inputs import ImageInputs, check_vision
 from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.models import build_model
 from worker.models.bert import BertModel
@@ -153,7 +154,11 @@ class ModelRunner:
         encoder_decoder = self.model_config.is_encoder_decoder
         if encoder_decoder:
             check_encoder_decoder(config, self.device.type)  # worker/cross_attention.py
+        vision = self.model_config.vision
+        if vision is not None:
+            check_vision(config, self.device.type, self.pooling is not None)  # worker/mm_inputs.py
         self.model = self._build_model(weights, phases)
+        self.images = ImageInputs(self.model, vision.image_token_id) if vision is not None else None
         self.cross: CrossAttentionStore | None = None
         log_kernel_table(self.model, self.backend, self.dtype)
         phases.mark("packing")
@@ -319,6 +324,8 @@ class ModelRunner:
             encoder_len=self.model_config.encoder_len,
             num_mel_bins=self.model_config.num_mel_bins,
             max_num_encoder_outputs=self.cross.max_entries if self.cross is not None else 0,
+            image_token_id=self.model_config.vision.image_token_id if self.model_config.vision else -1,
+            max_image_tokens=self.model_config.vision.num_image_tokens if self.model_config.vision else 0,
         )
 
     # ---- one step ----
@@ -332,6 +339,12 @@ class ModelRunner:
             scheduler_output.num_scheduled_tokens, bool(self.pools.num_window_blocks)
         )
         lora = self._lora_batch(inputs)
+        image_errors: dict[str, RequestError] = {}
+        mm_embeds = None
+        if self.images is not None:
+            image_errors = self.images.run(scheduler_output.scheduled_encoder_inputs)
+            mm_embeds = self.images.step_embeds(inputs)
+            self.images.release(inputs)
         if self.pooling_step is not None:
             step = self.pooling_step
             pooled = step.execute(self.model, inputs, self.batch, self.kv_caches, self.backend, lora)
@@ -351,7 +364,7 @@ class ModelRunner:
         sampling_ids = [inputs.request_ids[i] for i in sample_pos]
         bitmask = self.grammar.start_bitmask(sampling_ids)  # filled while the forward runs
         # a decode step whose every row samples runs its batch size's CUDA graph, where there is one
-        graphs = self.graphs if out_rows is None and lora is None else None
+        graphs = self.graphs if out_rows is None and lora is None and mm_embeds is None else None
         logits = graphs.run(inputs) if graphs is not None else None
         if logits is None:
             if self.device.type == "cuda":
@@ -370,6 +383,7 @@ class ModelRunner:
                     self.backend,
                     out_rows,
                     lora,
+                    **({"mm_embeds": mm_embeds} if mm_embeds is not None else {}),
                 )  # [len(score_rows), hidden]
             logits = self.model.compute_logits(hidden) if score_rows else None  # [n, vocab]
         if self.tp is not None and logits is not None:
@@ -380,11 +394,12 @@ class ModelRunner:
             # NOTE: the sampler (its generators, masks, penalties) runs on the host
             logits = logits.float().cpu()
 
-        output = ModelRunnerOutput({})
+        output = ModelRunnerOutput({}, errors=image_errors)
         if sample_pos:
             assert logits is not None
             states = [self.batch.requests[request_id] for request_id in sampling_ids]
-            grammar_mask, output.errors = self.grammar.apply(bitmask)
+            grammar_mask, grammar_errors = self.grammar.apply(bitmask)
+            output.errors.update(grammar_errors)
             ops = self.ops
             sampling = sampling_batch(
                 self.batch,
@@ -466,6 +481,10 @@ class ModelRunner:
                 self.pooling_step.remove(request_id)
             if self.cross is not None:
                 self.cross.drop(request_id)
+            if self.images is not None:
+                self.images.drop(request_id)
+        if self.images is not None:
+            self.images.add(scheduler_output.new_requests)
         for new in scheduler_output.new_requests:
             self.batch.add(new)
             if new.sampling_params.structured_outputs is not None and self.config.rank == 0:  # it samples

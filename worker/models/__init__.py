@@ -34,6 +34,10 @@ def build_model(
         return WhisperModel(config, dtype, ops)
     from worker.models.causal_lm import CausalLM
 
+    if config.vision is not None:
+        from worker.models.llava import LlavaModel
+
+        return LlavaModel(config, dtype, ops, tp)
     # NOTE: built on the CPU with uninitialized weights (the layers skip reset_parameters), not on the meta
     # device: the meta path's first op imported torch's Python decompositions, 1.9-3.9 s of a start
     return CausalLM(config, dtype, ops, tp)

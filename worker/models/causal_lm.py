@@ -88,15 +88,21 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         out_rows: torch.Tensor | None = None,
         lora: LoraBatch | None = None,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [len(out_rows) or num_tokens, hidden], before the final norm
         """out_rows: the rows the step scores (sampled tokens, prompt logprobs), in the order wanted; None
         for all. Past the last layer's KV write no other row is needed, so that layer's attention, o and
         MLP run on these rows alone (llama.cpp's inp_out_ids): in a prefill step most of a layer.
-        lora: the step's adapters, where a row uses one (a step with none keeps the native stack)."""
+        lora: the step's adapters, where a row uses one (a step with none keeps the native stack).
+        mm_embeds: (rows, embeddings): image embeddings in place of those rows' token embeddings (after the
+        family's embedding multiplier, as transformers' vision-language models put them)."""
         assert self.rotaries, "init_rotary() first"
         x: torch.Tensor = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.config.embedding_multiplier != 1.0:  # in the model's dtype, as Gemma's normalizer is
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
+        if mm_embeds is not None:
+            rows, embeds = mm_embeds
+            x[rows] = embeds.to(x.dtype)
         ropes = {
             kind: rotary.prepare(positions, x.dtype, self.ops, metadata.long_rope)
             for kind, rotary in self.rotaries.items()

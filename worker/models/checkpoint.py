@@ -19,6 +19,7 @@ from worker.models.layers import Embedding, Linear
 from worker.models.moe import Experts
 from worker.quant.blocks import QuantPart, QuantWeight
 
+IMAGE_SIDE = ("vision_tower.", "multi_modal_projector.")
 # one expert's product, by our names (a family renames its own onto these)
 EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.")
@@ -51,7 +52,8 @@ def load_checkpoint(
     """model: a CausalLM of `config`; packed: the worker keeps quantized weights packed (a family's own
     combining, gpt-oss's MXFP4, gives them as blocks then)."""
     family = BY_NAME.get(config.family)
-    params = dict(model.named_parameters())
+    # (a vision-language model's image side loads apart: worker/models/llava.py)
+    params = {name: p for name, p in model.named_parameters() if not name.startswith(IMAGE_SIDE)}
     # rows filled: per row (an expert's rows for [experts, rows, cols] tensors), per element of a vector
     filled = {
         name: torch.zeros(tuple(param.shape[:2]) if param.dim() == 3 else param.shape[0] if param.dim() else 1,

@@ -1,0 +1,127 @@
+"""The worker's side of a vision-language model's images: each request's images (their spans and the prompt
+positions of their placeholder tokens), the vision tower run on the images the engine scheduled (each
+image's embeddings computed once, whatever the chunks its span is prefilled in), those embeddings placed in
+a step's rows, and each freed once the request's computed tokens pass its span (or the request leaves).
+
+The engine plans the same lifetimes (engine_core/scheduler.py: encoder_held), so the two agree on which
+images are held without being told."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from protocol.media import MultiModalInput, TensorData
+from protocol.messages import RequestError
+from protocol.worker_messages import NewRequestData
+from worker.input_batch import StepInputs
+from worker.model_config import UnsupportedModelError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
+          "int32": torch.int32, "bool": torch.bool}  # fmt: skip
+
+
+def to_tensor(data: TensorData) -> torch.Tensor:
+    dtype = DTYPES.get(data.dtype)
+    if dtype is None:
+        raise ValueError(f"an image tensor of dtype {data.dtype!r}")
+    tensor = torch.frombuffer(bytearray(data.data), dtype=dtype)
+    if tensor.numel() != int(np.prod(data.shape)):
+        raise ValueError(f"an image tensor of {tensor.numel()} values for shape {data.shape}")
+    return tensor.view(data.shape)
+
+
+@dataclass
+class Image:
+    item: MultiModalInput
+    positions: np.ndarray  # the prompt positions of its placeholder tokens, ascending
+    embeds: torch.Tensor | None = None  # [num_embeds, hidden] while held
+
+    @property
+    def end(self) -> int:
+        return self.item.offset + self.item.length
+
+
+class ImageInputs:
+    def __init__(self, model: Any, image_token_id: int) -> None:
+        self.model = model  # has encode_image(tensors) and check_image(tensors)
+        self.image_token_id = image_token_id
+        self.requests: dict[str, list[Image]] = {}
+
+    def add(self, new_requests: list[NewRequestData]) -> None:
+        for new in new_requests:
+            if not new.mm_inputs:
+                continue
+            prompt = np.asarray(new.prompt_token_ids)
+            images = []
+            for item in new.mm_inputs:
+                span = prompt[item.offset : item.offset + item.length]
+                images.append(Image(item, item.offset + np.flatnonzero(span == self.image_token_id)))
+            self.requests[new.request_id] = images
+
+    def drop(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def run(self, scheduled: dict[str, list[int]]) -> dict[str, RequestError]:
+        """The tower on each scheduled image, one image a call (its embeddings the same whatever else the
+        step holds); a request whose image the model cannot take ends with an error."""
+        errors = {}
+        for request_id, indices in scheduled.items():
+            images = self.requests[request_id]
+            for index in indices:
+                image = images[index]
+                try:
+                    tensors = {name: to_tensor(data) for name, data in image.item.tensors.items()}
+                    self.model.check_image(tensors)
+                    embeds = self.model.encode_image(tensors)
+                except (ValueError, UnsupportedModelError) as error:
+                    errors[request_id] = RequestError("messages", f"image {index}: {error}")
+                    break
+                if embeds.shape[0] != image.item.num_embeds:
+                    errors[request_id] = RequestError(
+                        "messages",
+                        f"image {index} makes {embeds.shape[0]} embeddings, not {image.item.num_embeds}",
+                    )
+                    break
+                image.embeds = embeds
+        for request_id in errors:
+            self.drop(request_id)  # its rows run on the placeholders' embeddings; the engine drops them
+        return errors
+
+    def step_embeds(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, embeddings) of the step's placeholder positions, for the model's mm_embeds."""
+        rows, parts = [], []
+        first_row = 0
+        for request_id, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
+            for image in self.requests.get(request_id, ()):
+                lo, hi = np.searchsorted(image.positions, [start, start + count])
+                if lo < hi:
+                    assert image.embeds is not None, f"{request_id}: an image's span runs before its tower"
+                    rows.append(image.positions[lo:hi] - start + first_row)
+                    parts.append(image.embeds[lo:hi])
+            first_row += int(count)
+        if not rows:
+            return None
+        return torch.from_numpy(np.concatenate(rows)), torch.cat(parts)
+
+    def release(self, inputs: StepInputs) -> None:
+        """Free the embeddings of the images whose span the step's tokens finished."""
+        for request_id, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
+            for image in self.requests.get(request_id, ()):
+                if image.embeds is not None and image.end <= start + count:
+                    image.embeds = None
+
+
+def check_vision(config: Any, device: str, pooling: bool) -> None:
+    """What a vision-language model does not run with yet: each an UnsupportedModelError naming it."""
+    refused = [
+        ("--device cuda", device != "cpu"),
+        ("--tensor-parallel-size > 1", config.parallel.tensor_parallel_size > 1),
+        ("a pooling runner", pooling),
+    ]
+    for flag, applies in refused:
+        if applies:
+            raise UnsupportedModelError(f"vision-language models do not run with {flag} yet")

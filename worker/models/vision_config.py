@@ -1,0 +1,95 @@
+"""A vision-language checkpoint's config.json as our ModelConfig: its language model as the family of its
+text_config says, its image side as a VisionConfig. A field we do not implement is refused by name.
+
+Released checkpoints write only the sub-config fields that differ from transformers' defaults (LLaVA-1.5's
+vision_config names 9 fields), so each sub-config is read over its transformers class's defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from worker.model_config import ModelConfig, UnsupportedModelError, VisionConfig
+from worker.models.families.base import ACTIVATIONS, HFConfig
+
+# a text_config's model_type -> the decoder family's architecture
+TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+
+
+def with_defaults(values: dict[str, Any], default_type: str) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    model_type = values.get("model_type") or default_type
+    try:
+        defaults = AutoConfig.for_model(model_type).to_dict()
+    except ValueError:
+        raise UnsupportedModelError(f"unknown sub-model type {model_type!r}") from None
+    return {**defaults, **{k: v for k, v in values.items() if v is not None}}
+
+
+def llava_config(config: dict[str, Any], eos_token_ids: list[int]) -> ModelConfig:
+    from worker.models.families import BY_ARCHITECTURE
+
+    hf = HFConfig(config, "LlavaForConditionalGeneration")
+    text = with_defaults(config.get("text_config") or {}, "llama")
+    architecture = TEXT_ARCHITECTURES.get(text["model_type"])
+    if architecture is None:
+        raise hf.fail(f"a {text['model_type']!r} language model is not supported; "
+                      f"supported: {', '.join(TEXT_ARCHITECTURES)}")  # fmt: skip
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or "float32")
+    eos = eos_token_ids or [e for e in [text.get("eos_token_id")] if e is not None]
+    language = BY_ARCHITECTURE[architecture].config(HFConfig(text, architecture), eos, dtype)
+    return dataclasses.replace(language, architecture=hf.architecture, vision=clip_like(hf))
+
+
+def clip_like(hf: HFConfig) -> VisionConfig:
+    """LLaVA's tower (CLIP or SigLIP), the features of one layer, the two-product projector."""
+    vision = HFConfig(with_defaults(hf.get("vision_config", {}), "clip_vision_model"), hf.architecture)
+    kind = vision.get("model_type")
+    if kind not in VISION_TOWERS:
+        raise hf.fail(f"vision tower {kind!r} is not supported; supported: {', '.join(VISION_TOWERS)}")
+    layer = hf.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise hf.fail(f"vision_feature_layer={layer!r}: features of several layers are not supported")
+    layers = vision.get("num_hidden_layers")
+    run = layer if layer >= 0 else layers + 1 + layer  # hidden_states[0] is the embeddings
+    if not 0 <= run <= layers:
+        raise hf.fail(f"vision_feature_layer={layer} is outside the tower's {layers} layers")
+    hf.refuse("vision_feature_select_strategy", ("default", "full"))
+    image_token = hf.get("image_token_id", hf.get("image_token_index"))
+    if image_token is None:
+        raise hf.fail("config.json names no image_token_index")
+    return VisionConfig(
+        hidden_size=vision.get("hidden_size"),
+        intermediate_size=vision.get("intermediate_size"),
+        num_layers=run,
+        num_heads=vision.get("num_attention_heads"),
+        image_size=vision.get("image_size"),
+        patch_size=vision.get("patch_size"),
+        layer_norm_eps=vision.get("layer_norm_eps", 1e-5),
+        hidden_act=activation(vision, vision.get("hidden_act")),
+        class_token=kind == "clip_vision_model",
+        patch_bias=kind == "siglip_vision_model",
+        pre_norm=kind == "clip_vision_model",
+        post_norm=False,  # hidden_states[layer] are the layers' outputs, before the tower's post_layernorm
+        drop_first=hf.get("vision_feature_select_strategy", "default") == "default",
+        projector_act=activation(hf, hf.get("projector_hidden_act", "gelu")),
+        projector_bias=bool(hf.get("multimodal_projector_bias", True)),
+        image_token_id=int(image_token),
+        num_channels=vision.get("num_channels", 3),
+    )
+
+
+def activation(hf: HFConfig, name: str) -> str:
+    if name == "quick_gelu":
+        return name
+    if name not in ACTIVATIONS:
+        raise hf.fail(f"activation {name!r} is not supported")
+    return ACTIVATIONS[name]

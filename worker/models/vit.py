@@ -1,0 +1,139 @@
+"""The vision transformer of a vision-language model (CLIP's and SigLIP's vision towers), and the projector
+that maps its features onto the language model's width (LLaVA's two products with an activation between).
+
+Parameter names are the checkpoint's below its `vision_tower.vision_model.` and `multi_modal_projector.`
+prefixes, so that loading is a name-for-name copy. The tower runs in torch (MKL / oneDNN products and
+scaled_dot_product_attention), one image a call: an image's embeddings are the same whatever else the step
+holds. It runs only the layers the features come from (LLaVA's come from the second to last).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker.model_config import VisionConfig
+
+ACTIVATIONS = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class VisionEmbeddings(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        width = config.hidden_size
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels,
+            width,
+            config.patch_size,
+            config.patch_size,
+            bias=config.patch_bias,
+            dtype=dtype,
+        )
+        self.class_embedding = nn.Parameter(torch.empty(width, dtype=dtype)) if config.class_token else None
+        positions = config.num_patches + config.class_token
+        self.position_embedding = nn.Embedding(positions, width, dtype=dtype)
+
+    def forward(
+        self, pixel_values: torch.Tensor
+    ) -> torch.Tensor:  # [1, channels, H, W] -> [positions, width]
+        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+        x = patches.flatten(2).transpose(1, 2)[0]  # [patches, width]
+        if self.class_embedding is not None:
+            x = torch.cat([self.class_embedding[None], x])
+        return x + self.position_embedding.weight
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        width = config.hidden_size
+        self.num_heads = config.num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            nn.Linear(width, width, dtype=dtype) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [positions, width]
+        n, width = x.shape
+        q, k, v = (
+            proj(x).view(n, self.num_heads, -1).transpose(0, 1)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = F.scaled_dot_product_attention(q, k, v)  # [heads, positions, head_dim], every position sees all
+        return self.out_proj(out.transpose(0, 1).reshape(n, width))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionLayer(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype)
+        self.self_attn = VisionAttention(config, dtype)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype)
+        self.mlp = VisionMLP(config, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionEncoder(nn.Module):
+    """`encoder.layers`, named as the checkpoint names them."""
+
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(VisionLayer(config, dtype) for _ in range(config.num_layers))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        width, eps = config.hidden_size, config.layer_norm_eps
+        self.embeddings = VisionEmbeddings(config, dtype)
+        self.pre_layrnorm = nn.LayerNorm(width, eps=eps, dtype=dtype) if config.pre_norm else None
+        self.encoder = VisionEncoder(config, dtype)
+        self.post_layernorm = nn.LayerNorm(width, eps=eps, dtype=dtype) if config.post_norm else None
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # -> [features, width]
+        x = self.embeddings(pixel_values)
+        if self.pre_layrnorm is not None:
+            x = self.pre_layrnorm(x)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        if self.post_layernorm is not None:
+            x = self.post_layernorm(x)
+        if self.config.drop_first:
+            x = x[1:]
+        return x
+
+
+class Projector(nn.Module):
+    """LLaVA's multi_modal_projector: linear_2(act(linear_1(features)))."""
+
+    def __init__(self, config: VisionConfig, text_width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        bias = config.projector_bias
+        self.linear_1 = nn.Linear(config.hidden_size, text_width, bias=bias, dtype=dtype)
+        self.linear_2 = nn.Linear(text_width, text_width, bias=bias, dtype=dtype)
+        self.act = ACTIVATIONS[config.projector_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
