@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine_core.config import SchedulerConfig
+from engine_core.encoder_room import embeds_of, encoder_room, fit_encoder_inputs, take_encoder_inputs
 from engine_core.hybrid_kv_cache import kv_cache_for
 from engine_core.kv_cache_manager import cdiv
 from engine_core.request import Request, RequestStatus
@@ -40,18 +41,6 @@ from engine_core.waiting_queue import WaitingQueue
 from protocol.errors import InvalidParameterError
 from protocol.messages import ITERATION_TOKENS_BUCKETS, RequestOutput, SchedulerStats
 from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-
-
-@dataclass
-class EncoderRoom:
-    """What a step may still give image towers: its encoder budget, and the encoder cache's free room."""
-
-    budget: int
-    free: int
-
-
-def embeds_of(request: Request, indices: Iterable[int]) -> int:
-    return sum(request.mm_inputs[index].num_embeds for index in indices)
 
 
 @dataclass
@@ -80,6 +69,8 @@ class Scheduler:
         self.num_steps = 0
         self.iteration_tokens_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # SchedulerStats' layout
         self.iteration_tokens_sum = 0
+        self.num_encoder_inputs = 0
+        self.encoder_seconds = 0.0
         # False while the engine is paused: running requests go on (preempted ones come back), no new ones
         self.admit_waiting = True
 
@@ -139,7 +130,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         encoder_items: dict[str, list[int]] = {}  # the images whose tower runs this step
-        room = self._encoder_room()
+        room = encoder_room(self.running, self.config)
         preempted = False
 
         index = 0
@@ -156,9 +147,7 @@ class Scheduler:
             prefill = num_new > 1 or request.num_computed_after_flight < request.num_prompt_tokens
             if prefill:
                 num_new = min(num_new, prefill_budget)
-            num_new, items = self._fit_encoder_inputs(
-                request, request.num_computed_after_flight, num_new, room
-            )
+            num_new, items = fit_encoder_inputs(request, request.num_computed_after_flight, num_new, room)
             if num_new <= 0:
                 index += 1
                 continue
@@ -181,7 +170,7 @@ class Scheduler:
                 continue  # the request itself was preempted; running shrank under index
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
-            self._take_encoder_inputs(request, items, room, encoder_items)
+            take_encoder_inputs(request, items, room, encoder_items)
             budget -= num_new
             if prefill:
                 prefill_budget -= num_new
@@ -215,7 +204,7 @@ class Scheduler:
                 not self.config.chunked_prefill and num_new < request.num_tokens - num_cached
             ):
                 break  # (an encoder's input waits for a step with room for all of it)
-            num_new, items = self._fit_encoder_inputs(request, num_cached, num_new, room)
+            num_new, items = fit_encoder_inputs(request, num_cached, num_new, room)
             if num_new <= 0:
                 break  # its first image's tower waits for a step with room
             new_blocks = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
@@ -232,7 +221,7 @@ class Scheduler:
             self.running.append(request)
             if request.lora is not None:
                 loras.add(request.lora.lora_id)
-            self._take_encoder_inputs(request, items, room, encoder_items)
+            take_encoder_inputs(request, items, room, encoder_items)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             prefill_budget -= num_new
@@ -240,46 +229,6 @@ class Scheduler:
             self.waiting.add_front(request)
 
         return self._make_output(num_scheduled, new_block_ids, encoder_items)
-
-    def _encoder_room(self) -> EncoderRoom:
-        """A step's encoder budget and the cache's free room, once the images the running requests have
-        computed past are let go."""
-        held = 0
-        for request in self.running:
-            if request.encoder_held:
-                request.release_encoder_outputs()
-                held += embeds_of(request, request.encoder_held)
-        return EncoderRoom(self.config.max_num_encoder_input_tokens, self.config.encoder_cache_tokens - held)
-
-    def _fit_encoder_inputs(
-        self, request: Request, start: int, num_new: int, room: EncoderRoom
-    ) -> tuple[int, list[int]]:
-        """The tokens from `start` the step may compute, cut to stop before the first image whose tower
-        finds no room (the step's encoder budget, the cache's), and the images whose tower runs for them."""
-        if not request.mm_inputs:
-            return num_new, []
-        items: list[int] = []
-        budget, free = room.budget, room.free
-        for index in request.encoder_items_in(start, num_new):
-            item = request.mm_inputs[index]
-            if item.num_embeds > min(budget, free):
-                return max(item.offset - start, 0), items
-            items.append(index)
-            budget -= item.num_embeds
-            free -= item.num_embeds
-        return num_new, items
-
-    @staticmethod
-    def _take_encoder_inputs(
-        request: Request, items: list[int], room: EncoderRoom, encoder_items: dict[str, list[int]]
-    ) -> None:
-        if not items:
-            return
-        num_embeds = embeds_of(request, items)
-        room.budget -= num_embeds
-        room.free -= num_embeds
-        request.encoder_held.update(items)
-        encoder_items[request.request_id] = items
 
     def _length_capped_ahead(self, request: Request) -> bool:
         """Whether the outputs in flight take the request to max_tokens or max_model_len (a pooling request:
@@ -401,6 +350,8 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, apply engine-side stops, for the oldest step in
         flight: outputs come back in the order their steps were scheduled."""
         self.num_steps += 1
+        self.num_encoder_inputs += model_output.num_encoder_inputs
+        self.encoder_seconds += model_output.encoder_seconds
         outputs = []
         stopped = []
         step = self.steps_in_flight.popleft()
@@ -503,6 +454,8 @@ class Scheduler:
             running_loras=self._lora_names(self.running),
             waiting_loras=self._lora_names(self.waiting),
             max_loras=self.config.max_loras,
+            num_encoder_inputs=self.num_encoder_inputs,
+            encoder_seconds=self.encoder_seconds,
         )
 
     def _lora_names(self, requests: Iterable[Request]) -> list[str]:

@@ -231,6 +231,10 @@ def server_config(
         max_log_len=args.max_log_len,
         force_include_usage=args.enable_force_include_usage,
         response_role=args.response_role,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=args.allowed_media_domains,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_processor_cache_gb=args.mm_processor_cache_gb,
         fingerprint_mode=args.fingerprint_mode,
         fingerprint_value=args.fingerprint_value,
     )

@@ -112,6 +112,11 @@ class Metrics:
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens request parameter, when set.", TOKEN_BUCKETS
         )
+        # a vision-language model's processed images, looked up by content hash or uuid (vLLM's names)
+        self.mm_cache_queries = counter(
+            "mm_cache_queries", "Images looked up in the processor cache.", ["model_name"]
+        )
+        self.mm_cache_hits = counter("mm_cache_hits", "Images found in the processor cache.", ["model_name"])
         # the realtime WebSocket's connections (frontend/audio/realtime.py), as vLLM names them
         self.websocket_active = Gauge(
             f"{prefix}:websocket_connections_active", "Open realtime WebSocket connections.",
@@ -285,6 +290,8 @@ class EngineStatsCollector:
                 "Tokens the engine generated for any frontend, ZMQ clients included.",
                 "num_generation_tokens",
             ),
+            ("encoder_inputs", "Images a vision tower ran on.", "num_encoder_inputs"),
+            ("encoder_seconds", "Seconds the worker spent in those encoders.", "encoder_seconds"),
         ):
             counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
             for engine, stats in engines:

@@ -33,6 +33,8 @@ def exported() -> set[str]:
     metrics.observe_pooling(0.0, RequestOutput("p", [], finish_reason="stop"), 5, "embed")
     metrics.http_requests.labels("POST", "/v1/completions", "200").inc()
     metrics.http_latency.labels("POST", "/v1/completions").observe(0.1)
+    metrics.mm_cache_queries.labels("m").inc()
+    metrics.mm_cache_hits.labels("m").inc()
     text = render(EngineStatsCollector(lambda: [SchedulerStats()], "m")).decode()
     names = set(re.findall(r"^(engine:[a-z_]+)", text, flags=re.M))
     assert "engine:num_requests_waiting" in names and "engine:time_to_first_token_seconds_bucket" in names
@@ -70,6 +72,7 @@ def test_dashboard_queries_only_exported_metrics(exported: set[str]) -> None:
         "time per output token",
         "per engine step",
         "embeddings",
+        "images",
     ):
         assert topic in titles
 

@@ -70,6 +70,8 @@ ALLOWED = {
         "soundfile",  # audio: wav, flac, ogg (frontend/audio/)
         "av",  # audio: mp3, m4a, webm, mp4, and resampling (frontend/audio/)
         "websockets",  # the realtime WebSocket's client in tests and its server under uvicorn
+        "PIL",  # images: decoding (frontend/vision/decode.py)
+        "aiohttp",  # images: fetching http(s) URLs, imported on the first one (frontend/vision/fetch.py)
     },  # fmt: skip
 }
 # modules only the benchmark harness (frontend/bench/, the [bench] extra) may import

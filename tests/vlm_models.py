@@ -48,3 +48,48 @@ def image_input(array: np.ndarray, prompt: list[int], offset: int, image_token_i
     assert prompt[offset : offset + length] == [image_token_id] * length
     tensors = {"pixel_values": TensorData(data, list(array.shape), "float32")}
     return MultiModalInput("image", tensors, hashlib.sha256(data).hexdigest(), offset, length, length)
+
+
+# LLaVA-1.5's chat template in spirit: each turn's images first (one <image> each), then its text
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
+    "{% endif %}{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}"
+    "{% endfor %}{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ part['text'] + ' ' }}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def build_llava_folder(folder: str, tokenizer: Any, seed: int = 0) -> None:
+    """A servable tiny LLaVA: the model, a tokenizer with an <image> token, CLIP's image processor at the
+    tower's size and the chat template, saved as transformers' LlavaProcessor saves them."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    build_tiny_llava(folder, len(tokenizer), image_token_id, seed, bos_token_id=tokenizer.bos_token_id,
+                     eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    images = CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                               vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+                               num_additional_image_tokens=1)  # fmt: skip
+    processor.save_pretrained(folder)  # the tokenizer and the template too
+
+
+def png_bytes(seed: int, size: tuple[int, int] = (80, 64), kind: str = "PNG") -> bytes:
+    """A small picture with structure (gradients and noise), so that resizing and cropping show."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    width, height = size
+    x = np.linspace(0, 255, width)[None, :, None]
+    y = np.linspace(0, 255, height)[:, None, None]
+    base = (x * rng.uniform(0.2, 1.0, 3) + y * rng.uniform(0.2, 1.0, 3)) / 2
+    array = np.clip(base + rng.normal(0, 30, (height, width, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format=kind)
+    return out.getvalue()

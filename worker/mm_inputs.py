@@ -8,6 +8,7 @@ images are held without being told."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +17,9 @@ import torch
 
 from protocol.media import MultiModalInput, TensorData
 from protocol.messages import RequestError
-from protocol.worker_messages import NewRequestData
+from protocol.worker_messages import NewRequestData, SchedulerOutput
 from worker.input_batch import StepInputs
-from worker.model_config import UnsupportedModelError
+from worker.model_config import ModelConfig, UnsupportedModelError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
           "int32": torch.int32, "bool": torch.bool}  # fmt: skip
@@ -50,6 +51,22 @@ class ImageInputs:
         self.model = model  # has encode_image(tensors) and check_image(tensors)
         self.image_token_id = image_token_id
         self.requests: dict[str, list[Image]] = {}
+        self.step_inputs = 0  # the last run()'s images and seconds (ModelRunnerOutput's)
+        self.step_seconds = 0.0
+
+    @classmethod
+    def of(cls, model: Any, config: ModelConfig) -> ImageInputs | None:
+        """A vision-language model's (None for any other)."""
+        return cls(model, config.vision.image_token_id) if config.vision is not None else None
+
+    def step(
+        self, scheduler_output: SchedulerOutput, inputs: StepInputs
+    ) -> tuple[dict[str, RequestError], tuple[torch.Tensor, torch.Tensor] | None]:
+        """The step's towers run, and its placeholder rows' embeddings (the model's mm_embeds)."""
+        errors = self.run(scheduler_output.scheduled_encoder_inputs)
+        embeds = self.step_embeds(inputs)
+        self.release(inputs)
+        return errors, embeds
 
     def add(self, new_requests: list[NewRequestData]) -> None:
         for new in new_requests:
@@ -69,6 +86,8 @@ class ImageInputs:
         """The tower on each scheduled image, one image a call (its embeddings the same whatever else the
         step holds); a request whose image the model cannot take ends with an error."""
         errors = {}
+        start = time.perf_counter()
+        self.step_inputs = sum(len(indices) for indices in scheduled.values())
         for request_id, indices in scheduled.items():
             images = self.requests[request_id]
             for index in indices:
@@ -89,6 +108,7 @@ class ImageInputs:
                 image.embeds = embeds
         for request_id in errors:
             self.drop(request_id)  # its rows run on the placeholders' embeddings; the engine drops them
+        self.step_seconds = time.perf_counter() - start if self.step_inputs else 0.0
         return errors
 
     def step_embeds(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:

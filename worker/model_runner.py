@@ -23,6 +23,7 @@ from structured_outputs import resolve_backend_name
 from worker.attention import AttentionBackend, get_attention_backend
 from worker.attention.torch_ref import TorchAttentionBackend
 from worker.cross_attention import CrossAttentionStore, check_encoder_decoder, plan_cross_entries
+from worker.dtypes import resolve_dtype
 from worker.gguf_cache import load_model_files
 from worker.gpu.device import cuda_dtype, worker_device
 from worker.gpu.graph_runner import DecodeGraphs, captured_graphs, decode_graph_sizes
@@ -35,7 +36,7 @@ from worker.kv_groups import KVPools, plan_pools
 from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
 from worker.mm_inputs import ImageInputs, check_vision
-from worker.model_config import ModelConfig, UnsupportedModelError
+from worker.model_config import UnsupportedModelError
 from worker.models import build_model
 from worker.models.bert import BertModel
 from worker.models.causal_lm import CausalLM
@@ -56,31 +57,6 @@ NO_KERNELS = (
     "serving without the csrc CPU kernels (--attention-backend torch, or they did not build for this CPU): "
     "the torch paths are slower and batch-variant; `python -m worker.csrc_ops` builds the kernels"
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_bf16() -> bool:
-    """bf16 products in hardware: AVX-512 BF16 or AMX (torch's own CPU probes)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
-def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
-    if name == "auto":
-        # NOTE: CPU matmuls in float16 are slow and lossy; auto picks bfloat16 for half-precision checkpoints,
-        # where the CPU has bf16 arithmetic (AVX-512 BF16 or AMX). Without it (an AVX2-only EPYC) torch
-        # emulates bf16 products: a 64 x 576 x 1536 product took 16.4 ms in bf16 against 2.7 ms in float32.
-        checkpoint = model_config.torch_dtype.removeprefix("torch.")
-        if checkpoint not in ("bfloat16", "float16"):
-            return torch.float32
-        if cpu_has_bf16():
-            return torch.bfloat16
-        logger.info(
-            "this CPU has no bf16 arithmetic (AVX-512 BF16 or AMX): serving %s in float32", checkpoint
-        )
-        return torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 class ModelRunner:
@@ -154,11 +130,10 @@ class ModelRunner:
         encoder_decoder = self.model_config.is_encoder_decoder
         if encoder_decoder:
             check_encoder_decoder(config, self.device.type)  # worker/cross_attention.py
-        vision = self.model_config.vision
-        if vision is not None:
-            check_vision(config, self.device.type, self.pooling is not None)  # worker/mm_inputs.py
+        if self.model_config.vision is not None:  # worker/mm_inputs.py
+            check_vision(config, self.device.type, self.pooling is not None)
         self.model = self._build_model(weights, phases)
-        self.images = ImageInputs(self.model, vision.image_token_id) if vision is not None else None
+        self.images = ImageInputs.of(self.model, self.model_config)
         self.cross: CrossAttentionStore | None = None
         log_kernel_table(self.model, self.backend, self.dtype)
         phases.mark("packing")
@@ -294,7 +269,7 @@ class ModelRunner:
         return max(num_bytes // self._bytes_per_block(), 1)
 
     def model_info(self) -> ModelInfo:
-        names = self.config.served_model_names or [self.config.model]
+        names, vision = self.config.served_model_names or [self.config.model], self.model_config.vision
         return ModelInfo(
             model=self.config.model,
             served_model_names=names,
@@ -324,8 +299,8 @@ class ModelRunner:
             encoder_len=self.model_config.encoder_len,
             num_mel_bins=self.model_config.num_mel_bins,
             max_num_encoder_outputs=self.cross.max_entries if self.cross is not None else 0,
-            image_token_id=self.model_config.vision.image_token_id if self.model_config.vision else -1,
-            max_image_tokens=self.model_config.vision.num_image_tokens if self.model_config.vision else 0,
+            image_token_id=vision.image_token_id if vision is not None else -1,
+            max_image_tokens=vision.num_image_tokens if vision is not None else 0,
         )
 
     # ---- one step ----
@@ -339,12 +314,7 @@ class ModelRunner:
             scheduler_output.num_scheduled_tokens, bool(self.pools.num_window_blocks)
         )
         lora = self._lora_batch(inputs)
-        image_errors: dict[str, RequestError] = {}
-        mm_embeds = None
-        if self.images is not None:
-            image_errors = self.images.run(scheduler_output.scheduled_encoder_inputs)
-            mm_embeds = self.images.step_embeds(inputs)
-            self.images.release(inputs)
+        image_errors, mm_embeds = self.images.step(scheduler_output, inputs) if self.images else ({}, None)
         if self.pooling_step is not None:
             step = self.pooling_step
             pooled = step.execute(self.model, inputs, self.batch, self.kv_caches, self.backend, lora)
@@ -395,6 +365,11 @@ class ModelRunner:
             logits = logits.float().cpu()
 
         output = ModelRunnerOutput({}, errors=image_errors)
+        if self.images is not None:
+            output.num_encoder_inputs, output.encoder_seconds = (
+                self.images.step_inputs,
+                self.images.step_seconds,
+            )
         if sample_pos:
             assert logits is not None
             states = [self.batch.requests[request_id] for request_id in sampling_ids]

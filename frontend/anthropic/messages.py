@@ -24,6 +24,7 @@ from frontend.openai.chat import ChatRun, start_chat
 from frontend.openai.common import Serving, json_response, until_disconnected
 from frontend.openai.render import chat_prompt
 from frontend.server.errors import OpenAIError, anthropic_error_body, to_openai_error
+from frontend.vision.loader import chat_images
 
 from .schemas import CountTokensRequest, MessagesRequest, to_chat_request
 
@@ -37,7 +38,7 @@ async def messages(body: MessagesRequest, request: Request, serving: Serving) ->
     await serving.check_model(chat.model)
     if body.thinking is not None and serving.reasoning_parser is None:
         raise OpenAIError("thinking needs a server started with --reasoning-parser.", param="thinking")
-    run, stream = start_chat(chat, request, serving, id_prefix="msg", in_order=True)
+    run, stream = await start_chat(chat, request, serving, id_prefix="msg", in_order=True)
     if body.stream:
         return StreamingResponse(_events(run, stream), media_type="text/event-stream")
     state = await until_disconnected(request, final_state(stream))
@@ -57,8 +58,9 @@ async def messages(body: MessagesRequest, request: Request, serving: Serving) ->
 async def count_tokens(body: CountTokensRequest, serving: Serving) -> Response:
     chat = to_chat_request(body)
     await serving.check_model(chat.model)
-    serving.model_name(chat.model)
-    return json_response({"input_tokens": len(chat_prompt(serving, chat, chat.tools).token_ids)})
+    model = serving.model_name(chat.model)
+    images = await chat_images(serving.images, model, chat.messages)
+    return json_response({"input_tokens": len(chat_prompt(serving, chat, chat.tools, images).token_ids)})
 
 
 def _message(run: ChatRun, usage: dict[str, int]) -> dict[str, Any]:

@@ -118,8 +118,32 @@ def _chat_messages(message: dict[str, Any], param: str) -> list[dict[str, Any]]:
     if role == "assistant":
         return [_assistant(content, param)]
     results = [_tool_result(block, param) for block in content if _kind(block, param) == "tool_result"]
-    texts = _texts([b for b in content if b.get("type") != "tool_result"], param, ("text",))
+    rest = [b for b in content if b.get("type") != "tool_result"]
+    if any(
+        b.get("type") == "image" for b in rest
+    ):  # chat content parts, for the image path (frontend/vision/)
+        parts = [_image(b, param) if b.get("type") == "image" else {"type": "text", "text": _texts([b], param, ("text",))[0]}
+                 for b in rest]  # fmt: skip
+        return [*results, {"role": "user", "content": parts}]
+    texts = _texts(rest, param, ("text",))
     return [*results, *([{"role": "user", "content": "".join(texts)}] if texts else [])]
+
+
+def _image(block: dict[str, Any], param: str) -> dict[str, Any]:
+    """An image block -> a chat image_url part: a url source as it is, a base64 one as a data URL (vLLM's
+    mapping; its media_type defaults to image/jpeg)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise OpenAIError(f"{param}: an image block needs a source object.", param=param)
+    kind = source.get("type")
+    if kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    elif kind == "base64" and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type') or 'image/jpeg'};base64,{source['data']}"
+    else:
+        raise OpenAIError(f"{param}: an image source is {{type: base64, media_type, data}} or {{type: url, url}}.",
+                          param=param)  # fmt: skip
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _assistant(content: list[Any], param: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import ssl
 from dataclasses import dataclass
 
 from frontend.config.flags import ConfigError, option
+from frontend.vision.loader import parse_mm_limits
 
 # The step's token budget when serving: short prefill chunks let a burst's first requests start decoding
 # while the rest are prefilled, instead of the whole burst waiting for one long step (served c=16 TTFT
@@ -116,6 +117,22 @@ class ServerArgs:
         10000, "stored /v1/responses kept at most, least recently used evicted first (0: no store)"
     )
     responses_store_max_mb: float = option(256.0, "and at most this much of them (their JSON)")
+
+    # images (docs/vision.md)
+    allowed_local_media_path: str | None = option(
+        None, "image parts may read file:// URLs under this directory (none without it)"
+    )
+    allowed_media_domains: list[str] = option(
+        default_factory=list, help="image URLs only from these hosts (exact names; every redirect checked)",
+        nargs="+",
+    )  # fmt: skip
+    limit_mm_per_prompt: dict[str, int] = option(
+        default_factory=dict, help='the most images a prompt may hold, vLLM\'s JSON: \'{"image": 2}\' (default 999)',
+        parse=parse_mm_limits,
+    )  # fmt: skip
+    mm_processor_cache_gb: float = option(
+        4.0, "GiB of processed images each API server keeps, by content hash or uuid (0: none)"
+    )
 
     # vLLM's server options (docs/server-options.md)
     ssl_keyfile: str | None = option(None, "serve HTTPS with this private key (with --ssl-certfile)")

@@ -20,7 +20,7 @@ from frontend.engine.output_processor import Delta, OutputProcessor, RequestStat
 from frontend.engine.pieces import TextParser
 from frontend.metrics import Metrics
 from protocol.errors import EngineDeadError, InvalidParameterError, RequestAbortedError
-from protocol.media import EncoderInput
+from protocol.media import EncoderInput, MultiModalInput
 from protocol.messages import AddRequest, RequestOutput
 from protocol.pooling import PooledOutput, PoolingParams
 from protocol.sampling import SamplingParams
@@ -56,11 +56,12 @@ class AsyncLLM:
         incremental: bool = True,
         lora_name: str | None = None,
         encoder_input: EncoderInput | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> AsyncGenerator[tuple[RequestState, Delta], None]:
         """Run the n choices of one prompt; yield each delta as it comes, with the request's state.
         parser, incremental: how the door reads the text (OutputProcessor.add_request); lora_name: the
         adapter it runs with (None: the base model); encoder_input: an encoder-decoder model's input (the
-        audio's features), shared by the n choices."""
+        audio's features), shared by the n choices; mm_inputs: a vision-language model's images."""
         state, requests = self.processor.add_request(
             request_id,
             prompt_token_ids,
@@ -71,6 +72,7 @@ class AsyncLLM:
             incremental=incremental,
             lora_name=lora_name,
             encoder_input=encoder_input,
+            mm_inputs=mm_inputs,
         )
         self._log(state, log_id)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()

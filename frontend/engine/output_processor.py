@@ -21,7 +21,7 @@ from frontend.engine.pieces import Block, ChoicePieces, Pieces, TextParser
 from frontend.metrics import Metrics, RequestTiming
 from frontend.parsers.base import Parsed
 from protocol.errors import EngineDeadError, InvalidParameterError
-from protocol.media import EncoderInput
+from protocol.media import EncoderInput, MultiModalInput
 from protocol.messages import AddRequest, Logprobs, RequestOutput
 from protocol.sampling import SamplingParams
 
@@ -131,6 +131,7 @@ class OutputProcessor:
         incremental: bool = True,
         lora_name: str | None = None,
         encoder_input: EncoderInput | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> tuple[RequestState, list[AddRequest]]:
         """The state of a new prompt and the engine requests that run its n choices. parser: how the
         door reads each choice's text (None: all of it is content); incremental False: the door reads
@@ -163,6 +164,7 @@ class OutputProcessor:
                 cache_salt=cache_salt,
                 lora_name=lora_name,
                 encoder_input=encoder_input,
+                mm_inputs=mm_inputs or [],
             )
             for index in range(params.n)
         ]

@@ -25,7 +25,10 @@ from frontend.offline.lora import LoraLoader, LoRARequest
 from frontend.offline.outputs import CompletionOutput, Logprob, RequestResult
 from frontend.offline.pooling import PoolingMethods
 from frontend.offline.transcription import TranscriptionMethods
+from frontend.offline.vision import VisionChat
+from frontend.vision.parts import message_images
 from protocol.errors import InvalidParameterError
+from protocol.media import MultiModalInput
 from protocol.messages import Logprobs, ModelInfo
 from protocol.sampling import SamplingParams
 from structured_outputs import backend_class
@@ -40,7 +43,12 @@ ENGINE_POLL_S = 0.5  # how often a running call checks that the engine process i
 
 
 class LLM(PoolingMethods, TranscriptionMethods):
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, allowed_local_media_path: str | None = None, **engine_args: Any
+    ) -> None:
+        """allowed_local_media_path: the folder whose files chat() image parts may name as file:// URLs."""
+        self.allowed_local_media_path = allowed_local_media_path
+        self._vision: VisionChat | None = None  # made by the first chat() with images
         self.args = EngineArgs(model=model, **engine_args)
         config = self.args.engine_config()
         self.model = config.worker.model
@@ -109,8 +117,16 @@ class LLM(PoolingMethods, TranscriptionMethods):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestResult]:
-        """Apply the model's chat template to each conversation and generate."""
+        """Apply the model's chat template to each conversation and generate. A vision-language model's
+        conversations may hold image parts (image_url: data, http(s), or file:// under
+        allowed_local_media_path), as the chat door takes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if any(message_images(conversation) for conversation in conversations):  # type: ignore[arg-type]
+            template = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt and not
+                            continue_final_message, continue_final_message=continue_final_message,
+                            **(chat_template_kwargs or {}))  # fmt: skip
+            params = _broadcast(sampling_params or SamplingParams(), len(conversations), "sampling_params")
+            return self._call(self._chat_images(conversations, params, template))  # type: ignore[arg-type]
         prompts = [
             self.apply_chat_template(
                 conversation,  # type: ignore[arg-type]
@@ -144,6 +160,9 @@ class LLM(PoolingMethods, TranscriptionMethods):
         return bool(self._utility("check_invariants"))
 
     def shutdown(self) -> None:
+        if self._vision is not None and not self._loop.is_closed():
+            self._loop.run_until_complete(self._vision.close())
+            self._vision = None
         if self._client is not None and not self._loop.is_closed():
             self._loop.run_until_complete(self._client.aclose())
         self._client = None
@@ -239,11 +258,30 @@ class LLM(PoolingMethods, TranscriptionMethods):
             ]
         )
 
+    async def _chat_images(
+        self, conversations: list[list[Message]], params_list: list[SamplingParams], template: dict[str, Any]
+    ) -> list[RequestResult]:
+        if self._vision is None:
+            self._vision = VisionChat(self.model, self.model_info, self.allowed_local_media_path)
+        tokenizer = self._require_tokenizer()
+        rendered = [await self._vision.render(tokenizer, c, **template) for c in conversations]
+        for (_, ids, _), params in zip(rendered, params_list, strict=True):
+            self._validate(ids, params)
+        return await gather_all([self._run_one(text, ids, params, 0, None, items)
+                                 for (text, ids, items), params in zip(rendered, params_list, strict=True)])  # fmt: skip
+
     async def _run_one(
-        self, text: str | None, ids: list[int], params: SamplingParams, priority: int, lora_name: str | None
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        lora_name: str | None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> RequestResult:
         request_id = f"{self.client.client_id}-{next(self._counter)}"
-        stream = self.engine_llm.generate(request_id, ids, params, priority=priority, lora_name=lora_name)
+        stream = self.engine_llm.generate(request_id, ids, params, priority=priority, lora_name=lora_name,
+                                          mm_inputs=mm_inputs)  # fmt: skip
         state = await final_state(stream)
         return _result(state, text)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -33,6 +33,8 @@ from frontend.openai.tools import ChatPlan, plan_chat, select_tools
 from frontend.parsers.base import Delta as ParsedDelta
 from frontend.parsers.base import Parsed
 from frontend.server.errors import to_openai_error
+from frontend.vision.loader import chat_images
+from protocol.media import MultiModalInput
 from protocol.sampling import SamplingParams
 
 router = APIRouter()
@@ -47,6 +49,7 @@ class ChatRun(Run):
     prompt_ids: list[int]
     num_top: int
     plan: ChatPlan
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)  # its images' spans (frontend/vision/)
 
     def logprobs(self, logprobs: Any) -> dict[str, Any] | None:
         if not self.body.logprobs or logprobs is None:
@@ -82,6 +85,7 @@ class ChatRun(Run):
             parser=self.plan if self.plan.parses else None,
             incremental=body.stream or in_order,
             lora_name=self.serving.lora_name(body.model),
+            mm_inputs=self.mm_inputs,
         )
 
 
@@ -89,7 +93,7 @@ class ChatRun(Run):
 @echoes_request_id
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
     await serving.check_model(body.model)
-    run, stream = start_chat(body, request, serving)
+    run, stream = await start_chat(body, request, serving)
     headers = id_headers(request, body)
     if body.stream:
         return StreamingResponse(_stream(run, stream), media_type="text/event-stream", headers=headers)
@@ -97,7 +101,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
     return json_response(full_body(run, state), headers)
 
 
-def start_chat(
+async def start_chat(
     body: ChatCompletionRequest,
     request: Request,
     serving: OpenAIServing,
@@ -108,22 +112,23 @@ def start_chat(
     checks, the chat template, the tool plan and the sampling params; then the generation, started.
     in_order: the door answers with the blocks in order (ChatRun.generate)."""
     serving.admit()
-    run, params = prepare_chat(body, serving, new_request_id(id_prefix))
+    run, params = await prepare_chat(body, serving, new_request_id(id_prefix))
     if metadata := metadata_of(body):
         logger.debug("request %s metadata: %s", run.request_id, metadata)
     return run, run.generate(params, caller_request_id(request, body), in_order)
 
 
-def prepare_chat(
+async def prepare_chat(
     body: ChatCompletionRequest, serving: OpenAIServing, request_id: str
 ) -> tuple[ChatRun, SamplingParams]:
-    """One chat request checked and rendered (template, tool plan, sampling params), ready to generate;
-    the batch door (chat_batch.py) runs each of its conversations through it."""
+    """One chat request checked, its images loaded, rendered (template, tool plan, sampling params), ready
+    to generate; the batch door (chat_batch.py) runs each of its conversations through it."""
     body.check_supported()
     serving.check_priority(body.priority)
     model = serving.model_name(body.model)
     selection = select_tools(body, serving)
-    prompt = chat_prompt(serving, body, selection.tools)
+    images = await chat_images(serving.images, model, body.messages)
+    prompt = chat_prompt(serving, body, selection.tools, images)
     prompt_ids = prompt.token_ids
     spec = spec_of_request(body, serving.validator)
     plan = plan_chat(body, serving, selection, spec, prompt.text or "")
@@ -143,7 +148,9 @@ def prepare_chat(
         prompt_param="messages",
         structured_outputs=plan.spec,
     )
-    run = ChatRun(serving, request_id, model, int(time.time()), body, prompt_ids, top or 0, plan)
+    run = ChatRun(
+        serving, request_id, model, int(time.time()), body, prompt_ids, top or 0, plan, prompt.mm_inputs
+    )
     return run, params
 
 

@@ -84,7 +84,7 @@ async def chat_completions_batch(
     prepared = []
     for index in range(len(body.messages)):
         try:
-            prepared.append(prepare_chat(body.conversation(index), serving, f"{request_id}-{index}"))
+            prepared.append(await prepare_chat(body.conversation(index), serving, f"{request_id}-{index}"))
         except OpenAIError as error:
             error.message = f"messages[{index}]: {error.message}"
             if error.param is not None and error.param.startswith("messages["):  # one conversation's

@@ -4,25 +4,34 @@ token ids), to prompt token ids, validated against the model's vocabulary and li
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.openai.params import truncate_prompt
 from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.openai.serving import OpenAIServing
 from frontend.server.errors import OpenAIError
+from frontend.vision.parts import template_content
+from frontend.vision.processing import ProcessedImage
+from protocol.media import MultiModalInput
 
 
 @dataclass
 class Prompt:
     token_ids: list[int]
     text: str | None = None  # the prompt's text, when it had one or echo needs it
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)  # its images' spans (frontend/vision/)
 
 
 def chat_prompt(
-    serving: OpenAIServing, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+    serving: OpenAIServing,
+    body: ChatCompletionRequest,
+    tools: list[dict[str, Any]] | None = None,
+    images: list[ProcessedImage] | None = None,
 ) -> Prompt:
-    """tools: what the template shows (default body.tools; the legacy `functions`, mapped, otherwise)."""
+    """tools: what the template shows (default body.tools; the legacy `functions`, mapped, otherwise).
+    images: the conversation's, loaded (frontend/vision/loader.py): a vision-language model's template sees
+    content lists with image parts, and the prompt's image tokens become the images' spans."""
     tools = body.tools if tools is None else tools
     if not body.messages:
         raise OpenAIError("messages must not be empty.", param="messages")
@@ -40,7 +49,8 @@ def chat_prompt(
         _check_content(
             message, index, continued=body.continue_final_message and index == len(body.messages) - 1
         )
-    messages = [_message_for_template(message) for message in body.messages]
+    vision = serving.images is not None
+    messages = [_message_for_template(message, index, vision) for index, message in enumerate(body.messages)]
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -55,7 +65,17 @@ def chat_prompt(
     except Exception as error:  # template errors are the caller's input
         raise OpenAIError(f"Could not apply the chat template: {error}", param="messages") from error
     ids = list(tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
-    return Prompt(truncate_prompt(ids, body, serving.model_info.max_model_len), text)
+    if serving.images is None:
+        return Prompt(truncate_prompt(ids, body, serving.model_info.max_model_len), text)
+    try:
+        ids, items = serving.images.model.expand(ids, images or [])
+    except ValueError as error:
+        raise OpenAIError(str(error), param="messages") from None
+    if body.truncate_prompt_tokens is not None and items:
+        raise OpenAIError(
+            "truncate_prompt_tokens would cut images out of the prompt.", param="truncate_prompt_tokens"
+        )
+    return Prompt(truncate_prompt(ids, body, serving.model_info.max_model_len), text, items)
 
 
 def _check_content(message: dict[str, Any], index: int, *, continued: bool) -> None:
@@ -74,14 +94,18 @@ def _check_content(message: dict[str, Any], index: int, *, continued: bool) -> N
     )
 
 
-def _message_for_template(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as chat templates expect it (vLLM's rendering): content always a string, so that a
-    template that concatenates it works on the SDK's `{"role": "assistant", "content": null, "tool_calls":
-    [...]}` turn (its null or missing content is ""; text parts are joined with newlines); tool calls' arguments
-    as objects."""
+def _message_for_template(message: dict[str, Any], index: int, vision: bool) -> dict[str, Any]:
+    """A message as chat templates expect it (vLLM's rendering): content a string, so that a template that
+    concatenates it works on the SDK's `{"role": "assistant", "content": null, "tool_calls": [...]}` turn
+    (its null or missing content is ""; text parts are joined with newlines); a vision-language model's
+    content parts as a list of text and image parts (its template places the image tokens); tool calls'
+    arguments as objects."""
     content = message.get("content")
     if content is None:
         content = ""
+    elif vision:  # a string too: these templates read the content as parts (vLLM's "openai" format)
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        content = template_content(parts, f"messages[{index}].content")
     elif isinstance(content, list):  # content parts: text ones only
         texts = []
         for part in content:

@@ -16,6 +16,7 @@ from frontend.parsers.registry import Parsers
 from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits, admit
 from frontend.server.errors import OpenAIError
+from frontend.vision.loader import ImageLoader
 from protocol.messages import ModelInfo
 
 
@@ -39,6 +40,7 @@ class OpenAIServing:
     )
     speech: SpeechModel | None = None  # a speech-to-text model's features and prompts (frontend/audio/)
     audio_limits: AudioLimits = field(default_factory=AudioLimits)  # the audio doors' upload limits
+    images: ImageLoader | None = None  # a vision-language model's image parts (frontend/vision/)
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.tokenizer)

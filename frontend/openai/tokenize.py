@@ -14,6 +14,7 @@ from frontend.openai.render import chat_prompt
 from frontend.openai.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from frontend.openai.serving import OpenAIServing
 from frontend.server.errors import OpenAIError
+from frontend.vision.loader import chat_images
 
 router = APIRouter()
 V1_ENDPOINTS = ["/v1/models", "/v1/chat/completions", "/v1/completions"]
@@ -77,7 +78,7 @@ async def v1_root(serving: Serving) -> Response:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, serving: Serving) -> Response:
     await serving.check_model(body.model)
-    serving.model_name(body.model)
+    model = serving.model_name(body.model)
     if body.messages is not None:
         try:
             chat = ChatCompletionRequest(
@@ -86,7 +87,9 @@ async def tokenize(body: TokenizeRequest, serving: Serving) -> Response:
         except ValidationError as error:  # the same checks as a chat request's messages (roles)
             first = error.errors()[0]
             raise OpenAIError(str(first.get("msg", "invalid messages")), param="messages") from error
-        ids = chat_prompt(serving, chat).token_ids
+        ids = chat_prompt(
+            serving, chat, images=await chat_images(serving.images, model, chat.messages)
+        ).token_ids
     elif body.prompt is not None:
         tokenizer = serving.require_tokenizer("prompt")
         ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])

@@ -126,7 +126,7 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise OpenAIError(
                     f"{param}.role must be one of {', '.join(MESSAGE_ROLES)}; got {role!r}.", param="input"
                 )
-            message: dict[str, Any] = {"role": role, "content": _text(item.get("content"), param)}
+            message: dict[str, Any] = {"role": role, "content": _content(item.get("content"), param)}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
@@ -159,6 +159,39 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             raise unsupported(f"{param}.type", f"{kind!r} input items")
     return messages
+
+
+def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or, where it holds input_image parts, chat content parts (text and
+    image_url, in order) for the chat door's image path (frontend/vision/)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text(content, param)
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in TEXT_PARTS:
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "input_image":
+            parts.append(_image_part(part, f"{param}.content[{index}]"))
+        else:
+            raise unsupported(f"{param}.content", f"{kind!r} content parts (text and input_image)")
+    return parts
+
+
+def _image_part(part: dict[str, Any], param: str) -> dict[str, Any]:
+    """input_image {image_url: URL string, detail} -> a chat image_url part (detail may be left out: vLLM's
+    pending fix defaults it to auto; file_id needs a files API this server does not have)."""
+    if part.get("file_id") is not None:
+        raise unsupported(f"{param}.file_id", "input_image file_id (send image_url)")
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise OpenAIError(f"{param}.image_url must be a URL string.", param="input")
+    image: dict[str, Any] = {"url": url, "detail": part.get("detail") or "auto"}
+    return {"type": "image_url", "image_url": image, **({"uuid": part["uuid"]} if "uuid" in part else {})}
 
 
 def _text(content: Any, param: str) -> str:

@@ -99,7 +99,7 @@ async def create(body: ResponsesRequest, request: Request, serving: Serving) -> 
         )
     context = Context(serving, body, history)
     chat = to_chat_request(body, history)
-    run, stream = start_chat(chat, request, serving, id_prefix="resp", in_order=True)
+    run, stream = await start_chat(chat, request, serving, id_prefix="resp", in_order=True)
     context.run = run
     await context.keep(context.response("in_progress", []), running=True)
     if body.stream:

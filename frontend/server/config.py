@@ -55,3 +55,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     dev_mode: bool = False  # ENGINE_SERVER_DEV_MODE / VLLM_SERVER_DEV_MODE: /server_info
     # ENGINE_ALLOW_RUNTIME_LORA_UPDATING / VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter, /v1/unload_...
     runtime_lora_updating: bool = False
+    # images (frontend/vision/): file:// under this folder only; http(s) from these hosts only (empty: any)
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] = []
+    limit_mm_per_prompt: dict[str, int] = {}  # per modality (vLLM's default: 999)
+    mm_processor_cache_gb: float = 4.0  # processed images each API server keeps

@@ -19,6 +19,10 @@ from frontend.parsers.registry import Parsers
 from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits
 from frontend.server.config import ServerConfig
+from frontend.vision.decode import max_pixels_from_env
+from frontend.vision.fetch import FetchLimits, MediaFetcher
+from frontend.vision.loader import DEFAULT_LIMIT, ImageLoader
+from frontend.vision.processing import VisionModel
 from protocol.messages import ModelInfo
 
 __all__ = ["AppDeps", "ServerConfig", "build_serving"]
@@ -56,6 +60,17 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
     if model_info.runner == "transcription":  # its feature extractor and special tokens (frontend/audio/)
         folder = config.model or model_info.model
         speech = SpeechModel.load(folder, llm.tokenizer, model_info.encoder_len)
+    images = None
+    if model_info.image_token_id >= 0:  # a vision-language model: its processor, the fetching bounds
+        images = ImageLoader(
+            VisionModel.load(config.model or model_info.model, model_info.image_token_id,
+                             model_info.max_image_tokens, config.mm_processor_cache_gb),
+            MediaFetcher(FetchLimits.from_env(os.environ, config.allowed_media_domains,
+                                              config.allowed_local_media_path)),
+            max_pixels_from_env(os.environ),
+            config.limit_mm_per_prompt.get("image", DEFAULT_LIMIT),
+            llm.processor.metrics,
+        )  # fmt: skip
     llm.log_requests = config.log_requests
     llm.max_log_len = config.max_log_len
     limits = AdmissionLimits(
@@ -83,4 +98,5 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
         response_role=config.response_role,
         speech=speech,
         audio_limits=AudioLimits.from_env(os.environ),
+        images=images,
     )

@@ -1,6 +1,7 @@
 """Developer endpoints, served only when the launcher saw ENGINE_SERVER_DEV_MODE=1 (or vLLM's
 VLLM_SERVER_DEV_MODE=1): GET /server_info, what this API server runs with (vLLM's, in our terms), and
-POST /reset_prefix_cache (vLLM's: the engine drops every cached block no request holds).
+POST /reset_prefix_cache (vLLM's: the engine drops every cached block no request holds), and POST
+/reset_mm_cache (vLLM's: the API server forgets the images it has processed; empty 200).
 
 It shows configuration and the machine, never a secret: API keys are counted, not shown, and
 environment variables whose names hold KEY, TOKEN, SECRET or PASSWORD are left out.
@@ -39,6 +40,14 @@ async def reset_prefix_cache(deps: Deps) -> Response:
     hold cached blocks (the engine then keeps its cache: reset when they are done)."""
     reset = await deps.client.call_utility("reset_prefix_cache")
     return json_response({"reset": bool(reset)})
+
+
+@router.post("/reset_mm_cache")
+async def reset_mm_cache(deps: Deps) -> Response:
+    """This API server's cache of processed images, emptied (each API server process keeps its own)."""
+    if deps.serving.images is not None:
+        deps.serving.images.model.cache.reset()
+    return Response(status_code=200)
 
 
 @router.get("/server_info")

@@ -101,8 +101,8 @@ class CausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:  # in the model's dtype, as Gemma's normalizer is
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         if mm_embeds is not None:
-            rows, embeds = mm_embeds
-            x[rows] = embeds.to(x.dtype)
+            image_rows, image_embeds = mm_embeds
+            x[image_rows] = image_embeds.to(x.dtype)
         ropes = {
             kind: rotary.prepare(positions, x.dtype, self.ops, metadata.long_rope)
             for kind, rotary in self.rotaries.items()

@@ -2,7 +2,7 @@
 text_config says, its image side as a VisionConfig. A field we do not implement is refused by name.
 
 Released checkpoints write only the sub-config fields that differ from transformers' defaults (LLaVA-1.5's
-vision_config names 9 fields), so each sub-config is read over its transformers class's defaults."""
+vision_config names 9 fields), so each sub-config is read over its transformers class's defaults."""  # noqa: E501
 
 from __future__ import annotations
 
@@ -22,15 +22,37 @@ VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
 VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
 
-def with_defaults(values: dict[str, Any], default_type: str) -> dict[str, Any]:
-    from transformers import AutoConfig
+# transformers' defaults of the sub-configs a checkpoint may leave out (tests/test_vision_config.py holds them
+# equal to transformers' own): the worker reads config.json without importing transformers
+SUB_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                "sliding_window": 4096},
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
+              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+              "use_sliding_window": False},
+    "clip_vision_model": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                          "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 32,
+                          "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+    "siglip_vision_model": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                            "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16,
+                            "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6},
+}  # fmt: skip
 
+
+def with_defaults(values: dict[str, Any], default_type: str) -> dict[str, Any]:
     model_type = values.get("model_type") or default_type
-    try:
-        defaults = AutoConfig.for_model(model_type).to_dict()
-    except ValueError:
-        raise UnsupportedModelError(f"unknown sub-model type {model_type!r}") from None
-    return {**defaults, **{k: v for k, v in values.items() if v is not None}}
+    defaults = SUB_CONFIG_DEFAULTS.get(model_type)
+    if defaults is None:
+        raise UnsupportedModelError(
+            f"a {model_type!r} sub-model is not supported; supported: {', '.join(SUB_CONFIG_DEFAULTS)}"
+        )
+    return {**defaults, "model_type": model_type, **{k: v for k, v in values.items() if v is not None}}
 
 
 def llava_config(config: dict[str, Any], eos_token_ids: list[int]) -> ModelConfig:

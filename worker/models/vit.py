@@ -9,16 +9,27 @@ holds. It runs only the layers the features come from (LLaVA's come from the sec
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from worker.model_config import VisionConfig
 
-ACTIVATIONS = {
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": quick_gelu,
     "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": gelu_tanh,
     "relu": F.relu,
     "silu": F.silu,
 }
@@ -47,7 +58,8 @@ class VisionEmbeddings(nn.Module):
         x = patches.flatten(2).transpose(1, 2)[0]  # [patches, width]
         if self.class_embedding is not None:
             x = torch.cat([self.class_embedding[None], x])
-        return x + self.position_embedding.weight
+        out: torch.Tensor = x + self.position_embedding.weight
+        return out
 
 
 class VisionAttention(nn.Module):
@@ -66,7 +78,8 @@ class VisionAttention(nn.Module):
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         out = F.scaled_dot_product_attention(q, k, v)  # [heads, positions, head_dim], every position sees all
-        return self.out_proj(out.transpose(0, 1).reshape(n, width))
+        result: torch.Tensor = self.out_proj(out.transpose(0, 1).reshape(n, width))
+        return result
 
 
 class VisionMLP(nn.Module):
@@ -77,7 +90,8 @@ class VisionMLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        out: torch.Tensor = self.fc2(self.act(self.fc1(x)))
+        return out
 
 
 class VisionLayer(nn.Module):
@@ -91,7 +105,8 @@ class VisionLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
+        out: torch.Tensor = x + self.mlp(self.layer_norm2(x))
+        return out
 
 
 class VisionEncoder(nn.Module):
@@ -113,7 +128,7 @@ class VisionTransformer(nn.Module):
         self.post_layernorm = nn.LayerNorm(width, eps=eps, dtype=dtype) if config.post_norm else None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # -> [features, width]
-        x = self.embeddings(pixel_values)
+        x: torch.Tensor = self.embeddings(pixel_values)
         if self.pre_layrnorm is not None:
             x = self.pre_layrnorm(x)
         for layer in self.encoder.layers:
@@ -136,4 +151,5 @@ class Projector(nn.Module):
         self.act = ACTIVATIONS[config.projector_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(x)))
+        out: torch.Tensor = self.linear_2(self.act(self.linear_1(x)))
+        return out
