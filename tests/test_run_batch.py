@@ -203,7 +203,8 @@ def test_chat_batch_answers_equal_one_chat_request_each(base: str, records: list
         ({"stream": True}, "stream", "stream"),
         ({"n": 2}, "n", "n = 1"),
         ({"messages": CONVERSATIONS[0]}, "messages", "valid list"),
-        ({"messages": [CONVERSATIONS[0], [{"role": "user", "content": [{"type": "image_url"}]}]]}, "messages", "messages[1]:"),
+        ({"messages": [CONVERSATIONS[0], [{"role": "user", "content": [{"type": "image_url"}]}]]},
+         "messages[1][0].content[0].image_url", "messages[1]: an image_url part needs"),
         ({"audio": {"voice": "x"}}, "audio", "audio"),
     ],
 )  # fmt: skip
