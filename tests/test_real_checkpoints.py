@@ -13,7 +13,7 @@ from frontend.model_packages import packaged_model
 from tests.hf_oracle import compare_greedy, hf_greedy, hf_model_of_gguf
 from tests.serve_helpers import serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 16
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.serve_helpers import free_port, stop, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256", "--stats-log-interval", "0"]
 

@@ -100,6 +100,7 @@ def test_two_engines_behind_one_server(smollm2_gguf: str) -> None:
                        "both engines in the attached frontend's /metrics")  # fmt: skip
 
 
+@pytest.mark.long  # make test-long
 def test_a_headless_node_runs_one_of_the_engines(smollm2_gguf: str) -> None:
     rpc = ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_engine_port())]
     node = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--headless", "-dp", "2",
@@ -118,6 +119,7 @@ def test_a_headless_node_runs_one_of_the_engines(smollm2_gguf: str) -> None:
         stop(node)
 
 
+@pytest.mark.long  # make test-long
 def test_one_engine_killed_mid_stream_fails_the_deployment_cleanly(smollm2_gguf: str) -> None:
     port = free_port()
     launcher = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--port", str(port),

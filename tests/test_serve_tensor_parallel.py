@@ -96,6 +96,7 @@ def test_a_rank_killed_while_the_model_loads_stops_the_launcher(tiny_chat: str) 
             stop(launcher)
 
 
+@pytest.mark.long  # make test-long
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_engine_cleanly(
@@ -131,6 +132,7 @@ def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_engine_cleanly(
             stop(engine)
 
 
+@pytest.mark.long  # make test-long
 def test_two_nodes_on_loopback(tiny_chat: str) -> None:
     """--nnodes 2: node 0 runs the engine, the API server and rank 0; node 1 (--headless) runs rank 1, which
     joins at --master-addr. Node 0 stopping stops node 1's rank (it passes the shutdown on), and node 1's
@@ -192,6 +194,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.long  # make test-long
 def test_ray_ranks_on_a_local_cluster(tiny_chat: str, ray_cluster: str) -> None:
     """--distributed-executor-backend ray: the two ranks are Ray actors' workers in a placement group; the
     tokens equal HF's, and stopping the server leaves no worker behind."""

@@ -24,7 +24,7 @@ import pytest
 
 from tests.serve_helpers import serving, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long
 KEY = "sk-soak"
 H = {"Authorization": f"Bearer {KEY}"}
 

@@ -116,6 +116,7 @@ def test_tp_is_batch_invariant(tmp_path, tp: int) -> None:  # type: ignore[no-un
     assert alone.logprobs == crowd.logprobs
 
 
+@pytest.mark.long  # make test-long
 def test_smollm2_tp3_equals_hf_and_tp2_is_refused(
     smollm2_gguf: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
