@@ -226,7 +226,9 @@ def test_uuid_keys_the_processor_cache_and_reset_empties_it(served) -> None:  # 
     metrics = httpx.get(f"{server.base}/metrics", timeout=10).text
     assert "engine:encoder_inputs_total" in metrics and "engine:encoder_seconds_total" in metrics
     messages = [{"role": "user", "content": [image_part(data_url(PNG)), text]}]  # /tokenize counts the image
-    tokens = httpx.post(f"{server.base}/tokenize", json={"model": "llava", "messages": messages}, timeout=30).json()
+    tokens = httpx.post(
+        f"{server.base}/tokenize", json={"model": "llava", "messages": messages}, timeout=30
+    ).json()
     assert tokens["count"] == chat(server, messages[0]["content"]).json()["usage"]["prompt_tokens"]
 
 
