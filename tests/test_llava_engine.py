@@ -133,10 +133,14 @@ def test_one_image_a_step_when_the_budget_holds_one(tiny_llava) -> None:  # type
     )
 
 
-def test_bad_spans_are_refused(tiny_llava) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_spans_are_refused(tiny_llava, async_scheduling: bool) -> None:  # type: ignore[no-untyped-def]
+    """And an image the tower cannot take ends its request with an error: with async scheduling too, where
+    the step after the failed one was planned before the failure came back (its second image's tower in it)."""
     folder, cases, _ = tiny_llava
     worker = WorkerConfig(model=folder, dtype="float32", block_size=4)
-    core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
+    config = EngineConfig(worker=worker, async_scheduling=async_scheduling, max_num_batched_tokens=N + 2)
+    core = EngineCore(config, InprocExecutor(worker))
     assert core.model_info.image_token_id == IMAGE and core.model_info.max_image_tokens == N
     params = SamplingParams(temperature=0.0, max_tokens=4)
     prompt, _ = cases[0]
@@ -154,10 +158,14 @@ def test_bad_spans_are_refused(tiny_llava) -> None:  # type: ignore[no-untyped-d
         good.tensors["pixel_values"].data[:-4], [1, 3, 56, 56], "float32")})  # fmt: skip
     core.add_request(AddRequest(request_id="y", prompt_token_ids=prompt, sampling_params=params, arrival_time=0,
                                 mm_inputs=[wrong_shape]))  # fmt: skip
+    two, seeds = cases[3]  # two images: the second's tower runs in the step after the first's
+    second = image_input(pixels(seeds[1]), two, 1 + N + 1, IMAGE)
+    core.add_request(AddRequest(request_id="z", prompt_token_ids=two, sampling_params=params, arrival_time=1,
+                                mm_inputs=[msgspec_replace(wrong_shape, offset=1), second]))  # fmt: skip
     errors = []
     while core.has_unfinished_requests():
         errors += [output.error for _, output in core.step() if output.error is not None]
-    assert len(errors) == 1 and "image 0" in errors[0].message
+    assert len(errors) == 2 and all("image 0" in error.message for error in errors)
     assert core.scheduler.kv_cache.pool.num_free_blocks == core.scheduler.config.num_kv_blocks
     core.shutdown()
 

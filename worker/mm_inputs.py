@@ -89,7 +89,11 @@ class ImageInputs:
         start = time.perf_counter()
         self.step_inputs = sum(len(indices) for indices in scheduled.values())
         for request_id, indices in scheduled.items():
-            images = self.requests[request_id]
+            images = self.requests.get(request_id)
+            if (
+                images is None
+            ):  # an image of it failed in the step before (async scheduling): the engine ends it
+                continue
             for index in indices:
                 image = images[index]
                 try:
