@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 @contextlib.contextmanager
 def image_server(files: dict[str, tuple[str, bytes]], slow_s: float = 3.0) -> Iterator[str]:
-    """files: path -> (content type, body). Also /redirect/PATH (302 to PATH), /slow (answers after slow_s)
+    """files: path -> (content type, body). Also /redirect/PATH (302 to PATH, or to PATH as a whole URL when it
+    is one), /slow (answers after slow_s)
     and 404 for anything else. Yields the base URL."""
     stop = threading.Event()
 
@@ -20,7 +21,8 @@ def image_server(files: dict[str, tuple[str, bytes]], slow_s: float = 3.0) -> It
             path = self.path
             if path.startswith("/redirect/"):
                 self.send_response(302)
-                self.send_header("Location", path.removeprefix("/redirect"))
+                target = path.removeprefix("/redirect/")  # a path here, or a whole URL elsewhere
+                self.send_header("Location", target if target.startswith("http") else f"/{target}")
                 self.end_headers()
                 return
             if path == "/slow":
