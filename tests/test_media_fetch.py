@@ -12,6 +12,7 @@ import pytest
 
 from frontend.vision.decode import decode_image, max_pixels_from_env
 from frontend.vision.fetch import FetchLimits, MediaError, MediaFetcher
+from frontend.vision.loader import parse_mm_limits
 from tests.image_server import image_server
 from tests.vlm_models import png_bytes
 
@@ -104,3 +105,17 @@ def test_the_environment_and_the_pixel_bound(tmp_path) -> None:  # type: ignore[
         decode_image(out.getvalue(), max_pixels_from_env({"VLLM_MAX_IMAGE_PIXELS": "59999"}))
     with pytest.raises(MediaError, match="not an image"):
         decode_image(b"GIF89a but not really", 10**6)
+
+
+def test_limit_mm_per_prompt_takes_vllms_json_and_nothing_it_would_ignore() -> None:
+    assert parse_mm_limits('{"image": 2}') == {"image": 2}
+    assert parse_mm_limits('{"image": {"count": 3}, "video": 0}') == {"image": 3, "video": 0}
+    for text, message in [
+        ('{"image": {"count": 2, "width": 512}}', "width not supported"),
+        ('{"video": 1}', "images only"),
+        ('{"image": -1}', "non-negative"),
+        ('{"pictures": 1}', "unknown modality"),
+        ("[1]", "JSON object"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_mm_limits(text)
