@@ -70,3 +70,75 @@ def test_what_we_do_not_run_is_refused_by_name(tmp_path, change, message) -> Non
     (tmp_path / "config.json").write_text(json.dumps({**LLAVA_15, **change}))
     with pytest.raises(UnsupportedModelError, match=message):
         load_model_config(str(tmp_path))
+
+
+# shaped like HuggingFaceTB/SmolVLM-256M-Instruct's files: an Idefics3 config whose sub-configs name only a
+# few fields (the vision one under the family's own model_type), and its image processor's tiling
+SMOLVLM_256M = {
+    "architectures": ["Idefics3ForConditionalGeneration"], "image_token_id": 49190, "model_type": "idefics3",
+    "scale_factor": 4, "torch_dtype": "bfloat16",
+    "text_config": {"hidden_size": 576, "intermediate_size": 1536, "model_type": "llama", "num_attention_heads": 9,
+                    "num_hidden_layers": 30, "num_key_value_heads": 3, "rope_theta": 100000, "vocab_size": 49280,
+                    "max_position_embeddings": 8192, "tie_word_embeddings": False},
+    "vision_config": {"hidden_size": 768, "image_size": 512, "model_type": "idefics3", "num_attention_heads": 12,
+                      "patch_size": 16},
+}  # fmt: skip
+SMOLVLM_PROCESSOR = {"do_image_splitting": True, "max_image_size": {"longest_edge": 512},
+                     "size": {"longest_edge": 2048}, "image_processor_type": "Idefics3ImageProcessor"}  # fmt: skip
+
+
+def test_an_idefics3_config_reads_as_transformers_reads_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from transformers import Idefics3Config
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLVLM_256M))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(SMOLVLM_PROCESSOR))
+    config, theirs = load_model_config(str(tmp_path)), Idefics3Config(**SMOLVLM_256M)
+    text = theirs.text_config
+    assert (config.hidden_size, config.num_layers, config.num_kv_heads, config.rms_norm_eps) == (
+        text.hidden_size, text.num_hidden_layers, text.num_key_value_heads, text.rms_norm_eps,
+    )  # fmt: skip
+    vision, tower = config.vision, theirs.vision_config
+    assert vision is not None
+    assert (vision.hidden_size, vision.intermediate_size, vision.num_layers, vision.layer_norm_eps) == (
+        tower.hidden_size, tower.intermediate_size, tower.num_hidden_layers, tower.layer_norm_eps,
+    )  # fmt: skip
+    assert vision.hidden_act == "gelu_tanh" and vision.post_norm and not vision.class_token
+    # 32 x 32 patches a tile, 4 x 4 folded into one: 64 embeddings a tile, at most 4 x 4 tiles and the whole
+    assert (vision.scale_factor, vision.max_tiles, vision.num_image_tokens) == (4, 17, 17 * 64)
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({**SMOLVLM_PROCESSOR, "do_image_splitting": False})
+    )
+    assert load_model_config(str(tmp_path)).vision.num_image_tokens == 64  # type: ignore[union-attr]
+    bare = {k: v for k, v in SMOLVLM_256M.items() if k != "text_config"}  # transformers' own text defaults
+    (tmp_path / "config.json").write_text(json.dumps(bare))
+    assert (
+        load_model_config(str(tmp_path)).rms_norm_eps
+        == Idefics3Config(**bare).text_config.rms_norm_eps
+        == 1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "processor", "message"),
+    [
+        ({"scale_factor": 3}, SMOLVLM_PROCESSOR, "scale_factor=3 does not divide"),
+        ({}, None, "no image processor config"),
+        (
+            {},
+            {**SMOLVLM_PROCESSOR, "max_image_size": {"longest_edge": 384}},
+            "are not the tower's image_size",
+        ),
+        ({}, {**SMOLVLM_PROCESSOR, "size": {"height": 512, "width": 512}}, "must each name a longest_edge"),
+        (
+            {"vision_config": {"model_type": "clip_vision_model"}},
+            SMOLVLM_PROCESSOR,
+            "vision tower .clip_vision_model.",
+        ),
+    ],
+)
+def test_what_idefics3_does_not_run_is_refused_by_name(tmp_path, change, processor, message) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "config.json").write_text(json.dumps({**SMOLVLM_256M, **change}))
+    if processor is not None:
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model_config(str(tmp_path))

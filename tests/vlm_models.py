@@ -93,3 +93,56 @@ def png_bytes(seed: int, size: tuple[int, int] = (80, 64), kind: str = "PNG") ->
     out = io.BytesIO()
     Image.fromarray(array).save(out, format=kind)
     return out.getvalue()
+
+
+# Idefics3 / SmolVLM: tiles of 50 px on 2 px patches, 25 a side, a count at which transformers' bucketized
+# positions are not the plain ones; pixel shuffle by 5 leaves 25 embeddings a tile; up to 2x2 tiles and the
+# whole image
+TILE, TILE_PATCH, SCALE = 50, 2, 5
+TILE_TOKENS = (TILE // TILE_PATCH) ** 2 // SCALE**2
+# SmolVLM's chat template: each part in order, an image as one <image>
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}{% if message['content'] is string "
+    "%}{{ ': ' + message['content'] }}{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}"
+    "{{ ': ' }}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def build_idefics3_folder(folder: str, tokenizer: Any, architecture: str = "Idefics3", seed: int = 0) -> Any:
+    """A servable tiny Idefics3 (or SmolVLM: the same model under SmolVLM's names): the model, a tokenizer with
+    Idefics3's image tokens, its image processor (tiles of the tower's size) and SmolVLM's chat template, saved
+    as transformers' Idefics3Processor saves them (SmolVLM's own processor needs torchvision)."""
+    import transformers
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor, LlamaConfig
+
+    tokenizer.add_tokens(["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                          *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))],
+                         special_tokens=True)  # fmt: skip
+    tokenizer.chat_template = SMOLVLM_TEMPLATE
+    torch.manual_seed(seed)
+    vision = getattr(transformers, f"{architecture}VisionConfig")(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=TILE,
+        patch_size=TILE_PATCH,
+    )  # fmt: skip
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = getattr(transformers, f"{architecture}Config")(
+        vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=SCALE,
+    )  # fmt: skip
+    model = getattr(transformers, f"{architecture}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+            elif "position_embedding" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE})
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=TILE_TOKENS,
+                                  chat_template=SMOLVLM_TEMPLATE)  # fmt: skip
+    processor.save_pretrained(folder)
+    return model

@@ -12,7 +12,11 @@ from worker.model_config import ModelConfig, UnsupportedModelError
 ENCODER_ARCHITECTURES = {"BertModel": "bert", "BertForSequenceClassification": "bert"}
 ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
 # a language model with a vision tower (worker/models/vision_config.py)
-VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+VISION_LANGUAGE_ARCHITECTURES = (
+    "LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
+)
 # the text model of a vision-language checkpoint: its config's text_config, with these defaults for
 # fields an older config leaves out (transformers' Gemma3TextConfig)
 TEXT_CONFIG_DEFAULTS = {
@@ -69,9 +73,9 @@ def _from_hf_folder(folder: str) -> ModelConfig:
 
         return whisper_config(HFConfig(config, architecture), eos)
     if architecture in VISION_LANGUAGE_ARCHITECTURES:
-        from worker.models.vision_config import llava_config
+        from worker.models.vision_config import vision_language_config
 
-        return llava_config(config, eos)
+        return vision_language_config(folder, config, architecture, eos)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     if architecture in TEXT_CONFIG_DEFAULTS:  # a vision-language checkpoint: its language model
         text = {**TEXT_CONFIG_DEFAULTS[architecture], **(config.get("text_config") or {})}

@@ -35,6 +35,11 @@ class VisionConfig:
     projector_bias: bool
     image_token_id: int
     num_channels: int = 3
+    # Idefics3 / SmolVLM: an image is up to max_tiles tiles, each tile's features pixel-shuffled by
+    # scale_factor (scale_factor**2 positions into one) onto a linear projection; its positions bucketized
+    connector: str = "mlp"  # "mlp": LLaVA's two products; "pixel_shuffle": Idefics3's
+    scale_factor: int = 1
+    max_tiles: int = 1
 
     @property
     def num_patches(self) -> int:
@@ -42,7 +47,9 @@ class VisionConfig:
 
     @property
     def num_image_tokens(self) -> int:
-        return self.num_patches + self.class_token - self.drop_first
+        """The most embeddings one image makes."""
+        per_tile = (self.num_patches + self.class_token - self.drop_first) // self.scale_factor**2
+        return per_tile * self.max_tiles
 
 
 @dataclass(frozen=True)

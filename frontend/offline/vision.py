@@ -22,7 +22,7 @@ class VisionChat:
     def __init__(self, model: str, info: ModelInfo, allowed_local_media_path: str | None = None) -> None:
         if info.image_token_id < 0:
             raise InvalidParameterError("messages", f"{model} is not a multimodal model")
-        vision = VisionModel.load(model, info.image_token_id, info.max_image_tokens, 4.0)
+        vision = VisionModel.load(model, info.image_token_id, 4.0)
         limits = FetchLimits.from_env(os.environ, [], allowed_local_media_path)
         self.loader = ImageLoader(vision, MediaFetcher(limits), max_pixels_from_env(os.environ))
 

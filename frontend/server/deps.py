@@ -64,7 +64,7 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
     if model_info.image_token_id >= 0:  # a vision-language model: its processor, the fetching bounds
         images = ImageLoader(
             VisionModel.load(config.model or model_info.model, model_info.image_token_id,
-                             model_info.max_image_tokens, config.mm_processor_cache_gb),
+                             config.mm_processor_cache_gb),
             MediaFetcher(FetchLimits.from_env(os.environ, config.allowed_media_domains,
                                               config.allowed_local_media_path)),
             max_pixels_from_env(os.environ),

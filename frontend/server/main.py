@@ -100,7 +100,10 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     tokenizer = await tokenizer_load
     phases.mark("tokenizer")
     metrics = Metrics(model_info, prefix=config.metrics_prefix)
-    serving = build_serving(config, AsyncLLM(client, tokenizer, metrics), model_info)
+    try:
+        serving = build_serving(config, AsyncLLM(client, tokenizer, metrics), model_info)
+    except ImportError as error:  # a model's processor needs a package this install lacks (torchvision)
+        raise SystemExit(f"API server {config.server_index}: {model_info.model}: {error}".strip()) from None
     app = build_app(AppDeps(config, serving, metrics))
     uv_config = uvicorn.Config(
         app,

@@ -1,11 +1,12 @@
 """A vision-language model's own processor (transformers'), its images as the engine takes them, the
 placeholder spans of a rendered prompt, and a cache of processed images.
 
-An image is processed alone (the model's image processor: its resize, crop and normalization, so the pixels
-are transformers' own), keyed by its bytes' SHA-256 or the caller's `uuid`; the key is also its content hash,
-which keeps the KV blocks of another image apart. The rendered prompt holds one image token per image
-where the chat template put it; each is expanded to the image's embeddings, as the family's processor
-expands its text (LLaVA: the token repeated image_seq_length times).
+An image is processed alone by the model's processor with the image token as its text, so that both its
+arrays (the family's resize, crop, tiling and normalization: transformers' pixels) and the text it stands
+for in a prompt (its replacement: LLaVA's image token repeated; Idefics3's tiles each framed by its row and
+column tokens) are the processor's own. It is keyed by its bytes' SHA-256 or the caller's `uuid`; the key is
+also its content hash, which keeps the KV blocks of another image apart. The rendered prompt holds one image
+token per image where the chat template put it; each is replaced by its image's replacement tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ from protocol.media import MultiModalInput, TensorData
 GIB = 1 << 30
 
 
+# a processor's outputs that are the text's, not the image's
+TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+
+
 @dataclass(frozen=True)
 class ProcessedImage:
     tensors: dict[str, TensorData]
-    num_embeds: int
+    token_ids: list[int]  # what the image's token stands for in the prompt (its placeholders among them)
+    num_embeds: int  # its placeholder tokens: the embeddings the model makes of it
     content_hash: str
 
     @property
@@ -73,35 +79,43 @@ class ProcessorCache:
 
 
 class VisionModel:
-    def __init__(self, processor: Any, image_token_id: int, num_image_tokens: int, cache_bytes: int) -> None:
+    def __init__(self, processor: Any, image_token_id: int, cache_bytes: int) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
-        self.num_image_tokens = num_image_tokens
+        self.image_token = processor.tokenizer.convert_ids_to_tokens(image_token_id)
         self.cache = ProcessorCache(cache_bytes)
 
     @classmethod
-    def load(cls, folder: str, image_token_id: int, num_image_tokens: int, cache_gb: float) -> VisionModel:
+    def load(cls, folder: str, image_token_id: int, cache_gb: float) -> VisionModel:
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(folder)  # type: ignore[no-untyped-call]
         if getattr(processor, "image_processor", None) is None:
             raise ValueError(f"{folder} has no image processor (preprocessor_config.json)")
-        return cls(processor, image_token_id, num_image_tokens, int(cache_gb * GIB))
+        return cls(processor, image_token_id, int(cache_gb * GIB))
 
     def process(self, image: Any, key: str) -> ProcessedImage:
-        """One PIL image through the model's image processor (LLaVA: pixel_values [1, 3, size, size])."""
-        out = self.processor.image_processor(images=[image], return_tensors="np")
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        tensors = {"pixel_values": TensorData(pixels.tobytes(), list(pixels.shape), "float32")}
-        processed = ProcessedImage(tensors, self.num_image_tokens, key)
+        """One PIL image through the model's processor: its arrays and its replacement tokens."""
+        out = self.processor(images=[image], text=[self.image_token], return_tensors="np",
+                             add_special_tokens=False)  # fmt: skip
+        tensors = {}
+        for name, value in out.items():
+            if name in TEXT_OUTPUTS:
+                continue
+            array = np.ascontiguousarray(value)
+            if array.dtype == np.float64:
+                array = array.astype(np.float32)
+            tensors[name] = TensorData(array.tobytes(), list(array.shape), str(array.dtype))
+        token_ids = [int(t) for t in out["input_ids"][0]]
+        processed = ProcessedImage(tensors, token_ids, token_ids.count(self.image_token_id), key)
         self.cache.put(key, processed)
         return processed
 
     def expand(
         self, token_ids: list[int], images: list[ProcessedImage]
     ) -> tuple[list[int], list[MultiModalInput]]:
-        """The rendered prompt's image tokens, one per image in order, each expanded to its embeddings'
-        placeholders; ValueError when the template placed another number of them."""
+        """The rendered prompt's image tokens, one per image in order, each replaced by its image's tokens;
+        ValueError when the template placed another number of them."""
         token = self.image_token_id
         places = [i for i, t in enumerate(token_ids) if t == token]
         if len(places) != len(images):
@@ -114,8 +128,8 @@ class VisionModel:
         last = 0
         for place, image in zip(places, images, strict=True):
             ids += token_ids[last:place]
-            items.append(MultiModalInput("image", image.tensors, image.content_hash, len(ids), image.num_embeds,
-                                         image.num_embeds))  # fmt: skip
-            ids += [token] * image.num_embeds
+            items.append(MultiModalInput("image", image.tensors, image.content_hash, len(ids),
+                                         len(image.token_ids), image.num_embeds))  # fmt: skip
+            ids += image.token_ids
             last = place + 1
         return ids + token_ids[last:], items

@@ -34,6 +34,10 @@ def build_model(
         return WhisperModel(config, dtype, ops)
     from worker.models.causal_lm import CausalLM
 
+    if config.vision is not None and config.vision.connector == "pixel_shuffle":
+        from worker.models.idefics3 import Idefics3Model
+
+        return Idefics3Model(config, dtype, ops, tp)
     if config.vision is not None:
         from worker.models.llava import LlavaModel
 

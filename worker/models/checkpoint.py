@@ -22,7 +22,13 @@ from worker.quant.blocks import QuantPart, QuantWeight
 IMAGE_SIDE = ("vision_tower.", "multi_modal_projector.")
 # one expert's product, by our names (a family renames its own onto these)
 EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.")
+PREFIXES = (
+    "language_model.model.",
+    "model.language_model.",
+    "model.text_model.",
+    "language_model.",
+    "model.",
+)
 # tensors a checkpoint may hold that no family computes with: rotary caches, a VLM's vision side, GPT-NeoX's
 # old mask buffers
 SKIPPED = (

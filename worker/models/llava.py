@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.model_config import ModelConfig, UnsupportedModelError
+from worker.model_config import ModelConfig, UnsupportedModelError, VisionConfig
 from worker.models.causal_lm import CausalLM
 from worker.models.checkpoint import load_checkpoint
 from worker.models.vit import Projector, VisionTransformer
@@ -31,6 +31,8 @@ IMAGE_NAMES = (
 
 
 class LlavaModel(CausalLM):
+    image_names: tuple[tuple[str, str], ...] = IMAGE_NAMES  # a subclass's checkpoint names of its image side
+
     def __init__(
         self,
         config: ModelConfig,
@@ -41,7 +43,10 @@ class LlavaModel(CausalLM):
         super().__init__(config, dtype, ops, tp)
         assert config.vision is not None
         self.vision_tower = VisionTransformer(config.vision, dtype)
-        self.multi_modal_projector = Projector(config.vision, config.hidden_size, dtype)
+        self.multi_modal_projector = self.projector(config.vision, config.hidden_size, dtype)
+
+    def projector(self, vision: VisionConfig, text_width: int, dtype: torch.dtype) -> torch.nn.Module:
+        return Projector(vision, text_width, dtype)
 
     def check_image(self, tensors: dict[str, torch.Tensor]) -> None:
         """ValueError unless the processor's outputs are what the tower takes: one image's pixel_values."""
@@ -65,7 +70,7 @@ class LlavaModel(CausalLM):
 
         def text_side() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
-                for marker, ours in IMAGE_NAMES:
+                for marker, ours in self.image_names:
                     at = name.find(marker)
                     if at >= 0:
                         image_side[ours + name[at + len(marker) :]] = tensor

@@ -7,6 +7,9 @@ vision_config names 9 fields), so each sub-config is read over its transformers 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 from typing import Any
 
 from worker.model_config import ModelConfig, UnsupportedModelError, VisionConfig
@@ -19,7 +22,6 @@ TEXT_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
-VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
 
 # transformers' defaults of the sub-configs a checkpoint may leave out (tests/test_vision_config.py holds them
@@ -42,33 +44,55 @@ SUB_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "siglip_vision_model": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
                             "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16,
                             "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6},
+    "idefics3_vision": {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12,
+                        "num_attention_heads": 16, "num_channels": 3, "image_size": 224, "patch_size": 32,
+                        "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6},
+    "smolvlm_vision": {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12,
+                       "num_attention_heads": 16, "num_channels": 3, "image_size": 224, "patch_size": 32,
+                       "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6},
 }  # fmt: skip
+# each vision-language architecture: the text model its config defaults to, and what its default text model
+# changes (Idefics3's, with no text_config at all, has rms_norm_eps 1e-5)
+TEXT_DEFAULTS = {
+    "LlavaForConditionalGeneration": ("llama", {}),
+    "Idefics3ForConditionalGeneration": ("llama", {"rms_norm_eps": 1e-5}),
+    "SmolVLMForConditionalGeneration": ("llama", {"rms_norm_eps": 1e-5}),
+}
 
 
-def with_defaults(values: dict[str, Any], default_type: str) -> dict[str, Any]:
+def with_defaults(
+    values: dict[str, Any], default_type: str, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     model_type = values.get("model_type") or default_type
     defaults = SUB_CONFIG_DEFAULTS.get(model_type)
     if defaults is None:
         raise UnsupportedModelError(
             f"a {model_type!r} sub-model is not supported; supported: {', '.join(SUB_CONFIG_DEFAULTS)}"
         )
+    defaults = {**defaults, **(overrides or {})} if model_type == default_type else defaults
     return {**defaults, "model_type": model_type, **{k: v for k, v in values.items() if v is not None}}
 
 
-def llava_config(config: dict[str, Any], eos_token_ids: list[int]) -> ModelConfig:
+def vision_language_config(
+    folder: str, config: dict[str, Any], architecture: str, eos_token_ids: list[int]
+) -> ModelConfig:
+    """The language model as its text_config's family says, and the image side as the family's."""
     from worker.models.families import BY_ARCHITECTURE
 
-    hf = HFConfig(config, "LlavaForConditionalGeneration")
-    text = with_defaults(config.get("text_config") or {}, "llama")
-    architecture = TEXT_ARCHITECTURES.get(text["model_type"])
-    if architecture is None:
+    hf = HFConfig(config, architecture)
+    default_type, overrides = TEXT_DEFAULTS[architecture]
+    given = config.get("text_config")  # transformers' overrides apply to a config without one only
+    text = with_defaults(given or {}, default_type, overrides if given is None else None)
+    text_architecture = TEXT_ARCHITECTURES.get(text["model_type"])
+    if text_architecture is None:
         raise hf.fail(f"a {text['model_type']!r} language model is not supported; "
                       f"supported: {', '.join(TEXT_ARCHITECTURES)}")  # fmt: skip
     text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
     dtype = str(config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or "float32")
     eos = eos_token_ids or [e for e in [text.get("eos_token_id")] if e is not None]
-    language = BY_ARCHITECTURE[architecture].config(HFConfig(text, architecture), eos, dtype)
-    return dataclasses.replace(language, architecture=hf.architecture, vision=clip_like(hf))
+    language = BY_ARCHITECTURE[text_architecture].config(HFConfig(text, text_architecture), eos, dtype)
+    vision = clip_like(hf) if architecture == "LlavaForConditionalGeneration" else idefics3_like(hf, folder)
+    return dataclasses.replace(language, architecture=hf.architecture, vision=vision)
 
 
 def clip_like(hf: HFConfig) -> VisionConfig:
@@ -107,6 +131,81 @@ def clip_like(hf: HFConfig) -> VisionConfig:
         image_token_id=int(image_token),
         num_channels=vision.get("num_channels", 3),
     )
+
+
+def idefics3_like(hf: HFConfig, folder: str) -> VisionConfig:
+    """Idefics3's and SmolVLM's: a SigLIP tower (every layer, then its post_layernorm) on each tile of an
+    image, pixel shuffle, one product; the tiles an image can make are its image processor's to say."""
+    family = "smolvlm" if hf.architecture.startswith("SmolVLM") else "idefics3"
+    values = dict(hf.get("vision_config") or {})
+    if values.get("model_type") in (family, None):  # the released checkpoints name the family's own type
+        values["model_type"] = f"{family}_vision"
+    if values["model_type"] != f"{family}_vision":
+        raise hf.fail(f"vision tower {values['model_type']!r} is not supported; supported: {family}_vision")
+    vision = HFConfig(with_defaults(values, f"{family}_vision"), hf.architecture)
+    scale = hf.get("scale_factor", 2)
+    image_size, patch = vision.get("image_size"), vision.get("patch_size")
+    if not isinstance(image_size, int) or not isinstance(patch, int):
+        raise hf.fail("vision_config: image_size and patch_size must be integers (square patches)")
+    if (image_size // patch) % scale:
+        raise hf.fail(
+            f"scale_factor={scale} does not divide the tower's {image_size // patch} patches a side"
+        )
+    image_token = hf.get("image_token_id")
+    if image_token is None:
+        raise hf.fail("config.json names no image_token_id")
+    return VisionConfig(
+        hidden_size=vision.get("hidden_size"),
+        intermediate_size=vision.get("intermediate_size"),
+        num_layers=vision.get("num_hidden_layers"),
+        num_heads=vision.get("num_attention_heads"),
+        image_size=image_size,
+        patch_size=patch,
+        layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
+        hidden_act=activation(vision, vision.get("hidden_act")),
+        class_token=False,
+        patch_bias=True,
+        pre_norm=False,
+        post_norm=True,
+        drop_first=False,
+        projector_act="gelu",  # unused: the connector is one product
+        projector_bias=False,
+        image_token_id=int(image_token),
+        num_channels=vision.get("num_channels", 3),
+        connector="pixel_shuffle",
+        scale_factor=scale,
+        max_tiles=max_tiles(folder, hf, image_size),
+    )
+
+
+def max_tiles(folder: str, hf: HFConfig, image_size: int) -> int:
+    """The most tiles the image processor cuts one image into: its tiles a side squared, and the whole image
+    once more (transformers' Idefics3ImageProcessor); from preprocessor_config.json or processor_config.json."""
+    settings = image_processor_settings(folder)
+    if settings is None:
+        raise hf.fail(f"{folder} has no image processor config (preprocessor_config.json)")
+    if not settings.get("do_image_splitting", True):
+        return 1
+    longest = (settings.get("size") or {}).get("longest_edge")
+    tile = (settings.get("max_image_size") or {}).get("longest_edge")
+    if not isinstance(longest, int) or not isinstance(tile, int) or tile <= 0:
+        raise hf.fail("the image processor's size and max_image_size must each name a longest_edge")
+    if tile != image_size:
+        raise hf.fail(f"the image processor's tiles (max_image_size {tile}) are not the tower's image_size "
+                      f"{image_size}")  # fmt: skip
+    return math.ceil(longest / tile) ** 2 + 1
+
+
+def image_processor_settings(folder: str) -> dict[str, Any] | None:
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                settings = json.load(f)
+            settings = settings.get(key) if key else settings
+            if isinstance(settings, dict):
+                return settings
+    return None
 
 
 def activation(hf: HFConfig, name: str) -> str:

@@ -1,5 +1,6 @@
-"""The vision transformer of a vision-language model (CLIP's and SigLIP's vision towers), and the projector
-that maps its features onto the language model's width (LLaVA's two products with an activation between).
+"""The vision transformer of a vision-language model (CLIP's and SigLIP's vision towers, Idefics3's SigLIP on
+tiles of any size), and the projectors that map its features onto the language model's width (LLaVA's two
+products with an activation between; Idefics3's pixel shuffle and one product).
 
 Parameter names are the checkpoint's below its `vision_tower.vision_model.` and `multi_modal_projector.`
 prefixes, so that loading is a name-for-name copy. The tower runs in torch (MKL / oneDNN products and
@@ -9,6 +10,7 @@ holds. It runs only the layers the features come from (LLaVA's come from the sec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -50,16 +52,35 @@ class VisionEmbeddings(nn.Module):
         self.class_embedding = nn.Parameter(torch.empty(width, dtype=dtype)) if config.class_token else None
         positions = config.num_patches + config.class_token
         self.position_embedding = nn.Embedding(positions, width, dtype=dtype)
+        self.side = config.image_size // config.patch_size
+        self.bucketed = config.connector == "pixel_shuffle"  # Idefics3's tiles of any size
 
     def forward(
         self, pixel_values: torch.Tensor
     ) -> torch.Tensor:  # [1, channels, H, W] -> [positions, width]
         patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+        rows, cols = patches.shape[-2:]
         x = patches.flatten(2).transpose(1, 2)[0]  # [patches, width]
         if self.class_embedding is not None:
             x = torch.cat([self.class_embedding[None], x])
-        out: torch.Tensor = x + self.position_embedding.weight
+        if self.bucketed:
+            out: torch.Tensor = x + self.position_embedding(bucket_positions(rows, cols, self.side))
+        else:
+            out = x + self.position_embedding.weight
         return out
+
+
+def bucket_positions(rows: int, cols: int, side: int) -> torch.Tensor:
+    """Idefics3's positions of a tile of rows x cols patches on a tower trained on side x side: each patch's
+    fractional place on the tile, bucketized onto the trained grid (transformers' float32 arithmetic, so
+    that a tile of another size takes the positions it takes there)."""
+    boundaries = torch.arange(1 / side, 1.0, 1 / side)
+
+    def buckets(n: int) -> torch.Tensor:
+        place = torch.arange(n, dtype=torch.float32) * (1.0 / torch.tensor(n))
+        return torch.bucketize(place.clamp(max=1.0 - 1e-6), boundaries, right=True)
+
+    return (buckets(rows)[:, None] * side + buckets(cols)[None, :]).flatten()
 
 
 class VisionAttention(nn.Module):
@@ -154,4 +175,22 @@ class Projector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.linear_2(self.act(self.linear_1(x)))
+        return out
+
+
+class PixelShuffleProjector(nn.Module):
+    """Idefics3's connector: each scale x scale block of a tile's square feature grid folded into one
+    position (transformers' pixel_shuffle order), then one product onto the language model's width."""
+
+    def __init__(self, config: VisionConfig, text_width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scale = config.scale_factor
+        self.proj = nn.Linear(config.hidden_size * self.scale**2, text_width, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [positions, width] of one tile
+        n, width = x.shape
+        side, s = math.isqrt(n), self.scale
+        x = x.view(side, side // s, width * s).transpose(0, 1)
+        x = x.reshape(side // s, side // s, width * s * s).transpose(0, 1)
+        out: torch.Tensor = self.proj(x.reshape(n // (s * s), width * s * s))
         return out
