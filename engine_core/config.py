@@ -38,6 +38,8 @@ class SchedulerConfig:
     # a vision-language model's image embeddings the worker may hold at once (scheduled, not yet consumed):
     # at least one image's; 0 for a model without images
     encoder_cache_tokens: int = 0
+    # ModelInfo.whole_image_spans: a prefill chunk that would end inside an image's span stops before it
+    whole_image_spans: bool = False
 
     def __post_init__(self) -> None:
         for name in (

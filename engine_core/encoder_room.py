@@ -35,12 +35,14 @@ def encoder_room(running: list[Request], config: SchedulerConfig) -> EncoderRoom
 
 
 def fit_encoder_inputs(
-    request: Request, start: int, num_new: int, room: EncoderRoom
+    request: Request, start: int, num_new: int, room: EncoderRoom, whole_spans: bool = False
 ) -> tuple[int, list[int]]:
     """The tokens from `start` the step may compute, cut to stop before the first image whose tower finds no
-    room, and the images whose tower runs for them."""
+    room (or, with whole_spans, whose span would end past them), and the images whose tower runs for them."""
     if not request.mm_inputs:
         return num_new, []
+    if whole_spans:
+        num_new = whole_span_chunk(request, start, num_new)
     items: list[int] = []
     budget, free = room.budget, room.free
     for index in request.encoder_items_in(start, num_new):
@@ -51,6 +53,16 @@ def fit_encoder_inputs(
         budget -= item.num_embeds
         free -= item.num_embeds
     return num_new, items
+
+
+def whole_span_chunk(request: Request, start: int, num_new: int) -> int:
+    """The chunk from `start` cut to end before the first image span it would cut (0 when that span began
+    before it: the rest of the span waits for a step with room for all of it)."""
+    end = start + num_new
+    for item in request.mm_inputs:
+        if item.offset < end < item.offset + item.length:
+            return max(item.offset - start, 0)
+    return num_new
 
 
 def take_encoder_inputs(

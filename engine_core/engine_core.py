@@ -88,6 +88,12 @@ class EngineCore:
             if budget < least:
                 logger.info("max_num_batched_tokens %d -> %d for a pooling model", budget, least)
                 budget = least
+        if info.whole_image_spans and budget < info.max_image_tokens:
+            # NOTE: an image's span is computed in one step (its tokens see each other both ways)
+            raise ValueError(
+                f"max_num_batched_tokens {budget} is below one image's {info.max_image_tokens} tokens, which "
+                f"{info.model} computes in one step: raise --max-num-batched-tokens"
+            )
         capacity = self.model_info.num_kv_blocks * self.model_info.block_size
         if self.model_info.max_model_len > capacity:
             # NOTE: a request that cannot fit the pool alone would preempt itself forever.
@@ -122,6 +128,7 @@ class EngineCore:
             if info.encoder_len or info.image_token_id >= 0
             else 0,
             encoder_cache_tokens=max(budget, info.max_image_tokens) if info.image_token_id >= 0 else 0,
+            whole_image_spans=info.whole_image_spans,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
         self.num_steps = 0
@@ -146,7 +153,7 @@ class EngineCore:
         if any(not 0 <= token_id < info.vocab_size for token_id in message.prompt_token_ids):
             raise InvalidParameterError("prompt", f"prompt token ids must be in [0, {info.vocab_size}).")
         check_encoder_input(message, info)
-        check_mm_inputs(message, info)  # engine_core/mm_inputs.py
+        check_mm_inputs(message, info, self.scheduler_config)  # engine_core/mm_inputs.py
         pooling = message.pooling_params
         if (pooling is not None) != (info.runner == "pooling"):
             runner = (

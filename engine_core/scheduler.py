@@ -147,7 +147,9 @@ class Scheduler:
             prefill = num_new > 1 or request.num_computed_after_flight < request.num_prompt_tokens
             if prefill:
                 num_new = min(num_new, prefill_budget)
-            num_new, items = fit_encoder_inputs(request, request.num_computed_after_flight, num_new, room)
+            num_new, items = fit_encoder_inputs(
+                request, request.num_computed_after_flight, num_new, room, self.config.whole_image_spans
+            )
             if num_new <= 0:
                 index += 1
                 continue
@@ -204,7 +206,9 @@ class Scheduler:
                 not self.config.chunked_prefill and num_new < request.num_tokens - num_cached
             ):
                 break  # (an encoder's input waits for a step with room for all of it)
-            num_new, items = fit_encoder_inputs(request, num_cached, num_new, room)
+            num_new, items = fit_encoder_inputs(
+                request, num_cached, num_new, room, self.config.whole_image_spans
+            )
             if num_new <= 0:
                 break  # its first image's tower waits for a step with room
             new_blocks = self.kv_cache.allocate_slots(request, num_new, computed_blocks)

@@ -11,14 +11,15 @@ from protocol.media import EncoderInput, MultiModalInput
 from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 10  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 11  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
 # 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
 # runner and tasks, AddRequest.pooling_params, RequestOutput.pooled); 7: LoRA (RequestError.code,
 # SchedulerStats' adapters, NewRequestData.lora, the worker calls); 8: data parallel (ModelInfo's
 # data_parallel_rank and data_parallel_addresses); 9: encoder-decoder models (AddRequest.encoder_input,
 # ModelInfo's encoder fields, NewRequestData.encoder_input); 10: images (AddRequest.mm_inputs, ModelInfo's
-# image fields, NewRequestData.mm_inputs, SchedulerOutput.scheduled_encoder_inputs)
+# image fields, NewRequestData.mm_inputs, SchedulerOutput.scheduled_encoder_inputs); 11:
+# ModelInfo.whole_image_spans (Gemma 3)
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -83,6 +84,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     # >=0: a vision-language model: the token an image's embeddings replace (MultiModalInput)
     image_token_id: int = -1
     max_image_tokens: int = 0  # the most embeddings one image makes: a step's encoder budget is at least this
+    # an image's span is computed in one step, never cut between steps (Gemma 3: its tokens see each other
+    # both ways); vLLM's --disable-chunked-mm-input, which such a model needs
+    whole_image_spans: bool = False
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -146,3 +146,65 @@ def build_idefics3_folder(folder: str, tokenizer: Any, architecture: str = "Idef
                                   chat_template=SMOLVLM_TEMPLATE)  # fmt: skip
     processor.save_pretrained(folder)
     return model
+
+
+# Gemma 3: a SigLIP tower on 56 px images of 4 px patches (14 a side), pooled by 2 onto 49 soft tokens; a
+# 4-layer Gemma 3 language model whose sliding layers' window (32) is shorter than an image's run, so that
+# the window and the image's both-ways attention meet
+G3_IMAGE, G3_PATCH, G3_TOKENS, G3_WINDOW = 56, 4, 49, 32
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' "
+    "else message['role']) + '\n' }}{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def build_gemma3_folder(folder: str, tokenizer: Any, seed: int = 0) -> Any:
+    """A servable tiny Gemma 3 with images: the model, a tokenizer with Gemma 3's image tokens (named as its
+    tokenizer names them), Gemma3ImageProcessor's config and Gemma 3's chat template, saved as transformers'
+    Gemma3Processor saves them."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    tokenizer.add_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>",
+                          "<end_of_turn>"], special_tokens=True)  # fmt: skip
+    tokenizer._set_model_specific_special_tokens(  # what Gemma's tokenizer config names
+        special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        }
+    )
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    torch.manual_seed(seed)
+    vision = SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=G3_IMAGE, patch_size=G3_PATCH)  # fmt: skip
+    text = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                            sliding_window=G3_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                            query_pre_attn_scalar=20, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=0)  # fmt: skip
+    config = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=G3_TOKENS,
+                          boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+                          eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+                          image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"))  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(1.0 if name.endswith("weight") and "soft_emb" not in name else 0.0, 0.2)
+            elif "position_embedding" in name or "mm_input_projection" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    images = Gemma3ImageProcessorPil(size={"height": G3_IMAGE, "width": G3_IMAGE})
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=G3_TOKENS,
+                    chat_template=GEMMA3_TEMPLATE).save_pretrained(folder)  # fmt: skip
+    return model

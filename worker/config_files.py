@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from worker.model_config import ModelConfig, UnsupportedModelError
+from worker.model_config import ModelConfig, UnsupportedModelError, eos_ids
 
 ENCODER_ARCHITECTURES = {"BertModel": "bert", "BertForSequenceClassification": "bert"}
 ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
@@ -16,17 +16,8 @@ VISION_LANGUAGE_ARCHITECTURES = (
     "LlavaForConditionalGeneration",
     "Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
 )
-# the text model of a vision-language checkpoint: its config's text_config, with these defaults for
-# fields an older config leaves out (transformers' Gemma3TextConfig)
-TEXT_CONFIG_DEFAULTS = {
-    "Gemma3ForConditionalGeneration": {
-        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-        "hidden_activation": "gelu_pytorch_tanh",
-    },
-}  # fmt: skip
 
 
 def supported_architectures() -> list[str]:
@@ -63,11 +54,11 @@ def _from_hf_folder(folder: str) -> ModelConfig:
         )
     if architecture in ENCODER_ARCHITECTURES:
         return _bert(config, architecture)
-    eos = _eos_ids(config.get("eos_token_id"))
+    eos = eos_ids(config.get("eos_token_id"))
     generation_path = os.path.join(folder, "generation_config.json")
     if os.path.exists(generation_path):
         with open(generation_path) as f:
-            eos = _eos_ids(json.load(f).get("eos_token_id")) or eos
+            eos = eos_ids(json.load(f).get("eos_token_id")) or eos
     if architecture in ENCODER_DECODER_ARCHITECTURES:
         from worker.models.whisper_config import whisper_config
 
@@ -77,12 +68,6 @@ def _from_hf_folder(folder: str) -> ModelConfig:
 
         return vision_language_config(folder, config, architecture, eos)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    if architecture in TEXT_CONFIG_DEFAULTS:  # a vision-language checkpoint: its language model
-        text = {**TEXT_CONFIG_DEFAULTS[architecture], **(config.get("text_config") or {})}
-        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
-        eos = eos or _eos_ids(text.get("eos_token_id"))
-        dtype = str(text.get("torch_dtype") or text.get("dtype") or dtype)
-        config = text
     return BY_ARCHITECTURE[architecture].config(HFConfig(config, architecture), eos, dtype)
 
 
@@ -118,12 +103,6 @@ def _bert(config: dict[str, Any], architecture: str) -> ModelConfig:
         num_labels=(config.get("num_labels") or len(id2label) or 2) if classifies else 0,
         id2label=id2label,
     )
-
-
-def _eos_ids(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
 
 
 def open_gguf(path: str) -> Any:

@@ -18,6 +18,7 @@ import torch
 from protocol.media import MultiModalInput, TensorData
 from protocol.messages import RequestError
 from protocol.worker_messages import NewRequestData, SchedulerOutput
+from worker.attention.base import ImageRun
 from worker.input_batch import StepInputs
 from worker.model_config import ModelConfig, UnsupportedModelError
 
@@ -45,11 +46,17 @@ class Image:
     def end(self) -> int:
         return self.item.offset + self.item.length
 
+    def runs(self) -> list[tuple[int, int]]:
+        """[first, end) of each run of consecutive placeholder positions (Gemma 3: one per image or crop)."""
+        breaks = np.flatnonzero(np.diff(self.positions) != 1) + 1
+        return [(int(run[0]), int(run[-1]) + 1) for run in np.split(self.positions, breaks)]
+
 
 class ImageInputs:
-    def __init__(self, model: Any, image_token_id: int) -> None:
+    def __init__(self, model: Any, image_token_id: int, bidirectional: bool = False) -> None:
         self.model = model  # has encode_image(tensors) and check_image(tensors)
         self.image_token_id = image_token_id
+        self.bidirectional = bidirectional  # each run of an image's tokens sees itself both ways
         self.requests: dict[str, list[Image]] = {}
         self.step_inputs = 0  # the last run()'s images and seconds (ModelRunnerOutput's)
         self.step_seconds = 0.0
@@ -57,7 +64,8 @@ class ImageInputs:
     @classmethod
     def of(cls, model: Any, config: ModelConfig) -> ImageInputs | None:
         """A vision-language model's (None for any other)."""
-        return cls(model, config.vision.image_token_id) if config.vision is not None else None
+        vision = config.vision
+        return cls(model, vision.image_token_id, vision.bidirectional) if vision is not None else None
 
     def step(
         self, scheduler_output: SchedulerOutput, inputs: StepInputs
@@ -65,6 +73,8 @@ class ImageInputs:
         """The step's towers run, and its placeholder rows' embeddings (the model's mm_embeds)."""
         errors = self.run(scheduler_output.scheduled_encoder_inputs)
         embeds = self.step_embeds(inputs)
+        if self.bidirectional and embeds is not None:
+            self.mark_runs(inputs)
         self.release(inputs)
         return errors, embeds
 
@@ -130,6 +140,24 @@ class ImageInputs:
         if not rows:
             return None
         return torch.from_numpy(np.concatenate(rows)), torch.cat(parts)
+
+    def mark_runs(self, inputs: StepInputs) -> None:
+        """The step's runs of image tokens, for the attention of every layer (both pools')."""
+        runs, first_row = [], 0
+        for request_id, start, count in zip(inputs.request_ids, inputs.starts, inputs.counts, strict=True):
+            end = int(start + count)
+            for image in self.requests.get(request_id, ()):
+                for first, last in image.runs():
+                    if first < end and last > start:
+                        assert last <= end, f"{request_id}: a run of image tokens split across steps"
+                        lo = max(first, int(start))
+                        runs.append(
+                            ImageRun(first_row + lo - int(start), first_row + last - int(start), first, last)
+                        )
+            first_row += int(count)
+        inputs.metadata.image_runs = runs
+        if inputs.metadata.window_group is not None:
+            inputs.metadata.window_group.image_runs = runs
 
     def release(self, inputs: StepInputs) -> None:
         """Free the embeddings of the images whose span the step's tokens finished."""

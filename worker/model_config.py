@@ -37,9 +37,13 @@ class VisionConfig:
     num_channels: int = 3
     # Idefics3 / SmolVLM: an image is up to max_tiles tiles, each tile's features pixel-shuffled by
     # scale_factor (scale_factor**2 positions into one) onto a linear projection; its positions bucketized
-    connector: str = "mlp"  # "mlp": LLaVA's two products; "pixel_shuffle": Idefics3's
+    connector: str = "mlp"  # "mlp": LLaVA's two products; "pixel_shuffle": Idefics3's; "pool": Gemma 3's
     scale_factor: int = 1
     max_tiles: int = 1
+    # Gemma 3: each image's features average-pooled to tokens_per_image; its tokens attend to each other
+    # both ways in the language model (a run of them is computed in one step: engine_core/encoder_room.py)
+    tokens_per_image: int = 0
+    bidirectional: bool = False
 
     @property
     def num_patches(self) -> int:
@@ -48,6 +52,8 @@ class VisionConfig:
     @property
     def num_image_tokens(self) -> int:
         """The most embeddings one image makes."""
+        if self.connector == "pool":
+            return self.tokens_per_image * self.max_tiles
         per_tile = (self.num_patches + self.class_token - self.drop_first) // self.scale_factor**2
         return per_tile * self.max_tiles
 
@@ -172,3 +178,10 @@ class ModelConfig:
     def is_encoder(self) -> bool:
         """Bidirectional attention over the whole input (BERT): no KV cache, no chunked prefill."""
         return self.family == "bert"
+
+
+def eos_ids(value: int | list[int] | None) -> list[int]:
+    """A config's eos_token_id (one, a list, or none) as a list."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]

@@ -301,6 +301,7 @@ class ModelRunner:
             max_num_encoder_outputs=self.cross.max_entries if self.cross is not None else 0,
             image_token_id=vision.image_token_id if vision is not None else -1,
             max_image_tokens=vision.num_image_tokens if vision is not None else 0,
+            whole_image_spans=vision is not None and vision.bidirectional,
         )
 
     # ---- one step ----

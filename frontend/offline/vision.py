@@ -39,8 +39,9 @@ class VisionChat:
                 for i, m in enumerate(conversation)
             ]  # fmt: skip
             text = tokenizer.apply_chat_template(messages, tokenize=False, **template)
-            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            ids, items = self.loader.model.expand(ids, images)
+            ids, items = self.loader.model.prompt(
+                text, images, lambda prompt: list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            )
         except OpenAIError as error:
             raise InvalidParameterError(error.param or "messages", error.message) from None
         except ValueError as error:

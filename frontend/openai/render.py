@@ -64,11 +64,15 @@ def chat_prompt(
         )
     except Exception as error:  # template errors are the caller's input
         raise OpenAIError(f"Could not apply the chat template: {error}", param="messages") from error
-    ids = list(tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
     if serving.images is None:
+        ids = list(tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
         return Prompt(truncate_prompt(ids, body, serving.model_info.max_model_len), text)
-    try:
-        ids, items = serving.images.model.expand(ids, images or [])
+    try:  # each image's text in place of its token, then tokenized whole (frontend/vision/processing.py)
+        ids, items = serving.images.model.prompt(
+            text,
+            images or [],
+            lambda prompt: list(tokenizer(prompt, add_special_tokens=body.add_special_tokens)["input_ids"]),
+        )
     except ValueError as error:
         raise OpenAIError(str(error), param="messages") from None
     if body.truncate_prompt_tokens is not None and items:

@@ -33,6 +33,17 @@ class PrefillChunk:
         return keys[None, :] <= (self.context_len + torch.arange(n, device=device))[:, None]
 
 
+@dataclass(frozen=True)
+class ImageRun:
+    """Rows of a prefill chunk that are one run of an image's tokens in a model whose image tokens see each
+    other both ways (Gemma 3): they see the run's every position, [first, end), beside the causal keys."""
+
+    row_start: int  # the step's rows of the run's tokens in this step
+    row_end: int
+    first: int  # the run's positions, in the request
+    end: int
+
+
 @dataclass
 class AttentionMetadata:
     num_decode_tokens: int  # rows [0, num_decode_tokens) are one-token decode requests
@@ -46,6 +57,7 @@ class AttentionMetadata:
     window_group: AttentionMetadata | None = None
     # [num_tokens] (long) 1 where a longrope model's row runs on its long factors (worker/models/rope.py)
     long_rope: torch.Tensor | None = None
+    image_runs: list[ImageRun] = field(default_factory=list)  # worker/models/image_attention.py
 
 
 class AttentionBackend(Protocol):

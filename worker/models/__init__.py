@@ -34,6 +34,10 @@ def build_model(
         return WhisperModel(config, dtype, ops)
     from worker.models.causal_lm import CausalLM
 
+    if config.vision is not None and config.vision.connector == "pool":
+        from worker.models.gemma3_vision import Gemma3VisionModel
+
+        return Gemma3VisionModel(config, dtype, ops, tp)
     if config.vision is not None and config.vision.connector == "pixel_shuffle":
         from worker.models.idefics3 import Idefics3Model
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
+from worker.models.image_attention import attend_image_runs
 from worker.models.layers import Linear
 from worker.models.norms import Norm, make_norm
 from worker.models.rope import Rope
@@ -108,6 +109,8 @@ class Attention(nn.Module):
             out = backend.forward(
                 q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap, self.sinks
             )
+        if metadata.image_runs:  # Gemma 3's image tokens see their whole run
+            attend_image_runs(q, kv_cache, metadata, self.scale, self.window, self.softcap, out)
         if out_rows is not None:
             out = out.index_select(0, out_rows)  # [rows, heads, head_dim]
         out = out.reshape(-1, self.q_size)

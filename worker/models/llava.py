@@ -89,13 +89,14 @@ class LlavaModel(CausalLM):
             for name, p in self.named_parameters()
             if name.startswith(("vision_tower.", "multi_modal_projector."))
         }
-        unused = re.compile(r"vision_tower\.(post_layernorm\.|encoder\.layers\.(\d+)\.)")
+        # SigLIP's pooling head: the features are hidden states, never its pooled output
+        unused = re.compile(r"vision_tower\.(post_layernorm\.|head\.|encoder\.layers\.(\d+)\.)")
         for name, tensor in tensors.items():
             param = params.pop(name, None)
             if param is None:
                 match = unused.match(name)
                 if match and (match.group(2) is None or int(match.group(2)) >= built):
-                    continue  # past the feature layer, or the norm of the last layer's output
+                    continue  # past the feature layer, the norm of the last layer's output, the head
                 raise UnsupportedModelError(f"unexpected tensor {name!r} in the checkpoint's image side")
             if tuple(tensor.shape) != tuple(param.shape):
                 raise UnsupportedModelError(

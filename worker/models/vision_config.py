@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from worker.model_config import ModelConfig, UnsupportedModelError, VisionConfig
+from worker.model_config import ModelConfig, UnsupportedModelError, VisionConfig, eos_ids
 from worker.models.families.base import ACTIVATIONS, HFConfig
 
 # a text_config's model_type -> the decoder family's architecture
@@ -20,6 +20,7 @@ TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
 
@@ -38,6 +39,10 @@ SUB_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
               "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
               "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
               "use_sliding_window": False},
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "hidden_activation": "gelu_pytorch_tanh"},
     "clip_vision_model": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
                           "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 32,
                           "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
@@ -57,7 +62,10 @@ TEXT_DEFAULTS = {
     "LlavaForConditionalGeneration": ("llama", {}),
     "Idefics3ForConditionalGeneration": ("llama", {"rms_norm_eps": 1e-5}),
     "SmolVLMForConditionalGeneration": ("llama", {"rms_norm_eps": 1e-5}),
+    "Gemma3ForConditionalGeneration": ("gemma3_text", {}),
 }
+# the architectures whose text model ties its embeddings unless a config says otherwise
+TIED_BY_DEFAULT = ("Gemma3ForConditionalGeneration",)
 
 
 def with_defaults(
@@ -87,15 +95,19 @@ def vision_language_config(
     if text_architecture is None:
         raise hf.fail(f"a {text['model_type']!r} language model is not supported; "
                       f"supported: {', '.join(TEXT_ARCHITECTURES)}")  # fmt: skip
-    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", architecture in TIED_BY_DEFAULT))
     dtype = str(config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or "float32")
-    eos = eos_token_ids or [e for e in [text.get("eos_token_id")] if e is not None]
-    language = BY_ARCHITECTURE[text_architecture].config(HFConfig(text, text_architecture), eos, dtype)
-    vision = clip_like(hf) if architecture == "LlavaForConditionalGeneration" else idefics3_like(hf, folder)
+    eos = eos_token_ids or eos_ids(text.get("eos_token_id"))
+    # a family that serves the vision-language class itself reads its text model as that class's (Gemma 3's
+    # never soft-caps its logits)
+    as_class = architecture if architecture in BY_ARCHITECTURE else text_architecture
+    language = BY_ARCHITECTURE[text_architecture].config(HFConfig(text, as_class), eos, dtype)
+    builds = {"LlavaForConditionalGeneration": clip_like, "Gemma3ForConditionalGeneration": gemma3_like}
+    vision = builds.get(architecture, idefics3_like)(hf, folder)
     return dataclasses.replace(language, architecture=hf.architecture, vision=vision)
 
 
-def clip_like(hf: HFConfig) -> VisionConfig:
+def clip_like(hf: HFConfig, folder: str) -> VisionConfig:
     """LLaVA's tower (CLIP or SigLIP), the features of one layer, the two-product projector."""
     vision = HFConfig(with_defaults(hf.get("vision_config", {}), "clip_vision_model"), hf.architecture)
     kind = vision.get("model_type")
@@ -206,6 +218,44 @@ def image_processor_settings(folder: str) -> dict[str, Any] | None:
             if isinstance(settings, dict):
                 return settings
     return None
+
+
+def gemma3_like(hf: HFConfig, folder: str) -> VisionConfig:
+    """Gemma 3's: a SigLIP tower to its last layer and post_layernorm, its features average-pooled onto
+    mm_tokens_per_image, normed and projected."""
+    vision = HFConfig(with_defaults(hf.get("vision_config", {}), "siglip_vision_model"), hf.architecture)
+    if vision.get("model_type") != "siglip_vision_model":
+        raise hf.fail(
+            f"vision tower {vision.get('model_type')!r} is not supported; supported: siglip_vision_model"
+        )
+    tokens, side = hf.get("mm_tokens_per_image", 256), vision.get("image_size") // vision.get("patch_size")
+    if math.isqrt(tokens) ** 2 != tokens or side % math.isqrt(tokens):
+        raise hf.fail(
+            f"mm_tokens_per_image={tokens} does not pool the tower's {side} x {side} patches evenly"
+        )
+    return VisionConfig(
+        hidden_size=vision.get("hidden_size"),
+        intermediate_size=vision.get("intermediate_size"),
+        num_layers=vision.get("num_hidden_layers"),
+        num_heads=vision.get("num_attention_heads"),
+        image_size=vision.get("image_size"),
+        patch_size=vision.get("patch_size"),
+        layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
+        hidden_act=activation(vision, vision.get("hidden_act")),
+        class_token=False,
+        patch_bias=True,
+        pre_norm=False,
+        post_norm=True,
+        drop_first=False,
+        projector_act="gelu",  # unused: the projector is a norm and one product
+        projector_bias=False,
+        image_token_id=int(hf.get("image_token_index", 262144)),
+        num_channels=vision.get("num_channels", 3),
+        connector="pool",
+        max_tiles=1,  # pan and scan's crops only come when a call asks (vLLM's --mm-processor-kwargs)
+        tokens_per_image=tokens,
+        bidirectional=True,
+    )
 
 
 def activation(hf: HFConfig, name: str) -> str:

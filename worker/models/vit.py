@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.model_config import VisionConfig
+from worker.models.norms import OffsetRMSNorm
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -193,4 +194,25 @@ class PixelShuffleProjector(nn.Module):
         x = x.view(side, side // s, width * s).transpose(0, 1)
         x = x.reshape(side // s, side // s, width * s * s).transpose(0, 1)
         out: torch.Tensor = self.proj(x.reshape(n // (s * s), width * s * s))
+        return out
+
+
+class PoolProjector(nn.Module):
+    """Gemma 3's multi_modal_projector: the tower's square feature grid average-pooled onto
+    tokens_per_image positions, a (1 + w) RMSNorm in float32, then one product (a bare weight matrix)."""
+
+    def __init__(self, config: VisionConfig, text_width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.side = config.image_size // config.patch_size
+        self.kernel = self.side // math.isqrt(config.tokens_per_image)
+        self.mm_input_projection_weight = nn.Parameter(
+            torch.empty(config.hidden_size, text_width, dtype=dtype)
+        )
+        self.mm_soft_emb_norm = OffsetRMSNorm(config.hidden_size, config.layer_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [positions, width] of one image
+        width = x.shape[1]
+        grid = x.transpose(0, 1).reshape(1, width, self.side, self.side).contiguous()
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2)[0].transpose(0, 1)  # [tokens, width]
+        out: torch.Tensor = self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
         return out
