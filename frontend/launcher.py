@@ -235,6 +235,7 @@ def server_config(
         allowed_media_domains=args.allowed_media_domains,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         mm_processor_cache_gb=args.mm_processor_cache_gb,
+        tokens_only=args.tokens_only,
         fingerprint_mode=args.fingerprint_mode,
         fingerprint_value=args.fingerprint_value,
     )

@@ -134,6 +134,11 @@ class ServerArgs:
         4.0, "GiB of processed images each API server keeps, by content hash or uuid (0: none)"
     )
 
+    # scale-out (docs/scale-out.md)
+    tokens_only: bool = option(
+        False, "serve token ids only: /inference/v1/generate and /abort_requests, no tokenizer loaded"
+    )
+
     # vLLM's server options (docs/server-options.md)
     ssl_keyfile: str | None = option(None, "serve HTTPS with this private key (with --ssl-certfile)")
     ssl_certfile: str | None = option(None, "serve HTTPS with this certificate chain (with --ssl-keyfile)")

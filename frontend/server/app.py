@@ -18,6 +18,7 @@ from frontend.pooling import embeddings as pooling_embeddings
 from frontend.pooling import score as pooling_score
 from frontend.pooling.routes import absent_router
 from frontend.responses import serving as responses
+from frontend.scale_out import generate
 from frontend.server import admin, dev, lora, operator
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
@@ -83,7 +84,9 @@ def build_app(deps: AppDeps) -> FastAPI:
     async def http_error(request: Request, error: HTTPException) -> Response:
         return error_response(http_status_error(error.status_code, error.detail), request.url.path)
 
-    if deps.serving.model_info.runner == "pooling":
+    if config.tokens_only:  # vLLM's --tokens-only: the tokens-in/tokens-out doors alone
+        doors = [generate.router, generate.abort_router]
+    elif deps.serving.model_info.runner == "pooling":
         doors = [pooling_embeddings.router, pooling_score.router]
     elif deps.serving.model_info.runner == "transcription":
         doors = [audio_routes.router, audio_realtime.router]
@@ -95,6 +98,7 @@ def build_app(deps: AppDeps) -> FastAPI:
             responses.router,
             messages.router,
             invocations.router,
+            generate.router,
         ]
     routers = [*doors, absent_router(deps.serving.model_info), tokenize.router, admin.router]
     routers += [dev.router, operator.router] if config.dev_mode else []

@@ -60,3 +60,4 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     allowed_media_domains: list[str] = []
     limit_mm_per_prompt: dict[str, int] = {}  # per modality (vLLM's default: 999)
     mm_processor_cache_gb: float = 4.0  # processed images each API server keeps
+    tokens_only: bool = False  # the tokens-in/tokens-out doors alone, no tokenizer (--tokens-only)

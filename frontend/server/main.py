@@ -75,7 +75,7 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     tokenizer_path = config.tokenizer or config.model
     tokenizer_load = (
         asyncio.create_task(asyncio.to_thread(load_tokenizer, tokenizer_path, config.cache_dir))
-        if tokenizer_path
+        if tokenizer_path and not config.tokens_only
         else None
     )
     try:
@@ -93,11 +93,11 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
     assert client.model_info is not None
     model_info = client.model_info
     phases.mark("engine")
-    if tokenizer_load is None:
+    if tokenizer_load is None and not config.tokens_only:
         tokenizer_load = asyncio.create_task(
             asyncio.to_thread(load_tokenizer, model_info.model, config.cache_dir)
         )
-    tokenizer = await tokenizer_load
+    tokenizer = await tokenizer_load if tokenizer_load is not None else None  # --tokens-only: none
     phases.mark("tokenizer")
     metrics = Metrics(model_info, prefix=config.metrics_prefix)
     try:

@@ -1,0 +1,192 @@
+"""POST /inference/v1/generate: vLLM's tokens in, tokens out. A prompt's token ids and vLLM's SamplingParams
+in; each choice's token ids (and, with output_mode "text", its text) out, as JSON or SSE. It runs the
+completions door's path for a token prompt, so its tokens equal /v1/completions' for the same ids and
+parameters; as in vLLM, unset sampling fields take SamplingParams' defaults (not the generation config's)
+and max_tokens the rest of the context.
+
+POST /inference/v1/abort_requests (and /abort_requests on a --tokens-only server) ends requests by the
+request_id their answers carry."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from frontend.engine.async_llm import final_state
+from frontend.engine.output_processor import Choice, Delta, RequestState
+from frontend.openai.common import Serving, json_response, until_disconnected
+from frontend.openai.format import SSE_DONE, chat_logprobs, prompt_logprobs_body, sse, usage
+from frontend.openai.params import check_top, to_sampling_params
+from frontend.openai.render import completion_prompts
+from frontend.openai.structured import spec_of_request
+from frontend.scale_out.schemas import AbortRequests, GenerateRequest
+from frontend.server.errors import OpenAIError, to_openai_error
+from protocol.messages import Logprobs
+from protocol.sampling import MAX_N
+
+router = APIRouter()
+abort_router = APIRouter()
+
+
+@router.post("/inference/v1/generate")
+async def generate(body: GenerateRequest, request: Request, serving: Serving) -> Response:
+    serving.admit()
+    body.check_supported()
+    completion, detokenize = body.completion()
+    completion.check_supported()
+    serving.check_priority(body.priority)
+    await serving.check_model(body.model)
+    model = serving.model_name(body.model)
+    if body.output_mode == "text" and (serving.tokenizer is None or not detokenize):
+        raise OpenAIError(
+            "output_mode 'text' needs a tokenizer (not --tokens-only) and sampling_params.detokenize.",
+            param="output_mode",
+        )
+    if serving.tokenizer is None and (completion.stop or completion.bad_words):
+        raise OpenAIError(  # vLLM's rule: without a tokenizer these would never match
+            "stop strings and bad_words need a tokenizer, which a --tokens-only server does not load: use "
+            "stop_token_ids (or check stop strings on the router).",
+            param="sampling_params.stop" if completion.stop else "sampling_params.bad_words",
+        )
+    prompt = completion_prompts(serving, completion)[0]
+    top = check_top(completion.logprobs, "sampling_params.logprobs")
+    params = to_sampling_params(
+        completion,
+        model_info=serving.model_info,
+        defaults={},
+        tokenizer=serving.tokenizer,
+        num_prompt_tokens=len(prompt.token_ids),
+        max_tokens=completion.max_tokens,
+        logprobs=top,
+        prompt_logprobs=completion.prompt_logprobs,
+        prompt_param="token_ids",
+        structured_outputs=spec_of_request(completion, serving.validator),
+    )
+    caller_id = request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+    request_id = (
+        f"generate-tokens-{caller_id}"  # vLLM's: what abort_requests names (the engine refuses a twin)
+    )
+    stream = serving.llm.generate(request_id, prompt.token_ids, params, priority=body.priority,
+                                  cache_salt=body.cache_salt, log_id=caller_id,
+                                  lora_name=serving.lora_name(body.model))  # fmt: skip
+    answer = Answer(body, request_id, model, prompt.token_ids, top, serving)
+    if body.stream:
+        return StreamingResponse(answer.stream(stream), media_type="text/event-stream")
+    state = await until_disconnected(request, final_state(stream))
+    return json_response(answer.full(state))
+
+
+@router.post("/inference/v1/abort_requests")
+@abort_router.post("/abort_requests")
+async def abort_requests(body: AbortRequests, serving: Serving) -> Response:
+    """End each named request's choices, whichever API server runs it (an id no engine knows is passed
+    over, as vLLM does)."""
+    await serving.client.cancel(
+        [f"{request_id}-{index}" for request_id in body.request_ids for index in range(MAX_N)], "abort"
+    )
+    return Response(status_code=200)
+
+
+class Answer:
+    """The GenerateResponse (or its SSE chunks) of one request."""
+
+    def __init__(self, body: GenerateRequest, request_id: str, model: str, prompt: list[int], top: int | None,
+                 serving: Any) -> None:  # fmt: skip
+        self.body, self.request_id, self.model, self.prompt, self.top = body, request_id, model, prompt, top
+        self.serving = serving
+        self.text = body.output_mode == "text"
+
+    def logprobs(self, logprobs: Logprobs | None) -> dict[str, Any] | None:
+        if self.top is None or logprobs is None:
+            return None
+        if self.text:
+            return {"content": chat_logprobs(logprobs, max(self.top, 1), self.serving.token_text)}
+        return {"content": token_logprobs(logprobs, self.top)}
+
+    def choice(self, index: int, token_ids: list[int], text: str, logprobs: Logprobs | None,
+               finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:  # fmt: skip
+        entry: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                                 "token_ids": token_ids, "logprobs": self.logprobs(logprobs)}  # fmt: skip
+        if self.text:
+            entry["text"] = text
+        return entry
+
+    def full(self, state: RequestState) -> dict[str, Any]:
+        choices = [self.full_choice(choice) for choice in state.choices]
+        body: dict[str, Any] = {
+            "request_id": self.request_id,
+            "model": self.model,
+            "created": int(time.time()),
+            "output_mode": self.body.output_mode,
+            "choices": choices,
+            "usage": usage(len(self.prompt), state.num_output_tokens, state.num_cached_tokens),
+            "prompt_logprobs": prompt_logprobs_body(state.prompt_logprobs, self.serving.token_text),
+            "prompt_token_ids": self.prompt if self.body.return_token_ids else None,
+            "kv_transfer_params": None,
+        }
+        return body
+
+    def full_choice(self, choice: Choice) -> dict[str, Any]:
+        return self.choice(choice.index, choice.token_ids, choice.text, choice.logprobs,
+                           choice.finish_reason or "stop", choice.stop_reason)  # fmt: skip
+
+    async def stream(self, deltas: Any) -> AsyncIterator[bytes]:
+        options = self.body.stream_options
+        include_usage = self.serving.include_usage(options)
+        continuous = options is not None and options.continuous_usage_stats
+        generated: dict[int, int] = {}
+        state: RequestState | None = None
+        first = True
+        try:
+            async for state, delta in deltas:
+                generated[delta.index] = generated.get(delta.index, 0) + len(delta.token_ids)
+                if not (delta.token_ids or delta.finish_reason is not None or (self.text and delta.text)):
+                    continue
+                chunk = self.chunk(delta)
+                if first and self.body.return_token_ids:
+                    chunk["prompt_token_ids"] = self.prompt
+                first = False
+                if continuous:
+                    chunk["usage"] = usage(len(self.prompt), generated[delta.index], state.num_cached_tokens)
+                yield sse(chunk)
+        except Exception as error:
+            yield sse(to_openai_error(error).body())
+            yield SSE_DONE
+            return
+        if include_usage:
+            cached = state.num_cached_tokens if state is not None else 0
+            yield sse({"request_id": self.request_id, "output_mode": self.body.output_mode, "choices": [],
+                       "usage": usage(len(self.prompt), sum(generated.values()), cached)})  # fmt: skip
+        yield SSE_DONE
+
+    def chunk(self, delta: Delta) -> dict[str, Any]:
+        choice = self.choice(delta.index, delta.token_ids, delta.text, delta.logprobs, delta.finish_reason,
+                             delta.stop_reason)  # fmt: skip
+        return {"request_id": self.request_id, "output_mode": self.body.output_mode, "choices": [choice]}
+
+
+def token_logprobs(logprobs: Logprobs, num_top: int) -> list[dict[str, Any]]:
+    """vLLM's generate shape: per token its id, logprob and rank, and top_logprobs: the sampled token first,
+    then the others by rank, max(num_top, 1) in all (the engine's dict, keyed by token id)."""
+    entries = []
+    for ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True):
+        seen: dict[int, dict[str, Any]] = {}
+        for position, (token_id, value) in enumerate(zip(ids, values, strict=True)):
+            entry = {
+                "token_id": token_id,
+                "logprob": max(value, -9999.0),
+                "rank": rank if position == 0 else position,
+            }
+            if token_id in seen:
+                seen[token_id].update(logprob=entry["logprob"], rank=entry["rank"])
+            else:
+                seen[token_id] = entry
+        top = list(seen.values())[: max(num_top, 1)]
+        chosen = top[0]
+        entries.append({**chosen, "rank": chosen["rank"] or None, "top_logprobs": top})
+    return entries

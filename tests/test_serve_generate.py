@@ -1,0 +1,187 @@
+"""Tokens in, tokens out (`POST /inference/v1/generate`, vLLM's GenerateRequest) on the shared SmolLM2 server
+(two API servers): its tokens and logprobs equal /v1/completions' for the same ids and parameters, greedy and
+seeded, whole and streamed, in both output modes; max_tokens defaults to the rest of the context; a field we
+do not implement is a 400 naming it; abort_requests ends a request another API server may own. And a
+--tokens-only server: no tokenizer, only the generate doors."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serve_helpers import SHARED_API_KEY, SHARED_MODEL_NAME, serving
+
+pytestmark = pytest.mark.slow
+
+HEADERS = {"Authorization": f"Bearer {SHARED_API_KEY}"}
+PROMPT = [1, 504, 3458, 314, 253, 3875]
+
+
+def generate(server, **body: Any) -> httpx.Response:  # type: ignore[no-untyped-def]
+    return httpx.post(f"{server.base}/inference/v1/generate", json=body, headers=HEADERS, timeout=60)
+
+
+def completions(server, **body: Any) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    answer = httpx.post(f"{server.base}/v1/completions", json={"prompt": PROMPT, "return_token_ids": True, **body},
+                        headers=HEADERS, timeout=60)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    return answer.json()  # type: ignore[no-any-return]
+
+
+def stream_chunks(server, **body: Any) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    chunks = []
+    with httpx.stream("POST", f"{server.base}/inference/v1/generate", json={**body, "stream": True},
+                      headers=HEADERS, timeout=60) as response:  # fmt: skip
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+SAMPLINGS = {
+    "greedy": dict(temperature=0, max_tokens=8, logprobs=3),
+    "seeded_n2": dict(temperature=0.9, top_k=40, seed=7, n=2, max_tokens=6, stop_token_ids=[2]),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_generate_equals_completions(smollm2_server, name: str) -> None:  # type: ignore[no-untyped-def]
+    params = SAMPLINGS[name]
+    want = completions(smollm2_server, **params)
+    got = generate(smollm2_server, token_ids=PROMPT, sampling_params=params).json()
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in want["choices"]]
+    assert [c["finish_reason"] for c in got["choices"]] == [c["finish_reason"] for c in want["choices"]]
+    assert got["request_id"].startswith("generate-tokens-") and got["output_mode"] == "tokens"
+    assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    if params.get("logprobs"):
+        content = got["choices"][0]["logprobs"]["content"]
+        assert [e["logprob"] for e in content] == want["choices"][0]["logprobs"]["token_logprobs"]
+        assert all(
+            e["top_logprobs"][0]["token_id"] == e["token_id"] and len(e["top_logprobs"]) == 3 for e in content
+        )
+    streamed: dict[int, list[int]] = {}
+    chunks = stream_chunks(smollm2_server, token_ids=PROMPT, sampling_params=params, return_token_ids=True,
+                           stream_options={"include_usage": True})  # fmt: skip
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            streamed.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert [streamed[i] for i in sorted(streamed)] == [c["token_ids"] for c in got["choices"]]
+    assert chunks[0]["prompt_token_ids"] == PROMPT and "prompt_token_ids" not in chunks[1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == got["usage"]
+
+
+def test_text_mode_and_the_context_default(smollm2_server) -> None:  # type: ignore[no-untyped-def]
+    want = completions(smollm2_server, temperature=0, max_tokens=6)
+    got = generate(
+        smollm2_server,
+        token_ids=PROMPT,
+        output_mode="text",
+        sampling_params={"temperature": 0, "max_tokens": 6},
+    )
+    assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    chunks = stream_chunks(smollm2_server, token_ids=PROMPT, output_mode="text",
+                           sampling_params={"temperature": 0, "max_tokens": 6})  # fmt: skip
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"]
+    limit = httpx.get(f"{smollm2_server.base}/v1/models", headers=HEADERS, timeout=10).json()["data"][0][
+        "max_model_len"
+    ]
+    long_prompt = PROMPT * ((limit - 3) // len(PROMPT)) + PROMPT[: (limit - 3) % len(PROMPT)]
+    answer = generate(
+        smollm2_server, token_ids=long_prompt, sampling_params={"temperature": 0, "ignore_eos": True}
+    )
+    choice = answer.json()["choices"][0]
+    assert len(choice["token_ids"]) == 3 and choice["finish_reason"] == "length"  # the rest of the context
+
+
+def test_what_we_do_not_implement_is_refused_by_name(smollm2_server) -> None:  # type: ignore[no-untyped-def]
+    defaults = {
+        "output_kind": 2,
+        "skip_clone": True,
+        "flat_logprobs": False,
+        "extra_args": None,
+        "detokenize": True,
+    }
+    assert (
+        generate(smollm2_server, token_ids=PROMPT, sampling_params={"max_tokens": 2, **defaults}).status_code
+        == 200
+    )
+    cases = {
+        "sampling_params.flat_logprobs": dict(sampling_params={"flat_logprobs": True}),
+        "sampling_params.bogus": dict(sampling_params={"bogus": 1}),
+        "sampling_params.temperature": dict(sampling_params={"temperature": "hot"}),
+        "kv_transfer_params": dict(sampling_params={}, kv_transfer_params={"do_remote_decode": True}),
+        "features": dict(sampling_params={}, features={"mm_hashes": {}}),
+        "token_ids": dict(sampling_params={}, token_ids=[1, -2]),
+        "sampling_params.stop": dict(sampling_params={"stop": ["x"], "detokenize": False}),
+        "output_mode": dict(sampling_params={"detokenize": False}, output_mode="text"),
+    }
+    for param, body in cases.items():
+        answer = generate(smollm2_server, **{"token_ids": PROMPT, **body})
+        assert answer.status_code == 400, (param, answer.text)
+        assert answer.json()["error"]["param"] == param, answer.json()
+
+
+def test_abort_requests_ends_a_request(smollm2_server) -> None:  # type: ignore[no-untyped-def]
+    chunks: list[dict[str, Any]] = []
+    started = threading.Event()
+
+    def run() -> None:
+        body = {"token_ids": PROMPT, "request_id": "abort-me", "stream": True,
+                "sampling_params": {"max_tokens": 900, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+        with httpx.stream("POST", f"{smollm2_server.base}/inference/v1/generate", json=body, headers=HEADERS,
+                          timeout=120) as response:  # fmt: skip
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(60)
+    answer = httpx.post(f"{smollm2_server.base}/inference/v1/abort_requests",
+                        json={"request_ids": ["generate-tokens-abort-me"]}, headers=HEADERS, timeout=10)  # fmt: skip
+    assert answer.status_code == 200
+    thread.join(60)
+    assert not thread.is_alive()
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) < 900
+
+
+def test_a_tokens_only_server(smollm2_gguf: str) -> None:
+    flags = [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--tokens-only",
+        "--served-model-name",
+        SHARED_MODEL_NAME,
+    ]
+    with serving(smollm2_gguf, *flags) as server:
+        base = server.base
+        answer = httpx.post(f"{base}/inference/v1/generate", timeout=60,
+                            json={"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 4}})  # fmt: skip
+        assert answer.status_code == 200 and len(answer.json()["choices"][0]["token_ids"]) == 4
+        for body, param in [
+            ({"output_mode": "text"}, "output_mode"),
+            ({"sampling_params": {"stop": ["."]}}, "sampling_params.stop"),
+        ]:
+            refused = httpx.post(f"{base}/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {},
+                                                                         **body}, timeout=30)  # fmt: skip
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+        assert (
+            httpx.post(f"{base}/abort_requests", json={"request_ids": ["none"]}, timeout=10).status_code
+            == 200
+        )
+        chat = httpx.post(
+            f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10
+        )
+        assert chat.status_code == 404
+        assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
+        tokenize = httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, timeout=10)
+        assert tokenize.status_code == 400 and "no tokenizer" in tokenize.json()["error"]["message"]
