@@ -185,3 +185,47 @@ def test_a_tokens_only_server(smollm2_gguf: str) -> None:
         assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
         tokenize = httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, timeout=10)
         assert tokenize.status_code == 400 and "no tokenizer" in tokenize.json()["error"]["message"]
+
+
+def post(server, path: str, body: dict[str, Any]) -> Any:  # type: ignore[no-untyped-def]
+    answer = httpx.post(f"{server.base}{path}", json=body, headers=HEADERS, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+CHATS = {
+    "greedy_logprobs": dict(temperature=0, max_tokens=8, logprobs=True, top_logprobs=2),
+    "seeded_n2": dict(temperature=0.8, seed=11, n=2, max_tokens=6),
+    "json_schema": dict(temperature=0, max_tokens=12, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "properties": {
+            "n": {"type": "integer"}}, "required": ["n"]}}}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CHATS))
+def test_render_then_generate_equals_the_chat_door(smollm2_server, name: str) -> None:  # type: ignore[no-untyped-def]
+    chat = {"model": SHARED_MODEL_NAME, "messages": [{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": "Count to three."}], **CHATS[name]}  # fmt: skip
+    want = post(smollm2_server, "/v1/chat/completions", {**chat, "return_token_ids": True})
+    rendered = post(smollm2_server, "/v1/chat/completions/render", chat)
+    assert rendered["token_ids"] == want["prompt_token_ids"] and rendered["request_id"].startswith(
+        "chatcmpl-"
+    )
+    got = post(smollm2_server, "/inference/v1/generate", rendered)
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in want["choices"]]
+    if name == "greedy_logprobs":
+        assert [e["logprob"] for e in got["choices"][0]["logprobs"]["content"]] == [
+            e["logprob"] for e in want["choices"][0]["logprobs"]["content"]
+        ]
+
+
+def test_render_completions_then_generate(smollm2_server) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": SHARED_MODEL_NAME, "prompt": ["The sky is", "Two and two make"], "temperature": 0,
+            "max_tokens": 5}  # fmt: skip
+    want = post(smollm2_server, "/v1/completions", {**body, "return_token_ids": True})
+    rendered = post(smollm2_server, "/v1/completions/render", body)
+    assert [r["request_id"][-2:] for r in rendered] == ["-0", "-1"]
+    for p, request in enumerate(rendered):
+        assert request["token_ids"] == want["choices"][p]["prompt_token_ids"]
+        got = post(smollm2_server, "/inference/v1/generate", request)
+        assert got["choices"][0]["token_ids"] == want["choices"][p]["token_ids"]
