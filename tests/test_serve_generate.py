@@ -229,3 +229,59 @@ def test_render_completions_then_generate(smollm2_server) -> None:  # type: igno
         assert request["token_ids"] == want["choices"][p]["prompt_token_ids"]
         got = post(smollm2_server, "/inference/v1/generate", request)
         assert got["choices"][0]["token_ids"] == want["choices"][p]["token_ids"]
+
+
+DERENDER_CHATS = {
+    **CHATS,
+    "stop_string": dict(temperature=0, max_tokens=16, stop=["three", "3"]),
+    "logprobs_past_the_top": dict(temperature=1.0, seed=3, max_tokens=8, logprobs=True, top_logprobs=1),
+}
+
+
+@pytest.mark.parametrize("name", list(DERENDER_CHATS))
+def test_render_generate_derender_equals_the_chat_door(smollm2_server, name: str) -> None:  # type: ignore[no-untyped-def]
+    chat = {"model": SHARED_MODEL_NAME, "messages": [{"role": "user", "content": "Count to three."}],
+            **DERENDER_CHATS[name]}  # fmt: skip
+    want = post(smollm2_server, "/v1/chat/completions", chat)
+    rendered = post(smollm2_server, "/v1/chat/completions/render", chat)
+    generated = post(smollm2_server, "/inference/v1/generate", rendered)
+    got = post(smollm2_server, "/v1/chat/completions/derender", {
+        "generate_response": generated, "prompt_token_ids": rendered["token_ids"],
+        "prompt_tokens": len(rendered["token_ids"]), "chat_request": chat})  # fmt: skip
+    assert got["id"] == rendered["request_id"] and got["object"] == "chat.completion"
+    assert (
+        got["choices"] == want["choices"]
+        and got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    )
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+
+
+def test_render_generate_derender_completions(smollm2_server) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": SHARED_MODEL_NAME, "prompt": ["The sky is", "Two and two make"], "temperature": 0,
+            "max_tokens": 6, "logprobs": 2, "stop": [" blue"]}  # fmt: skip
+    want = post(smollm2_server, "/v1/completions", body)
+    rendered = post(smollm2_server, "/v1/completions/render", body)
+    generated = [post(smollm2_server, "/inference/v1/generate", request) for request in rendered]
+    got = post(smollm2_server, "/v1/completions/derender", {"generate_responses": generated,
+                                                            "completion_request": body})  # fmt: skip
+    assert got["choices"] == want["choices"]
+    assert got["usage"] == want["usage"]
+
+
+def test_derender_refuses_what_it_cannot_read(smollm2_server) -> None:  # type: ignore[no-untyped-def]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    generated = post(
+        smollm2_server, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
+    )
+    for body, param in [
+        ({"generate_response": generated}, "chat_request"),
+        (
+            {"generate_response": {**generated, "output_mode": "text"}, "chat_request": chat},
+            "generate_response",
+        ),
+        ({"generate_response": generated, "chat_request": {**chat, "n": 2}}, "generate_response"),
+    ]:
+        answer = httpx.post(
+            f"{smollm2_server.base}/v1/chat/completions/derender", json=body, headers=HEADERS, timeout=30
+        )
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text

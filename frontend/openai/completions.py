@@ -124,10 +124,10 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
 
     work = [final_state(run.generate(p, request)) for p in range(len(prompts))]
     states = await until_disconnected(request, gather_all(work))
-    return json_response(_full_body(run, states), headers)
+    return json_response(completion_body(run, states), headers)
 
 
-def _full_body(run: CompletionRun, states: list[RequestState]) -> dict[str, Any]:
+def completion_body(run: CompletionRun, states: list[RequestState]) -> dict[str, Any]:
     body, token_text = run.body, run.serving.token_text
     choices = []
     for p, state in enumerate(states):

@@ -106,7 +106,7 @@ class Answer:
             return None
         if self.text:
             return {"content": chat_logprobs(logprobs, max(self.top, 1), self.serving.token_text)}
-        return {"content": token_logprobs(logprobs, self.top)}
+        return {"content": token_logprobs(logprobs)}
 
     def choice(self, index: int, token_ids: list[int], text: str, logprobs: Logprobs | None,
                finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:  # fmt: skip
@@ -170,23 +170,35 @@ class Answer:
         return {"request_id": self.request_id, "output_mode": self.body.output_mode, "choices": [choice]}
 
 
-def token_logprobs(logprobs: Logprobs, num_top: int) -> list[dict[str, Any]]:
+def token_logprobs(logprobs: Logprobs) -> list[dict[str, Any]]:
     """vLLM's generate shape: per token its id, logprob and rank, and top_logprobs: the sampled token first,
-    then the others by rank, max(num_top, 1) in all (the engine's dict, keyed by token id)."""
+    then the top alternatives by rank, each id once (the engine's dict). Unlike vLLM, which cuts the list to
+    the number asked for, an alternative is never dropped when the sampled token ranks below them all: the
+    derender door rebuilds the chat door's logprobs from it (frontend/scale_out/derender.py)."""
     entries = []
     for ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True):
-        seen: dict[int, dict[str, Any]] = {}
+        top: dict[int, dict[str, Any]] = {}
         for position, (token_id, value) in enumerate(zip(ids, values, strict=True)):
-            entry = {
-                "token_id": token_id,
-                "logprob": max(value, -9999.0),
-                "rank": rank if position == 0 else position,
-            }
-            if token_id in seen:
-                seen[token_id].update(logprob=entry["logprob"], rank=entry["rank"])
-            else:
-                seen[token_id] = entry
-        top = list(seen.values())[: max(num_top, 1)]
-        chosen = top[0]
-        entries.append({**chosen, "rank": chosen["rank"] or None, "top_logprobs": top})
+            if token_id not in top:
+                top[token_id] = {"token_id": token_id, "logprob": max(value, -9999.0),
+                                 "rank": rank if position == 0 else position}  # fmt: skip
+        chosen = next(iter(top.values()))
+        entries.append({**chosen, "top_logprobs": list(top.values())})
     return entries
+
+
+def from_token_logprobs(content: list[dict[str, Any]], num_top: int) -> Logprobs:
+    """token_logprobs' inverse: each row the sampled token, then its num_top alternatives by rank (the
+    sampled one among them at its rank when it is one of them)."""
+    rows_ids, rows_values, ranks = [], [], []
+    for entry in content:
+        chosen = (entry["token_id"], entry["logprob"])
+        others = [(e["token_id"], e["logprob"]) for e in entry.get("top_logprobs", [])[1:]]
+        rank = entry.get("rank") or 0
+        if 1 <= rank <= num_top:
+            others.insert(rank - 1, chosen)
+        row = [chosen, *others[:num_top]]
+        rows_ids.append([t for t, _ in row])
+        rows_values.append([v for _, v in row])
+        ranks.append(rank)
+    return Logprobs(rows_ids, rows_values, ranks)
