@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,24 @@ def check_exposure(address: str, allow_remote: bool, flag: str = "--engine-addre
             f"{address} would expose the engine (which has no authentication) beyond this machine; add "
             "--allow-remote-engine if that is intended (and firewall it)",
         )
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """--uds: the API servers share a listening Unix socket at path (a stale one from a dead server is
+    replaced; anything else there is an error)."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise SystemExit(f"engine: --uds {path}: a file that is not a socket is there")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as error:
+        sock.close()
+        raise SystemExit(f"engine: cannot listen on {path}: {error.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -236,6 +255,7 @@ def server_config(
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         mm_processor_cache_gb=args.mm_processor_cache_gb,
         tokens_only=args.tokens_only,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         fingerprint_mode=args.fingerprint_mode,
         fingerprint_value=args.fingerprint_value,
     )
@@ -253,7 +273,10 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
         check_parsers(args)
     phases.mark("parsers")
     # The HTTP port first: a port in use must stop us before an engine is started (and left behind).
-    sock = None if args.headless else bind_http_socket(args.host, args.port)
+    if args.headless:
+        sock = None
+    else:
+        sock = bind_unix_socket(args.uds) if args.uds else bind_http_socket(args.host, args.port)
     engine_config, model, tokenizer, addresses = resolve_engine(engine_args, args)
     # What the API servers are told, built before anything starts (an unreadable --api-key-file stops us
     # here too); the engine's addresses follow once its process has them.
@@ -373,12 +396,18 @@ def _start_api_servers(
     phases.mark("API server processes")
     phases.log(logger)
     url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"
+    if args.uds:
+        url = f"unix:{args.uds}"
     print(
         f"engine: serving {api_config.model} on {url} with {args.api_server_count} API server(s); "
         f"engine at {api_config.input_address}",
         flush=True,
     )
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    finally:
+        if args.uds and os.path.exists(args.uds):
+            os.unlink(args.uds)
 
 
 def _read(flag: str, path: str) -> str:

@@ -183,6 +183,7 @@ def test_a_tokens_only_server(smollm2_gguf: str) -> None:
         )
         assert chat.status_code == 404
         assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/tokenizer_info", timeout=10).status_code == 404  # without its flag
         tokenize = httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, timeout=10)
         assert tokenize.status_code == 400 and "no tokenizer" in tokenize.json()["error"]["message"]
 

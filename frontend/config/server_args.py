@@ -50,6 +50,9 @@ def origins(text: str) -> list[str]:
 class ServerArgs:
     host: str = option("127.0.0.1", "interface to listen on")
     port: int = option(8000, "HTTP port")
+    uds: str | None = option(
+        None, "listen on this Unix domain socket path instead (--host and --port unused)"
+    )
     api_server_count: int = option(1, "API-server processes sharing the port")
     api_key: list[str] = option(
         default_factory=list,
@@ -135,6 +138,9 @@ class ServerArgs:
     )
 
     # scale-out (docs/scale-out.md)
+    enable_tokenizer_info_endpoint: bool = option(
+        False, "serve GET /tokenizer_info: the tokenizer's config and the chat template"
+    )
     tokens_only: bool = option(
         False, "serve token ids only: /inference/v1/generate and /abort_requests, no tokenizer loaded"
     )

@@ -108,3 +108,35 @@ async def detokenize(body: DetokenizeRequest, serving: Serving) -> Response:
     if any(not 0 <= t < serving.model_info.vocab_size for t in body.tokens):
         raise OpenAIError("token ids out of vocabulary.", param="tokens")
     return json_response({"prompt": tokenizer.decode(body.tokens)})
+
+
+# GET /tokenizer_info (vLLM's, behind --enable-tokenizer-info-endpoint: it shows the chat template)
+info_router = APIRouter()
+
+
+@info_router.get("/tokenizer_info")
+async def tokenizer_info(serving: Serving) -> Response:
+    """The tokenizer's settings as its tokenizer_config.json holds them (file paths left out), its class,
+    and the chat template the server renders with."""
+    tokenizer = serving.require_tokenizer("tokenizer")
+    config = {k: v for k, v in dict(getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}  # fmt: skip
+    config = _plain(config)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = serving.chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        config["chat_template"] = template
+    return json_response(config)
+
+
+def _plain(value: Any) -> Any:
+    """JSON values: an added token as its text."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

@@ -103,6 +103,7 @@ def build_app(deps: AppDeps) -> FastAPI:
             derender.router,
         ]
     routers = [*doors, absent_router(deps.serving.model_info), tokenize.router, admin.router]
+    routers += [tokenize.info_router] if config.enable_tokenizer_info_endpoint else []
     routers += [dev.router, operator.router] if config.dev_mode else []
     routers += [lora.router] if config.runtime_lora_updating else []
     for router in routers:

@@ -60,4 +60,5 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     allowed_media_domains: list[str] = []
     limit_mm_per_prompt: dict[str, int] = {}  # per modality (vLLM's default: 999)
     mm_processor_cache_gb: float = 4.0  # processed images each API server keeps
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
     tokens_only: bool = False  # the tokens-in/tokens-out doors alone, no tokenizer (--tokens-only)
