@@ -11,7 +11,7 @@ from protocol.media import EncoderInput, MultiModalInput
 from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 11  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 12  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
 # 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
 # runner and tasks, AddRequest.pooling_params, RequestOutput.pooled); 7: LoRA (RequestError.code,
@@ -19,7 +19,7 @@ PROTOCOL_VERSION = 11  # 2: RequestOutput gained queue/prefill/decode times; 3: 
 # data_parallel_rank and data_parallel_addresses); 9: encoder-decoder models (AddRequest.encoder_input,
 # ModelInfo's encoder fields, NewRequestData.encoder_input); 10: images (AddRequest.mm_inputs, ModelInfo's
 # image fields, NewRequestData.mm_inputs, SchedulerOutput.scheduled_encoder_inputs); 11:
-# ModelInfo.whole_image_spans (Gemma 3)
+# ModelInfo.whole_image_spans (Gemma 3); 12: SamplingParams.logprob_token_ids
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -10,6 +10,7 @@ from protocol.structured_outputs import StructuredOutputsParams
 # NOTE: hard caps keep one hostile request from costing every other request: a huge top-k gather per
 # step, thousands of stop strings scanned per token, a logit-bias scatter over the whole vocabulary.
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound
 MAX_N = 128  # completions per request (each is an engine request)
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -60,6 +61,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar, ...
     begin_suppress_token_ids: list[int] = []  # never the first output token (Whisper's begin_suppress_tokens)
     timestamp_rules: TimestampRules | None = None  # Whisper's timestamp tokens, when it places text in time
+    # vLLM's: each position's logprobs are the sampled token's and exactly these tokens' (in this order) in
+    # place of the top ones; logprobs is then their number
+    logprob_token_ids: list[int] | None = None
 
     def for_choice(self, index: int) -> SamplingParams:
         """Completion `index` of an n > 1 request: its own engine request (n = 1), its own seed."""
@@ -104,9 +108,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).",
             )
+        if self.logprob_token_ids is not None:
+            count = len(self.logprob_token_ids)
+            _check(0 < count <= MAX_LOGPROB_TOKEN_IDS, "logprob_token_ids",
+                   f"logprob_token_ids must have 1 to {MAX_LOGPROB_TOKEN_IDS} entries, got {count}.")  # fmt: skip
+            _check(self.logprobs == count, "logprob_token_ids",
+                   f"logprobs must equal len(logprob_token_ids) ({count}), got {self.logprobs}.")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and not (name == "logprobs" and self.logprob_token_ids is not None):
                 _check(
                     0 <= value <= MAX_LOGPROBS, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}."
                 )
@@ -153,6 +163,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 ("bad_words", [t for word in self.bad_words_token_ids for t in word]),
                 ("begin_suppress_token_ids", self.begin_suppress_token_ids),
                 ("timestamp_rules", _rule_ids(self.timestamp_rules)),
+                ("logprob_token_ids", self.logprob_token_ids or []),
             ):
                 for token_id in ids:
                     _check(0 <= token_id < vocab_size, name, f"token id {token_id} is out of vocabulary.")

@@ -103,9 +103,10 @@ def test_add_request_golden_bytes() -> None:
     )
     body = frontend_codec().encode(message)[1]
     assert body.hex() == (
-        "9ba3616464a172920102dc001901cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
+        "9ba3616464a172920102dc001a01cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
         "cb0000000000000000cb0000000000000000cb3ff0000000000000c004009090c2c0c0c2c3c3c090c0"
         "90c0"  # SamplingParams.begin_suppress_token_ids, timestamp_rules (PROTOCOL_VERSION 9)
+        "c0"  # SamplingParams.logprob_token_ids (PROTOCOL_VERSION 12; its 26 fields: dc001a)
         "cb3ff000000000000000c0c0c0"  # the third nil: pooling_params (PROTOCOL_VERSION 6)
         "c0"  # encoder_input (PROTOCOL_VERSION 9)
         "90"  # mm_inputs (PROTOCOL_VERSION 10)

@@ -286,3 +286,49 @@ def test_derender_refuses_what_it_cannot_read(smollm2_server) -> None:  # type: 
             f"{smollm2_server.base}/v1/chat/completions/derender", json=body, headers=HEADERS, timeout=30
         )
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def label_logprob(server, prompt: list[int], label: int) -> float:  # type: ignore[no-untyped-def]
+    """log P(label | prompt) from a direct forward pass: the prompt logprobs of prompt + [label]."""
+    answer = post(
+        server, "/v1/completions", {"prompt": prompt + [label], "max_tokens": 1, "prompt_logprobs": 0}
+    )
+    return float(answer["choices"][0]["prompt_logprobs"][-1][str(label)]["logprob"])
+
+
+def test_generative_scoring_equals_a_forward_pass(smollm2_server) -> None:  # type: ignore[no-untyped-def]
+    import math
+
+    tokens = post(smollm2_server, "/tokenize", {"prompt": " yes no", "add_special_tokens": False})["tokens"]
+    labels = tokens[:2]
+    query = post(smollm2_server, "/tokenize", {"prompt": "Is the sky blue? Answer:"})["tokens"]
+    items = [[253, 3875], [504, 3458, 314]]
+    for apply_softmax, item_first in [(True, False), (False, True)]:
+        got = post(smollm2_server, "/generative_scoring", {"query": query, "items": items, "label_token_ids": labels,
+                                                           "apply_softmax": apply_softmax, "item_first": item_first})  # fmt: skip
+        assert got["object"] == "list" and [d["index"] for d in got["data"]] == [0, 1]
+        for item, entry in zip(items, got["data"], strict=True):
+            prompt = item + query if item_first else query + item
+            values = [label_logprob(smollm2_server, prompt, label) for label in labels]
+            want = math.exp(values[0]) / sum(map(math.exp, values)) if apply_softmax else math.exp(values[0])
+            assert entry["score"] == pytest.approx(want, rel=1e-4)
+    # the generate door's sampling_params.logprob_token_ids: exactly those tokens' logprobs, ranks unknown
+    answer = post(smollm2_server, "/inference/v1/generate", {
+        "token_ids": query, "sampling_params": {"max_tokens": 1, "temperature": 0, "logprob_token_ids": labels}})  # fmt: skip
+    content = answer["choices"][0]["logprobs"]["content"][0]
+    listed = [e["token_id"] for e in content["top_logprobs"]]
+    assert listed[0] == content["token_id"] and set(labels) <= set(listed)
+    for entry in content["top_logprobs"]:
+        if entry["token_id"] in labels:
+            assert entry["logprob"] == pytest.approx(
+                label_logprob(smollm2_server, query, entry["token_id"]), rel=1e-4
+            )
+    refused = generate(
+        smollm2_server, token_ids=query, sampling_params={"logprob_token_ids": labels, "logprobs": 5}
+    )
+    assert (
+        refused.status_code == 400 and refused.json()["error"]["param"] == "sampling_params.logprob_token_ids"
+    )
+    bad = httpx.post(f"{smollm2_server.base}/generative_scoring", json={"query": query, "items": items,
+                     "label_token_ids": [10**7]}, headers=HEADERS, timeout=30)  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "label_token_ids"

@@ -45,6 +45,7 @@ class SamplingBatch:
     # probability beats each (worker/timestamp_rules.py)
     timestamp_rows: list[tuple[int, int]] | None = None
     max_num_logprobs: int | None = None  # None: no logprobs for any row
+    label_ids: torch.Tensor | None = None  # [B, L] each row's logprob_token_ids (padded with 0), if any has
     ops: CpuOps | None = None  # the csrc kernels (a vectorized argmax), or None for torch's
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -79,6 +80,7 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [B, 1 + k]: sampled, then top k
     logprobs: torch.Tensor | None = None  # [B, 1 + k]
     ranks: torch.Tensor | None = None  # [B] rank of the sampled token
+    label_logprobs: torch.Tensor | None = None  # [B, L] the logprobs of SamplingBatch.label_ids
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -100,6 +102,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         output.logprob_token_ids, output.logprobs, output.ranks = gather_logprobs(
             raw_logprobs, token_ids, batch.max_num_logprobs
         )
+        if batch.label_ids is not None:
+            output.label_logprobs = raw_logprobs.gather(-1, batch.label_ids)
     return output
 
 

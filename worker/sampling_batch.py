@@ -37,8 +37,15 @@ def sampling_batch(
         generator=generator,
         ops=ops,
     )
-    logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-    batch.max_num_logprobs = max(logprob_counts) if logprob_counts else None
+    # a row with logprob_token_ids takes those tokens' logprobs, not the top ones
+    logprob_counts = [p.logprobs for p in params if p.logprobs is not None and p.logprob_token_ids is None]
+    label_rows = [p.logprob_token_ids or [] for p in params]
+    batch.max_num_logprobs = max(logprob_counts) if logprob_counts else (0 if any(label_rows) else None)
+    if any(label_rows):
+        width = max(len(ids) for ids in label_rows)
+        batch.label_ids = torch.tensor(
+            [ids + [0] * (width - len(ids)) for ids in label_rows], dtype=torch.long
+        )
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
         batch.output_token_ids = _pad(outputs, vocab_size)
         batch.prompt_token_ids = _pad([input_batch.prompt_token_ids(s) for s in states], vocab_size)

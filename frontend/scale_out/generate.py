@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -24,7 +25,7 @@ from frontend.openai.format import SSE_DONE, chat_logprobs, prompt_logprobs_body
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import completion_prompts
 from frontend.openai.structured import spec_of_request
-from frontend.scale_out.schemas import AbortRequests, GenerateRequest
+from frontend.scale_out.schemas import AbortRequests, GenerateRequest, label_token_ids
 from frontend.server.errors import OpenAIError, to_openai_error
 from protocol.messages import Logprobs
 from protocol.sampling import MAX_N
@@ -67,6 +68,12 @@ async def generate(body: GenerateRequest, request: Request, serving: Serving) ->
         prompt_param="token_ids",
         structured_outputs=spec_of_request(completion, serving.validator),
     )
+    if (labels := label_token_ids(body.sampling_params)) is not None:  # vLLM's: logprobs is their number
+        if params.logprobs not in (None, len(labels)):
+            raise OpenAIError(f"sampling_params.logprobs must equal len(logprob_token_ids) ({len(labels)}).",
+                              param="sampling_params.logprob_token_ids")  # fmt: skip
+        params = msgspec.structs.replace(params, logprob_token_ids=labels, logprobs=len(labels))
+        top = len(labels)
     caller_id = request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
     request_id = (
         f"generate-tokens-{caller_id}"  # vLLM's: what abort_requests names (the engine refuses a twin)
@@ -74,7 +81,7 @@ async def generate(body: GenerateRequest, request: Request, serving: Serving) ->
     stream = serving.llm.generate(request_id, prompt.token_ids, params, priority=body.priority,
                                   cache_salt=body.cache_salt, log_id=caller_id,
                                   lora_name=serving.lora_name(body.model))  # fmt: skip
-    answer = Answer(body, request_id, model, prompt.token_ids, top, serving)
+    answer = Answer(body, request_id, model, prompt.token_ids, top, serving, params.logprob_token_ids)
     if body.stream:
         return StreamingResponse(answer.stream(stream), media_type="text/event-stream")
     state = await until_disconnected(request, final_state(stream))
@@ -96,9 +103,9 @@ class Answer:
     """The GenerateResponse (or its SSE chunks) of one request."""
 
     def __init__(self, body: GenerateRequest, request_id: str, model: str, prompt: list[int], top: int | None,
-                 serving: Any) -> None:  # fmt: skip
+                 serving: Any, labels: list[int] | None = None) -> None:  # fmt: skip
         self.body, self.request_id, self.model, self.prompt, self.top = body, request_id, model, prompt, top
-        self.serving = serving
+        self.serving, self.labels = serving, labels
         self.text = body.output_mode == "text"
 
     def logprobs(self, logprobs: Logprobs | None) -> dict[str, Any] | None:
@@ -106,7 +113,7 @@ class Answer:
             return None
         if self.text:
             return {"content": chat_logprobs(logprobs, max(self.top, 1), self.serving.token_text)}
-        return {"content": token_logprobs(logprobs)}
+        return {"content": token_logprobs(logprobs, ranked=self.labels is None)}
 
     def choice(self, index: int, token_ids: list[int], text: str, logprobs: Logprobs | None,
                finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:  # fmt: skip
@@ -170,18 +177,20 @@ class Answer:
         return {"request_id": self.request_id, "output_mode": self.body.output_mode, "choices": [choice]}
 
 
-def token_logprobs(logprobs: Logprobs) -> list[dict[str, Any]]:
+def token_logprobs(logprobs: Logprobs, ranked: bool = True) -> list[dict[str, Any]]:
     """vLLM's generate shape: per token its id, logprob and rank, and top_logprobs: the sampled token first,
     then the top alternatives by rank, each id once (the engine's dict). Unlike vLLM, which cuts the list to
     the number asked for, an alternative is never dropped when the sampled token ranks below them all: the
-    derender door rebuilds the chat door's logprobs from it (frontend/scale_out/derender.py)."""
+    derender door rebuilds the chat door's logprobs from it (frontend/scale_out/derender.py). ranked False:
+    the alternatives are logprob_token_ids, whose ranks are not known (None)."""
     entries = []
     for ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True):
         top: dict[int, dict[str, Any]] = {}
         for position, (token_id, value) in enumerate(zip(ids, values, strict=True)):
             if token_id not in top:
+                other_rank = position if ranked else None
                 top[token_id] = {"token_id": token_id, "logprob": max(value, -9999.0),
-                                 "rank": rank if position == 0 else position}  # fmt: skip
+                                 "rank": rank if position == 0 else other_rank}  # fmt: skip
         chosen = next(iter(top.values()))
         entries.append({**chosen, "top_logprobs": list(top.values())})
     return entries

@@ -21,7 +21,7 @@ SAMPLING_FIELDS = frozenset({
 # ... that we do not implement, each with the value that asks for nothing
 UNIMPLEMENTED_SAMPLING = {
     "watermarking": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None,
-    "logprob_token_ids": None, "flat_logprobs": False, "stream_interval": None, "output_text_buffer_length": 0,
+    "flat_logprobs": False, "stream_interval": None, "output_text_buffer_length": 0,
     "extra_args": None, "skip_reading_prefix_cache": None, "thinking_token_budget": None,
     "repetition_detection": None, "routed_experts_prompt_start": 0, "trace_decode_token_ids": None,
     "truncate_prompt_tokens": None,
@@ -74,6 +74,8 @@ class GenerateRequest(BaseModel):
         fields: dict[str, Any] = {}
         detokenize = True
         for name, value in self.sampling_params.items():
+            if name == "logprob_token_ids":
+                continue  # label_token_ids() reads it
             if name in SAMPLING_FIELDS:
                 fields[name] = value
             elif name == "detokenize":
@@ -104,6 +106,17 @@ class GenerateRequest(BaseModel):
             raise OpenAIError(f"sampling_params.{where}: {first.get('msg', 'invalid')}",
                               param=f"sampling_params.{where}") from None  # fmt: skip
         return body, detokenize
+
+
+def label_token_ids(sampling_params: dict[str, Any]) -> list[int] | None:
+    """sampling_params.logprob_token_ids: the tokens whose logprobs each position reports (vLLM's)."""
+    ids = sampling_params.get("logprob_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise OpenAIError("sampling_params.logprob_token_ids must be a list of token ids.",
+                          param="sampling_params.logprob_token_ids")  # fmt: skip
+    return ids
 
 
 class AbortRequests(BaseModel):

@@ -18,7 +18,7 @@ from frontend.pooling import embeddings as pooling_embeddings
 from frontend.pooling import score as pooling_score
 from frontend.pooling.routes import absent_router
 from frontend.responses import serving as responses
-from frontend.scale_out import derender, generate, render
+from frontend.scale_out import derender, generate, render, scoring
 from frontend.server import admin, dev, lora, operator
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
@@ -101,6 +101,7 @@ def build_app(deps: AppDeps) -> FastAPI:
             generate.router,
             render.router,
             derender.router,
+            scoring.router,
         ]
     routers = [*doors, absent_router(deps.serving.model_info), tokenize.router, admin.router]
     routers += [tokenize.info_router] if config.enable_tokenizer_info_endpoint else []
