@@ -1,6 +1,6 @@
 """`engine serve -dp 2` with real processes, through the openai SDK: both engines serve and give the same
 greedy text, /metrics labels each engine, a long prompt sent again finds its prefix cached (it went to
-the engine that holds it), a frontend attached to one engine reaches both, a headless node can run one
+the engine that holds it), X-data-parallel-rank picks the engine, a frontend attached to one engine reaches both, a headless node can run one
 of the engines; and one engine killed mid-stream fails its requests, turns /health to 503 and stops the
 launcher non-zero with no process left."""
 
@@ -92,6 +92,18 @@ def test_two_engines_behind_one_server(smollm2_gguf: str) -> None:
         # each engine's tokens, as its frontends counted them, are the tokens it says it generated
         wait_until(lambda: by_engine(served.base, "engine:generation_tokens_total")
                    == engine_series(served.base, "engine_generation_tokens_total"), 30, "the same tokens")  # fmt: skip
+
+        # X-data-parallel-rank (vLLM's header) puts a request on the engine it names; a rank no engine has is a 400
+        before = by_engine(served.base, "engine:request_success_total")
+        for _ in range(3):
+            client.completions.create(model=smollm2_gguf, prompt="Hi", max_tokens=2,
+                                      extra_headers={"X-data-parallel-rank": "1"})  # fmt: skip
+        after = by_engine(served.base, "engine:request_success_total")
+        assert (after["0"], after["1"]) == (before["0"], before["1"] + 3), (before, after)
+        for rank in ("2", "one"):
+            refused = httpx.post(f"{served.base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                                 headers={"X-data-parallel-rank": rank}, timeout=30)  # fmt: skip
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-data-parallel-rank"
 
         # a frontend attached to engine 0 finds engine 1 too
         assert served.engine_address is not None

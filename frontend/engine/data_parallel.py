@@ -17,6 +17,7 @@ import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -27,6 +28,9 @@ from protocol.errors import EngineDeadError, InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
 
 logger = logging.getLogger("engine.frontend")
+# the engine the current HTTP request names (X-data-parallel-rank, set by the edge middleware for the
+# request's task and the tasks it starts): it overrides the router
+REQUESTED_RANK: ContextVar[int | None] = ContextVar("requested_rank", default=None)
 MAX_RELEASED = 4096  # released requests whose engine is remembered for a late abort
 
 SUMMED = (
@@ -180,6 +184,8 @@ class DataParallelClient:
             raise EngineDeadError(reason)
         assert self.router is not None, "register first"
         index = self.queue_engine.get(queue) if queue is not None else None
+        if index is None:
+            index = REQUESTED_RANK.get()
         if index is None:  # n > 1: the choices share one queue, and one engine (their prompt's blocks)
             index = self.router.choose(request.prompt_token_ids, self.loads())
         if queue is not None:

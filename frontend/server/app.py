@@ -50,6 +50,7 @@ def build_app(deps: AppDeps) -> FastAPI:
         metrics=deps.metrics,
         max_body_bytes=body_limit(config.max_request_body_bytes, deps.serving),
         routes=routes,  # filled in below, with the routers
+        num_engines=max(1, len(deps.serving.model_info.data_parallel_addresses)),
     )
     if config.allowed_origins:
         app.add_middleware(

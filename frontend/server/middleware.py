@@ -1,5 +1,6 @@
 """EdgeMiddleware: API keys (constant-time compare), the request-body size limit, X-Request-Id echo,
-which API server answered, and HTTP metrics.
+which API server answered, the data-parallel engine a request names (X-data-parallel-rank), and HTTP
+metrics.
 
 Pure ASGI rather than BaseHTTPMiddleware, which hides client disconnects from the handlers.
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 from starlette.routing import Match
 
+from frontend.engine.data_parallel import REQUESTED_RANK
 from frontend.metrics import UNMETERED_PATHS, Metrics
 from frontend.server.errors import OpenAIError, error_response
 
@@ -37,8 +39,10 @@ class EdgeMiddleware:
         metrics: Metrics | None = None,
         max_body_bytes: int = 16 << 20,
         routes: list[Any] | None = None,
+        num_engines: int = 1,
     ) -> None:
         self.app = app
+        self.num_engines = num_engines  # the data-parallel engines an X-data-parallel-rank may name
         self.routes = routes if routes is not None else []  # the app's, to label metrics by route
         self.metrics = metrics
         self.keys = [key.encode() for key in api_keys]
@@ -95,12 +99,32 @@ class EdgeMiddleware:
                 )
                 await error_response(error, scope["path"])(scope, receive, send_with_headers)
                 return
-            await self.app(scope, body_receive, send_with_headers)
+            rank = headers.get(b"x-data-parallel-rank")
+            if rank is not None and (engine := self.engine_rank(rank)) is None:
+                error = OpenAIError(
+                    f"X-data-parallel-rank must be an engine rank in [0, {self.num_engines}).",
+                    param="X-data-parallel-rank",
+                )
+                await error_response(error, scope["path"])(scope, receive, send_with_headers)
+                return
+            token = REQUESTED_RANK.set(engine if rank is not None else None)
+            try:
+                await self.app(scope, body_receive, send_with_headers)
+            finally:
+                REQUESTED_RANK.reset(token)
         finally:
             path = self.route_label(scope)
             if self.metrics is not None and path not in UNMETERED_PATHS:
                 self.metrics.http_requests.labels(scope["method"], path, str(status[0])).inc()
                 self.metrics.http_latency.labels(scope["method"], path).observe(time.monotonic() - started)
+
+    def engine_rank(self, value: bytes) -> int | None:
+        """X-data-parallel-rank (vLLM's header): the engine to run the request on; None when it names none."""
+        try:
+            rank = int(value)
+        except ValueError:
+            return None
+        return rank if 0 <= rank < self.num_engines else None
 
     def route_label(self, scope: dict[str, Any]) -> str:
         """The route's template (/v1/responses/{response_id}), not the path: one series per route, however
