@@ -1,7 +1,7 @@
 """Gemma 3 with images on our engine: greedy tokens equal HF transformers' generate token for token (float32)
 on a tiny random checkpoint, whose image tokens see each other both ways (transformers' mask for them) on
 full and sliding layers (the window shorter than an image): one and two images a prompt, the same image
-again (its blocks hit), both attention backends, chunks that would cut an image's run
+again (its blocks hit), chunks that would cut an image's run
 (the scheduler keeps each span whole in a step), async scheduling and a pool small enough to preempt. The
 prompts are the API server's (tests/vlm_engine.py): each image's text (blank lines around its markers) put in
 the rendered text before it is tokenized, checked equal to the processor's own first."""
@@ -40,11 +40,8 @@ def tiny_gemma3(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped
 
 CONFIGS = {
     "default": dict(),
-    "torch_attention": dict(attention_backend="torch"),
-    "chunk_50": dict(
-        max_num_batched_tokens=50
-    ),  # a chunk to 50 would cut the first image's run: it stops before
-    "prefix_caching_chunk_60": dict(enable_prefix_caching=True, max_num_batched_tokens=60),
+    # a chunk to 50 would cut the first image's run: it stops before it
+    "chunk_50": dict(max_num_batched_tokens=50),
     "async_chunk_60": dict(async_scheduling=True, enable_prefix_caching=True, max_num_batched_tokens=60),
     "tiny_pool_preemption": dict(num_kv_blocks=40, max_model_len=150, max_num_batched_tokens=64),
 }

@@ -38,7 +38,7 @@ def tiny_idefics3(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyp
 
 CONFIGS = {
     "default": dict(),
-    "prefix_caching_chunk_7": dict(enable_prefix_caching=True, max_num_batched_tokens=7),
+    "prefix_caching_chunk_32": dict(enable_prefix_caching=True, max_num_batched_tokens=32),  # images: 75-125
     "async": dict(async_scheduling=True, enable_prefix_caching=True, max_num_batched_tokens=64),
 }
 

@@ -1,4 +1,4 @@
-"""`engine serve --uds PATH`: the API servers share a Unix socket instead of a TCP port (the openai SDK and
+"""`engine serve --uds PATH`: the API server listens on a Unix socket instead of a TCP port (the openai SDK and
 curl reach it), a stale socket file is replaced and the file is removed at exit; and GET /tokenizer_info
 behind --enable-tokenizer-info-endpoint (vLLM's; tests/test_serve_generate.py sees its 404 without)."""
 
@@ -25,7 +25,7 @@ def test_a_unix_socket_server_with_tokenizer_info(smollm2_gguf: str, tmp_path) -
     stale.bind(path)  # a dead server's socket file: replaced
     stale.close()
     command = [sys.executable, "-m", "frontend.cli", "serve", smollm2_gguf, "--uds", path, "--dtype", "float32",
-               "--max-model-len", "256", "--api-server-count", "2", "--enable-tokenizer-info-endpoint"]  # fmt: skip
+               "--max-model-len", "256", "--enable-tokenizer-info-endpoint"]  # fmt: skip
     process = subprocess.Popen(command)
     client = httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://engine", timeout=30)
 
