@@ -332,3 +332,44 @@ def test_generative_scoring_equals_a_forward_pass(smollm2_server) -> None:  # ty
     bad = httpx.post(f"{smollm2_server.base}/generative_scoring", json={"query": query, "items": items,
                      "label_token_ids": [10**7]}, headers=HEADERS, timeout=30)  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "label_token_ids"
+
+
+def test_a_render_server_without_an_engine(smollm2_server, smollm2_gguf: str) -> None:  # type: ignore[no-untyped-def]
+    """`engine launch render`: the render doors from the tokenizer and the model's files alone; what it renders
+    is what the full server renders, and a generate server turns it into the chat door's tokens."""
+    import subprocess
+    import sys
+
+    from tests.serve_helpers import free_port, stop, wait_until
+
+    port = free_port()
+    command = [sys.executable, "-m", "frontend.cli", "launch", "render", smollm2_gguf, "--port", str(port),
+               "--served-model-name", SHARED_MODEL_NAME, "--max-model-len", "1024"]  # fmt: skip
+    process = subprocess.Popen(command)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{base}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(healthy, 120, "the render server")
+        chat = {"model": SHARED_MODEL_NAME, "messages": [{"role": "user", "content": "Count to three."}],
+                "temperature": 0, "max_tokens": 8}  # fmt: skip
+        rendered = httpx.post(f"{base}/v1/chat/completions/render", json=chat, timeout=30).json()
+        full = post(smollm2_server, "/v1/chat/completions/render", chat)
+        assert (rendered["token_ids"], rendered["sampling_params"]) == (
+            full["token_ids"],
+            full["sampling_params"],
+        )
+        want = post(smollm2_server, "/v1/chat/completions", {**chat, "return_token_ids": True})
+        got = post(smollm2_server, "/inference/v1/generate", rendered)
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=10).status_code == 404
+        assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 1024
+        assert httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, timeout=10).json()["count"] > 0
+    finally:
+        stop(process)
+    assert process.returncode is not None

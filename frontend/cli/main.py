@@ -119,6 +119,38 @@ def add_serve_parser(commands: Any) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+# the engine flags a render server reads: the model's files, its names and context length, the grammar
+# backend its structured outputs are checked with, logging
+RENDER_ENGINE_FLAGS = ("model", "revision", "tokenizer", "tokenizer_revision", "download_dir", "served_model_name",
+                       "max_model_len", "cache_dir", "structured_outputs_config", "log_level", "log_format")  # fmt: skip
+
+
+def cmd_launch_render(args: argparse.Namespace) -> int:
+    from frontend.model_files import ModelNotFoundError
+    from frontend.scale_out.render_server import launch_render
+
+    try:
+        engine_args, server_args = engine_args_of(args), from_namespace(ServerArgs, args)
+    except ValueError as error:
+        return usage_error("launch render", error)
+    try:
+        return launch_render(engine_args, server_args)
+    except (ConfigError, ModelNotFoundError) as error:
+        return usage_error("launch render", error)
+
+
+def add_launch_parser(commands: Any) -> None:
+    launch = commands.add_parser("launch", help="launch a server for one part of a scale-out deployment")
+    parts = launch.add_subparsers(dest="part", required=True)
+    render = parts.add_parser(
+        "render",
+        help="a render-only server: chat and completions to token ids, no engine (docs/scale-out.md)",
+    )
+    add_flags(render, EngineArgs, only=RENDER_ENGINE_FLAGS)
+    add_flags(render, ServerArgs)
+    render.set_defaults(func=cmd_launch_render)
+
+
 def add_generate_parser(commands: Any) -> None:
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     add_flags(generate, EngineArgs)
@@ -156,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"engine {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
+    add_launch_parser(commands)
     add_client_parsers(commands)
     add_bench_parser(commands)
     add_generate_parser(commands)

@@ -87,6 +87,8 @@ def build_app(deps: AppDeps) -> FastAPI:
 
     if config.tokens_only:  # vLLM's --tokens-only: the tokens-in/tokens-out doors alone
         doors = [generate.router, generate.abort_router]
+    elif config.render_only:  # `engine launch render`: no engine to generate with
+        doors = [render.router]
     elif deps.serving.model_info.runner == "pooling":
         doors = [pooling_embeddings.router, pooling_score.router]
     elif deps.serving.model_info.runner == "transcription":

@@ -61,4 +61,5 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     limit_mm_per_prompt: dict[str, int] = {}  # per modality (vLLM's default: 999)
     mm_processor_cache_gb: float = 4.0  # processed images each API server keeps
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
-    tokens_only: bool = False  # the tokens-in/tokens-out doors alone, no tokenizer (--tokens-only)
+    tokens_only: bool = False
+    render_only: bool = False  # `engine launch render`: the render doors and no engine  # the tokens-in/tokens-out doors alone, no tokenizer (--tokens-only)

@@ -99,6 +99,18 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
         )
     tokenizer = await tokenizer_load if tokenizer_load is not None else None  # --tokens-only: none
     phases.mark("tokenizer")
+    await run_app(config, sock, phases, client, tokenizer, model_info)
+
+
+async def run_app(
+    config: ServerConfig,
+    sock: socket.socket,
+    phases: StartupPhases,
+    client: Any,
+    tokenizer: Any,
+    model_info: Any,
+) -> None:
+    """The app over its engine client (or, for `engine launch render`, over none), served on sock."""
     metrics = Metrics(model_info, prefix=config.metrics_prefix)
     try:
         serving = build_serving(config, AsyncLLM(client, tokenizer, metrics), model_info)
