@@ -72,6 +72,7 @@ ALLOWED = {
         "websockets",  # the realtime WebSocket's client in tests and its server under uvicorn
         "PIL",  # images: decoding (frontend/vision/decode.py)
         "aiohttp",  # images: fetching http(s) URLs, imported on the first one (frontend/vision/fetch.py)
+        "gguf",  # a render server's context length from a GGUF header (frontend/scale_out/render_server.py)
     },  # fmt: skip
 }
 # modules only the benchmark harness (frontend/bench/, the [bench] extra) may import

@@ -16,7 +16,6 @@ import torch
 
 from protocol.config import ParallelConfig, WorkerConfig
 from protocol.messages import Logprobs, ModelInfo, RequestError
-from protocol.sampling import SamplingParams
 from protocol.startup import StartupPhases
 from protocol.version import __version__
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
@@ -48,7 +47,7 @@ from worker.parallel.sharding import Shard, ShardingError, check_shardable, shar
 from worker.pooling import resolve_pooling
 from worker.pooling_runner import PoolingStep
 from worker.quant.method import packed_blocks
-from worker.sampler import SamplerOutput, gather_logprobs, sample
+from worker.sampler import gather_logprobs, sample, sampled_logprobs
 from worker.sampling_batch import sampling_batch
 
 logger = logging.getLogger("engine.worker")
@@ -482,23 +481,3 @@ class ModelRunner:
             next_ids = self.batch.token_ids[state.row, start + 1 : last + 1].tolist()
             result.append((request_id, rows, next_ids))
         return result
-
-
-def sampled_logprobs(sampled: SamplerOutput, row: int, params: SamplingParams) -> Logprobs:
-    """One sampled row's logprobs: the sampled token's, then the top ones' or exactly the asked tokens'
-    (logprob_token_ids)."""
-    assert (
-        sampled.logprob_token_ids is not None and sampled.logprobs is not None and sampled.ranks is not None
-    )
-    labels, rank = params.logprob_token_ids, [int(sampled.ranks[row])]
-    if labels is not None:
-        assert sampled.label_logprobs is not None
-        values = sampled.label_logprobs[row, : len(labels)].tolist()
-        return Logprobs(
-            [[int(sampled.token_ids[row]), *labels]], [[float(sampled.logprobs[row, 0]), *values]], rank
-        )
-    k = params.logprobs
-    assert k is not None
-    return Logprobs(
-        [sampled.logprob_token_ids[row, : 1 + k].tolist()], [sampled.logprobs[row, : 1 + k].tolist()], rank
-    )

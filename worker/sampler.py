@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protocol.messages import Logprobs
 from worker.timestamp_rules import force_timestamps
 
 if TYPE_CHECKING:
+    from protocol.sampling import SamplingParams
     from worker.csrc_ops import CpuOps
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -205,3 +207,23 @@ def _apply_top_k_top_p(
         mask |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def sampled_logprobs(sampled: SamplerOutput, row: int, params: SamplingParams) -> Logprobs:
+    """One sampled row's logprobs: the sampled token's, then the top ones' or exactly the asked tokens'
+    (logprob_token_ids)."""
+    assert (
+        sampled.logprob_token_ids is not None and sampled.logprobs is not None and sampled.ranks is not None
+    )
+    labels, rank = params.logprob_token_ids, [int(sampled.ranks[row])]
+    if labels is not None:
+        assert sampled.label_logprobs is not None
+        values = sampled.label_logprobs[row, : len(labels)].tolist()
+        return Logprobs(
+            [[int(sampled.token_ids[row]), *labels]], [[float(sampled.logprobs[row, 0]), *values]], rank
+        )
+    k = params.logprobs
+    assert k is not None
+    return Logprobs(
+        [sampled.logprob_token_ids[row, : 1 + k].tolist()], [sampled.logprobs[row, : 1 + k].tolist()], rank
+    )
