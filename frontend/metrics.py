@@ -290,7 +290,11 @@ class EngineStatsCollector:
                 "Tokens the engine generated for any frontend, ZMQ clients included.",
                 "num_generation_tokens",
             ),
-            ("encoder_inputs", "Images a vision tower ran on.", "num_encoder_inputs"),
+            (
+                "encoder_inputs",
+                "Encoder inputs run: images (a vision tower), audio (a Whisper encoder).",
+                "num_encoder_inputs",
+            ),
             ("encoder_seconds", "Seconds the worker spent in those encoders.", "encoder_seconds"),
         ):
             counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)

@@ -200,7 +200,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     paused: str = ""  # "abort", "wait" or "keep" while paused (POST /pause); "" when running
     sleeping: list[str] = []  # what sleeps (POST /sleep): "weights", "kv_cache"; [] when awake
     sleep_level: int = 0  # 1: weights kept in a file; 2: weights dropped (reloaded on wake)
-    num_encoder_inputs: int = 0  # images a vision tower ran on
+    num_encoder_inputs: int = 0  # encoder inputs run: images (a vision tower), audio (a Whisper encoder)
     encoder_seconds: float = 0.0  # the worker's time in those encoders
 
 

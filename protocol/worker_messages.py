@@ -63,7 +63,7 @@ class ModelRunnerOutput(msgspec.Struct, tag="model_output", array_like=True):
     errors: dict[str, RequestError] = {}  # requests the worker cannot go on with (a grammar that failed
     # to compile in time): the engine finishes each with finish_reason "error"
     pooled: dict[str, PooledOutput] = {}  # pooling requests whose prompt this step finished
-    num_encoder_inputs: int = 0  # the images whose vision tower this step ran
+    num_encoder_inputs: int = 0  # the encoder inputs this step ran: images (a vision tower), audio (Whisper)
     encoder_seconds: float = 0.0  # and its time in them
 
 

@@ -80,8 +80,17 @@ def hf_transcript(hf_whisper: Any, path: pathlib.Path) -> str:
     return str(processor.batch_decode(ids, skip_special_tokens=True)[0])
 
 
+def metric_total(server: Served, name: str) -> float:
+    lines = httpx.get(f"{server.base}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
 def test_the_transcript_equals_transformers(server: Served, hf_whisper: Any, clips: dict) -> None:  # type: ignore[type-arg]
     sdk = client(server)
+    inputs, seconds = (
+        metric_total(server, "engine:encoder_inputs_total"),
+        metric_total(server, "engine:encoder_seconds_total"),
+    )
     for name in ("fox", "paragraph"):
         expected = hf_transcript(hf_whisper, clips[name])
         with open(clips[name], "rb") as f:
@@ -91,6 +100,11 @@ def test_the_transcript_equals_transformers(server: Served, hf_whisper: Any, cli
     with open(clips["fox"], "rb") as f:
         text = sdk.audio.transcriptions.create(model="whisper", file=f, response_format="text")
     assert "quick brown fox" in words(text)
+    # each clip's encoder input is counted, and its time (the engine's counters reach /metrics with its stats)
+    wait_until(
+        lambda: metric_total(server, "engine:encoder_inputs_total") >= inputs + 3, 30, "the encoder inputs"
+    )
+    assert metric_total(server, "engine:encoder_seconds_total") > seconds
 
 
 def hf_timestamped(hf_whisper: Any, path: pathlib.Path) -> list[tuple[float, float, list[int]]]:

@@ -17,6 +17,7 @@ an entry's blocks are [slot * blocks_per_entry, (slot + 1) * blocks_per_entry).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ class CrossAttentionStore:
         self.caches = [torch.empty(shape, dtype=dtype) for _ in range(config.num_layers)]
         self.free_slots = list(range(max_entries - 1, -1, -1))
         self.slots: dict[str, int] = {}
+        self.step_inputs = 0  # the last add()'s encoder inputs and seconds (ModelRunnerOutput's)
+        self.step_seconds = 0.0
 
     @staticmethod
     def bytes_per_entry(model: WhisperModel, block_size: int) -> int:
@@ -50,9 +53,11 @@ class CrossAttentionStore:
 
     def add(self, new_requests: list[NewRequestData]) -> None:
         """Run the encoder once over the new requests' inputs (one batch) and write each one's entry."""
+        self.step_inputs, self.step_seconds = 0, 0.0
         todo = [new for new in new_requests if new.encoder_input is not None]
         if not todo:
             return
+        start = time.perf_counter()
         if len(todo) > len(self.free_slots):
             raise RuntimeError(
                 f"{len(self.slots) + len(todo)} encoder outputs exceed the worker's {self.max_entries}"
@@ -72,6 +77,7 @@ class CrossAttentionStore:
                     padded = values.new_zeros(run.shape[0] * run.shape[2], *run.shape[3:])
                     padded[: self.encoder_len] = values.transpose(0, 1)  # [positions, heads, head_dim]
                     run[:, half] = padded.view(run.shape[0], run.shape[2], *run.shape[3:])
+        self.step_inputs, self.step_seconds = len(todo), time.perf_counter() - start
 
     def drop(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)

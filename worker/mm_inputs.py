@@ -97,7 +97,7 @@ class ImageInputs:
         step holds); a request whose image the model cannot take ends with an error."""
         errors = {}
         start = time.perf_counter()
-        self.step_inputs = sum(len(indices) for indices in scheduled.values())
+        self.step_inputs = 0  # the images whose tower runs (a dropped request's run none)
         for request_id, indices in scheduled.items():
             images = self.requests.get(request_id)
             if (
@@ -109,6 +109,7 @@ class ImageInputs:
                 try:
                     tensors = {name: to_tensor(data) for name, data in image.item.tensors.items()}
                     self.model.check_image(tensors)
+                    self.step_inputs += 1
                     embeds = self.model.encode_image(tensors)
                 except (ValueError, UnsupportedModelError) as error:
                     errors[request_id] = RequestError("messages", f"image {index}: {error}")

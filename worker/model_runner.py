@@ -366,11 +366,10 @@ class ModelRunner:
             logits = logits.float().cpu()
 
         output = ModelRunnerOutput({}, errors=image_errors)
-        if self.images is not None:
-            output.num_encoder_inputs, output.encoder_seconds = (
-                self.images.step_inputs,
-                self.images.step_seconds,
-            )
+        for encoder in (self.images, self.cross):  # a vision tower's images, a Whisper encoder's inputs
+            if encoder is not None:
+                output.num_encoder_inputs += encoder.step_inputs
+                output.encoder_seconds += encoder.step_seconds
         if sample_pos:
             assert logits is not None
             states = [self.batch.requests[request_id] for request_id in sampling_ids]
