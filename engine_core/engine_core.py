@@ -21,6 +21,7 @@ import msgspec
 
 from engine_core.config import SchedulerConfig
 from engine_core.executor import Executor
+from engine_core.kv_transfer import kv_transfer_for
 from engine_core.lora_table import LoraTable
 from engine_core.mm_inputs import check_mm_inputs
 from engine_core.request import Request, RequestStatus
@@ -130,7 +131,8 @@ class EngineCore:
             encoder_cache_tokens=max(budget, info.max_image_tokens) if info.image_token_id >= 0 else 0,
             whole_image_spans=info.whole_image_spans,
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids)
+        kv_transfer = kv_transfer_for(config.worker.kv_transfer, self.model_info, config.worker.parallel)
+        self.scheduler = Scheduler(self.scheduler_config, self.model_info.eos_token_ids, kv_transfer)
         self.num_steps = 0
         self.max_steps_in_flight = 2 if config.async_scheduling else 1
         self.request_ended = False  # since the last collect: run one step at a time until the next
@@ -191,7 +193,15 @@ class EngineCore:
         if message.sampling_params.n != 1:
             raise InvalidParameterError("n", "the engine takes n == 1; the frontend fans n > 1 out.")
         lora = self.loras.resolve(message.lora_name) if message.lora_name is not None else None
-        self.scheduler.add_request(Request.from_add(message, client_id, info.block_size, lora))
+        request = Request.from_add(message, client_id, info.block_size, lora)
+        if message.kv_transfer_params is not None:
+            if self.scheduler.kv_transfer is None:
+                raise InvalidParameterError(
+                    "kv_transfer_params",
+                    "this engine transfers no KV: it was started without --kv-transfer-config.",
+                )
+            self.scheduler.kv_transfer.add(request, message.kv_transfer_params)
+        self.scheduler.add_request(request)
 
     def abort_requests(
         self, request_ids: list[str], reason: str | None = None

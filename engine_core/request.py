@@ -98,6 +98,10 @@ class Request:
         self.long_rope = False  # a LongRoPE model's request past its switch length (passes_rope_switch)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
+        # KV transfer (engine_core/kv_transfer.py): the entry it loads at admission, and whether it writes one
+        self.kv_load_key: str | None = None
+        self.kv_save = False
+        self.kv_saved = False  # planned (the step that ends its prompt writes it)
         # engine clock (time.monotonic): for the queue/prefill/decode histograms
         self.received_time = time.monotonic()
         self.first_scheduled_time: float | None = None

@@ -35,10 +35,12 @@ from dataclasses import dataclass
 from engine_core.config import SchedulerConfig
 from engine_core.encoder_room import embeds_of, encoder_room, fit_encoder_inputs, take_encoder_inputs
 from engine_core.hybrid_kv_cache import kv_cache_for
-from engine_core.kv_cache_manager import cdiv
+from engine_core.kv_transfer import KVTransferScheduler
 from engine_core.request import Request, RequestStatus
+from engine_core.scheduler_invariants import check_scheduler
 from engine_core.waiting_queue import WaitingQueue
 from protocol.errors import InvalidParameterError
+from protocol.kv_transfer import KVSave
 from protocol.messages import ITERATION_TOKENS_BUCKETS, RequestOutput, SchedulerStats
 from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -52,10 +54,13 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, config: SchedulerConfig, eos: list[int], kv_transfer: KVTransferScheduler | None = None
+    ):
         self.config = config
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
         self.kv_cache = kv_cache_for(config)
+        self.kv_transfer = kv_transfer  # --kv-transfer-config (engine_core/kv_transfer.py)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -200,7 +205,10 @@ class Scheduler:
             encoder_tokens = request.encoder_tokens_needed
             if encoder_tokens > encoder_budget:
                 break  # its encoder waits for a step with room (running decodes go on meanwhile)
-            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            computed_blocks, num_local = self.kv_cache.get_computed_blocks(request)
+            # remote KV past the local hit counts as computed too: the worker loads it before the forward
+            num_remote = self.kv_transfer.remote_tokens(request, num_local) if self.kv_transfer else 0
+            num_cached = num_local + num_remote
             num_new = min(request.num_tokens - num_cached, budget, self._prefill_cap(), prefill_budget)
             if num_new <= 0 or (
                 not self.config.chunked_prefill and num_new < request.num_tokens - num_cached
@@ -211,10 +219,14 @@ class Scheduler:
             )
             if num_new <= 0:
                 break  # its first image's tower waits for a step with room
-            new_blocks = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
+            new_blocks = self.kv_cache.allocate_slots(request, num_remote + num_new, computed_blocks)
             if new_blocks is None:
                 break
             self.waiting.pop()
+            if num_remote:
+                assert self.kv_transfer is not None
+                block_ids = self.kv_cache.get_block_ids(request.request_id)
+                self.kv_transfer.plan_load(request, block_ids, num_local, num_remote)
             encoder_budget -= encoder_tokens
             request.encoder_done = request.encoder_input is not None  # the worker runs it in this step
             if request.num_cached_tokens < 0:
@@ -297,6 +309,7 @@ class Scheduler:
             return None
         new_requests = []
         cached_requests = []
+        kv_saves: list[KVSave] = []
         step: dict[str, ScheduledRequest] = {}
         for request in self.running:
             request_id = request.request_id
@@ -334,6 +347,8 @@ class Scheduler:
             samples = request.num_computed_after_flight >= request.num_tokens_after_flight
             request.num_outputs_ahead += samples
             step[request_id] = ScheduledRequest(request, num_tokens, samples, request.num_runs)
+            if request.kv_save and self.kv_transfer is not None:
+                kv_saves += self.kv_transfer.plan_save(request, self.kv_cache.get_block_ids(request_id))
         self.steps_in_flight.append(step)
         output = SchedulerOutput(
             new_requests=new_requests,
@@ -343,6 +358,8 @@ class Scheduler:
             finished_request_ids=self.finished_request_ids + self.preempted_request_ids,
             preempted_request_ids=self.preempted_request_ids,
             scheduled_encoder_inputs=encoder_items,
+            kv_loads=self.kv_transfer.take_loads() if self.kv_transfer else [],
+            kv_saves=kv_saves,
         )
         self.finished_request_ids = []
         self.preempted_request_ids = []
@@ -374,6 +391,14 @@ class Scheduler:
                 continue  # preempted (and maybe back), finished or aborted since it was scheduled: stale
             request.num_tokens_ahead -= num_tokens
             request.num_outputs_ahead -= scheduled.samples
+            if (load_error := model_output.kv_load_errors.get(request_id)) and self.kv_transfer:
+                failed = self.kv_transfer.load_failed(request, load_error)  # loaded blocks never indexed
+                if failed is None:
+                    self._preempt(request, counted=False)  # "recompute": its blocks are freed unindexed
+                else:
+                    outputs.append((request, failed))
+                    stopped.append(request)
+                continue
             was_prefill = request.num_computed_tokens < request.num_prompt_tokens
             if was_prefill:
                 self.num_prompt_tokens += min(
@@ -414,6 +439,8 @@ class Scheduler:
                 )
                 if request.is_finished:
                     output.queue_time_s, output.prefill_time_s, output.decode_time_s = request.timings()
+                    if self.kv_transfer is not None:
+                        output.kv_transfer_params = self.kv_transfer.finished_params(request)
                 outputs.append((request, output))
             if request.is_finished:
                 stopped.append(request)
@@ -468,33 +495,4 @@ class Scheduler:
         return sorted({r.lora.name for r in requests if r.lora is not None})
 
     def check_invariants(self, scheduler_output: SchedulerOutput | None = None) -> None:
-        self.kv_cache.check_invariants()
-        assert len(self.running) <= self.config.max_num_seqs
-        if self.config.max_loras:
-            assert len({r.lora.lora_id for r in self.running if r.lora is not None}) <= self.config.max_loras
-        if scheduler_output is not None:
-            assert scheduler_output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
-            encoders = [
-                new.encoder_input.num_tokens for new in scheduler_output.new_requests if new.encoder_input
-            ]
-            assert sum(encoders) <= self.config.max_num_encoder_input_tokens
-            images = scheduler_output.scheduled_encoder_inputs
-            assert sum(embeds_of(self.requests[rid], items) for rid, items in images.items()) <= (
-                self.config.max_num_encoder_input_tokens
-            )
-        assert sum(embeds_of(r, r.encoder_held) for r in self.running) <= max(
-            self.config.encoder_cache_tokens, 0
-        )
-        block_size = self.config.block_size
-        for request in self.running:
-            assert request.status == RequestStatus.RUNNING, request
-            num_blocks = len(self.kv_cache.req_to_blocks.get(request.request_id, []))
-            assert num_blocks >= cdiv(request.num_computed_after_flight, block_size), request
-            self.kv_cache.check_window(request)
-            assert request.num_computed_after_flight <= request.num_tokens_after_flight, request
-            assert request.num_outputs_ahead <= len(self.steps_in_flight), request
-        for request in self.waiting:
-            assert not request.is_finished, request
-            assert request.request_id not in self.kv_cache.req_to_blocks, request
-        assert len(self.running) + len(self.waiting) == len(self.requests)
-        assert sum(self.iteration_tokens_buckets) == self.num_steps
+        check_scheduler(self, scheduler_output)  # engine_core/scheduler_invariants.py

@@ -6,6 +6,7 @@ import os
 
 import msgspec
 
+from protocol.kv_transfer import KVTransferConfig
 from protocol.lora import LoraAdapter, LoraConfig
 from protocol.pooling import PoolerConfig
 
@@ -87,6 +88,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     max_cudagraph_capture_size: int | None = None  # CUDA: the largest decode batch captured (None: vLLM's)
     rank: int = 0  # this worker's tensor-parallel rank (set by whoever starts it)
+    kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config: disaggregated prefill and decode
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

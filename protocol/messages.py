@@ -5,13 +5,15 @@ Append defaulted fields only, and bump PROTOCOL_VERSION for anything else.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from protocol.media import EncoderInput, MultiModalInput
 from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 12  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 13  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
 # 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
 # runner and tasks, AddRequest.pooling_params, RequestOutput.pooled); 7: LoRA (RequestError.code,
@@ -19,7 +21,9 @@ PROTOCOL_VERSION = 12  # 2: RequestOutput gained queue/prefill/decode times; 3: 
 # data_parallel_rank and data_parallel_addresses); 9: encoder-decoder models (AddRequest.encoder_input,
 # ModelInfo's encoder fields, NewRequestData.encoder_input); 10: images (AddRequest.mm_inputs, ModelInfo's
 # image fields, NewRequestData.mm_inputs, SchedulerOutput.scheduled_encoder_inputs); 11:
-# ModelInfo.whole_image_spans (Gemma 3); 12: SamplingParams.logprob_token_ids
+# ModelInfo.whole_image_spans (Gemma 3); 12: SamplingParams.logprob_token_ids; 13: KV transfer
+# (AddRequest and RequestOutput kv_transfer_params, SchedulerOutput's kv_loads and kv_saves,
+# ModelRunnerOutput.kv_load_errors)
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -115,6 +119,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, kw_only=True):
     pooling_params: PoolingParams | None = None  # a pooling request: prefill only, finished with `pooled`
     encoder_input: EncoderInput | None = None  # an encoder-decoder model's input (ModelInfo.encoder_len)
     mm_inputs: list[MultiModalInput] = []  # a vision-language model's images, in prompt order
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: produce KV for a remote decode, or load it
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -173,6 +178,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     decode_time_s: float = 0.0  # set when finished: first token -> last token
     error: RequestError | None = None  # set (with finish_reason "error") when the engine refused it
     pooled: PooledOutput | None = None  # a pooling request's value, with finish_reason "stop"
+    kv_transfer_params: dict[str, Any] | None = None  # set when finished: where a decode engine finds its KV
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from protocol.kv_transfer import KVLoad, KVSave
 from protocol.lora import LoraRequest
 from protocol.media import EncoderInput, MultiModalInput
 from protocol.messages import Logprobs, ModelInfo, RequestError
@@ -52,6 +53,8 @@ class SchedulerOutput(msgspec.Struct, tag="schedule", array_like=True):
     # request id -> indices of its images whose vision tower runs this step; the worker keeps each output
     # until the request's computed tokens pass the image's span (or the request leaves)
     scheduled_encoder_inputs: dict[str, list[int]] = {}
+    kv_loads: list[KVLoad] = []  # remote KV to read into blocks before the forward (protocol/kv_transfer.py)
+    kv_saves: list[KVSave] = []  # prompt prefixes to write out after it
 
 
 class ModelRunnerOutput(msgspec.Struct, tag="model_output", array_like=True):
@@ -65,6 +68,7 @@ class ModelRunnerOutput(msgspec.Struct, tag="model_output", array_like=True):
     pooled: dict[str, PooledOutput] = {}  # pooling requests whose prompt this step finished
     num_encoder_inputs: int = 0  # the encoder inputs this step ran: images (a vision tower), audio (Whisper)
     encoder_seconds: float = 0.0  # and its time in them
+    kv_load_errors: dict[str, str] = {}  # requests whose KV load failed, and why: their rows are not valid
 
 
 class WorkerReady(msgspec.Struct, tag="worker_ready", array_like=True):

@@ -103,22 +103,23 @@ def test_add_request_golden_bytes() -> None:
     )
     body = frontend_codec().encode(message)[1]
     assert body.hex() == (
-        "9ba3616464a172920102dc001a01cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
+        "9ca3616464a172920102dc001a01cb0000000000000000cb3ff000000000000000cb0000000000000000c0"
         "cb0000000000000000cb0000000000000000cb3ff0000000000000c004009090c2c0c0c2c3c3c090c0"
         "90c0"  # SamplingParams.begin_suppress_token_ids, timestamp_rules (PROTOCOL_VERSION 9)
         "c0"  # SamplingParams.logprob_token_ids (PROTOCOL_VERSION 12; its 26 fields: dc001a)
         "cb3ff000000000000000c0c0c0"  # the third nil: pooling_params (PROTOCOL_VERSION 6)
         "c0"  # encoder_input (PROTOCOL_VERSION 9)
         "90"  # mm_inputs (PROTOCOL_VERSION 10)
+        "c0"  # kv_transfer_params (PROTOCOL_VERSION 13; 12 fields: 9c)
     )
 
 
 def test_output_golden_bytes() -> None:
     body = engine_codec().encode(EngineOutputs([RequestOutput("r", [9], "length")], 2.0, None))[1]
     assert body.hex() == (
-        "94a76f757470757473919ca1729109a66c656e677468c0c0c000"
-        "cb0000000000000000cb0000000000000000cb0000000000000000c0c0cb4000000000000000c0"
-    )  # RequestOutput's last nil: pooled (PROTOCOL_VERSION 6)
+        "94a76f757470757473919da1729109a66c656e677468c0c0c000"
+        "cb0000000000000000cb0000000000000000cb0000000000000000c0c0c0cb4000000000000000c0"
+    )  # RequestOutput's last nils: pooled (PROTOCOL_VERSION 6), kv_transfer_params (13)
 
 
 def test_a_rejection_is_a_typed_error_in_the_output() -> None:

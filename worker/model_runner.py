@@ -33,6 +33,7 @@ from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
 from worker.input_batch import InputBatch, StepInputs
 from worker.kernel_table import log_kernel_table
 from worker.kv_groups import KVPools, plan_pools
+from worker.kv_transfer import SharedStorageKV
 from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
 from worker.mm_inputs import ImageInputs, check_vision
@@ -194,6 +195,7 @@ class ModelRunner:
                                           self.max_model_len, self.block_size, self.num_kv_blocks, self.device))  # fmt: skip
             phases.mark("cuda graphs")
         self.lora = LoraManager(config.lora, mc, self.dtype, ops) if config.lora is not None else None
+        self.kv_transfer = SharedStorageKV(config.kv_transfer) if config.kv_transfer is not None else None
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.rope_switch)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
@@ -311,6 +313,9 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
+        kv_errors = (
+            self.kv_transfer.load(scheduler_output.kv_loads, self.kv_caches) if self.kv_transfer else {}
+        )
         inputs = self.batch.prepare_inputs(
             scheduler_output.num_scheduled_tokens, bool(self.pools.num_window_blocks)
         )
@@ -406,6 +411,9 @@ class ModelRunner:
                 output.prompt_logprobs[request_id] = Logprobs(ids.tolist(), values.tolist(), ranks.tolist())
         for i, row in enumerate(inputs.rows):
             self.batch.num_computed_tokens[row] = inputs.starts[i] + inputs.counts[i]
+        if self.kv_transfer is not None:
+            self.kv_transfer.save(scheduler_output.kv_saves, self.kv_caches)
+            output.kv_load_errors = kv_errors
         return self._with_lora_errors(output, inputs)
 
     def _follow(self, inputs: StepInputs, sampling_ids: list[str]) -> ModelRunnerOutput:

@@ -151,6 +151,27 @@ def add_launch_parser(commands: Any) -> None:
     render.set_defaults(func=cmd_launch_render)
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from frontend.config.proxy_args import ProxyArgs
+    from frontend.scale_out.proxy import run_proxy
+
+    try:
+        proxy_args = from_namespace(ProxyArgs, args)
+    except ValueError as error:
+        return usage_error("proxy", error)
+    return run_proxy(proxy_args)
+
+
+def add_proxy_parser(commands: Any) -> None:
+    from frontend.config.proxy_args import ProxyArgs
+
+    proxy = commands.add_parser(
+        "proxy", help="route each request to a prefill and then a decode instance (docs/scale-out.md)"
+    )
+    add_flags(proxy, ProxyArgs)
+    proxy.set_defaults(func=cmd_proxy)
+
+
 def add_generate_parser(commands: Any) -> None:
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     add_flags(generate, EngineArgs)
@@ -189,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
     add_launch_parser(commands)
+    add_proxy_parser(commands)
     add_client_parsers(commands)
     add_bench_parser(commands)
     add_generate_parser(commands)

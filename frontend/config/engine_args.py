@@ -13,6 +13,7 @@ import msgspec
 from frontend.config.flags import ConfigError, human_bytes, naming, option
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
 from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, ParallelConfig, WorkerConfig
+from protocol.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from protocol.lora import LoraAdapter, LoraConfig
 from protocol.pooling import PoolerConfig
 from structured_outputs import resolve_backend_name
@@ -224,6 +225,13 @@ class EngineArgs:
     startup_timeout_s: float = option(
         600.0, "seconds the offline API waits for the engine to load", flag="--startup-timeout"
     )
+    kv_transfer_config: dict[str, Any] | None = option(
+        None,
+        'disaggregated prefill and decode, vLLM\'s JSON: {"kv_connector": "SharedStorageConnector", "kv_role": '
+        '"kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {"shared_storage_path": DIR}, '
+        '"kv_load_failure_policy": "fail" | "recompute"} (docs/scale-out.md)',
+        parse=_json_object,
+    )
     log_level: str = option(
         "info", "log level of every process", choices=["debug", "info", "warning", "error"]
     )
@@ -283,6 +291,8 @@ class EngineArgs:
             raise ConfigError(flag, f"has no key {sorted(unknown)[0]!r}; it takes {keys}")
         with naming(flag):
             resolve_backend_name(config.get("backend", "auto"))
+        with naming("--kv-transfer-config"):
+            self.kv_transfer()
         timeout = config.get("grammar_compile_timeout_s", 30.0)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(flag, f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
@@ -378,6 +388,11 @@ class EngineArgs:
             keys = ", ".join(PoolerConfig.__struct_fields__)
             raise ValueError(f"{error} (its keys: {keys})") from None
 
+    def kv_transfer(self) -> KVTransferConfig | None:
+        return (
+            parse_kv_transfer_config(self.kv_transfer_config) if self.kv_transfer_config is not None else None
+        )
+
     def lora_config(self) -> LoraConfig | None:
         if not self.enable_lora:
             return None
@@ -426,6 +441,7 @@ class EngineArgs:
             pooler_config=self.pooler(),
             lora=self.lora_config(),
             parallel=self.parallel_config(),
+            kv_transfer=self.kv_transfer(),
         )
         base = worker.served_model_names[0]
         return EngineConfig(

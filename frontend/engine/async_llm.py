@@ -57,11 +57,13 @@ class AsyncLLM:
         lora_name: str | None = None,
         encoder_input: EncoderInput | None = None,
         mm_inputs: list[MultiModalInput] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncGenerator[tuple[RequestState, Delta], None]:
         """Run the n choices of one prompt; yield each delta as it comes, with the request's state.
         parser, incremental: how the door reads the text (OutputProcessor.add_request); lora_name: the
         adapter it runs with (None: the base model); encoder_input: an encoder-decoder model's input (the
-        audio's features), shared by the n choices; mm_inputs: a vision-language model's images."""
+        audio's features), shared by the n choices; mm_inputs: a vision-language model's images;
+        kv_transfer_params: vLLM's (docs/scale-out.md), the finished request's in RequestState."""
         state, requests = self.processor.add_request(
             request_id,
             prompt_token_ids,
@@ -73,6 +75,7 @@ class AsyncLLM:
             lora_name=lora_name,
             encoder_input=encoder_input,
             mm_inputs=mm_inputs,
+            kv_transfer_params=kv_transfer_params,
         )
         self._log(state, log_id)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()

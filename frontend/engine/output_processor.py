@@ -91,6 +91,9 @@ class RequestState:
     prompt_logprobs: Logprobs | None = None  # positions 1.. of the prompt (position 0 has none)
     lora_name: str | None = None  # the adapter it runs with (the request counters' model_name)
     engine_index: int = 0  # the data-parallel engine that runs its choices (the metrics' engine label)
+    kv_transfer_params: dict[str, Any] | None = (
+        None  # a prefill's, once finished: what its decode request carries
+    )
 
     def child_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -132,6 +135,7 @@ class OutputProcessor:
         lora_name: str | None = None,
         encoder_input: EncoderInput | None = None,
         mm_inputs: list[MultiModalInput] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> tuple[RequestState, list[AddRequest]]:
         """The state of a new prompt and the engine requests that run its n choices. parser: how the
         door reads each choice's text (None: all of it is content); incremental False: the door reads
@@ -165,6 +169,7 @@ class OutputProcessor:
                 lora_name=lora_name,
                 encoder_input=encoder_input,
                 mm_inputs=mm_inputs or [],
+                kv_transfer_params=kv_transfer_params,
             )
             for index in range(params.n)
         ]
@@ -183,6 +188,8 @@ class OutputProcessor:
         if output.finish_reason == "abort" and output.stop_reason is None:
             raise EngineDeadError("the engine aborted the request")  # a deliberate abort has a reason
         state.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            state.kv_transfer_params = output.kv_transfer_params
         text = choice.detokenizer.update(output.new_token_ids, finished)
         choice.text += text
         choice.token_ids.extend(output.new_token_ids)

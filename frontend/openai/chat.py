@@ -86,6 +86,7 @@ class ChatRun(Run):
             incremental=body.stream or in_order,
             lora_name=self.serving.lora_name(body.model),
             mm_inputs=self.mm_inputs,
+            kv_transfer_params=body.kv_transfer_params,
         )
 
 
@@ -180,6 +181,8 @@ def full_body(run: ChatRun, state: RequestState) -> dict[str, Any]:
         result["prompt_logprobs"] = prompt_logprobs_body(state.prompt_logprobs, run.serving.token_text)
     if body.return_token_ids:
         result["prompt_token_ids"] = state.prompt_token_ids
+    if state.kv_transfer_params is not None:
+        result["kv_transfer_params"] = state.kv_transfer_params
     return result
 
 

@@ -39,7 +39,7 @@ from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import Prompt, completion_prompts
 from frontend.openai.schemas import CompletionRequest
 from frontend.openai.structured import spec_of_request
-from frontend.server.errors import to_openai_error
+from frontend.server.errors import OpenAIError, to_openai_error
 from protocol.sampling import SamplingParams
 
 router = APIRouter()
@@ -79,6 +79,7 @@ class CompletionRun(Run):
             cache_salt=self.body.cache_salt,
             log_id=caller_request_id(request, self.body),
             lora_name=self.serving.lora_name(self.body.model),
+            kv_transfer_params=self.body.kv_transfer_params,
         )
 
 
@@ -91,6 +92,8 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     await serving.check_model(body.model)
     model = serving.model_name(body.model)
     prompts = completion_prompts(serving, body)
+    if body.kv_transfer_params is not None and len(prompts) > 1:
+        raise OpenAIError("kv_transfer_params takes one prompt.", param="kv_transfer_params")
     top = check_top(body.logprobs, "logprobs")
     prompt_logprobs = body.prompt_logprobs
     if body.echo and top is not None and prompt_logprobs is None:
@@ -156,7 +159,10 @@ def completion_body(run: CompletionRun, states: list[RequestState]) -> dict[str,
     total_prompt = sum(len(prompt.token_ids) for prompt in run.prompts)
     total_output = sum(state.num_output_tokens for state in states)
     cached = sum(state.num_cached_tokens for state in states)
-    return run.envelope("text_completion", choices, usage=usage(total_prompt, total_output, cached))
+    result = run.envelope("text_completion", choices, usage=usage(total_prompt, total_output, cached))
+    if len(states) == 1 and states[0].kv_transfer_params is not None:
+        result["kv_transfer_params"] = states[0].kv_transfer_params
+    return result
 
 
 async def _stream(run: CompletionRun, request: Request) -> AsyncIterator[bytes]:

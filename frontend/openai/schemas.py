@@ -29,7 +29,6 @@ UNSUPPORTED_FIELDS = {
     "reasoning_effort": "reasoning settings (not yet)",
     "length_penalty": "beam search",
     "logits_processors": "custom logits processors",
-    "kv_transfer_params": "KV transfer",
     "vllm_xargs": "extra engine arguments",
     "mm_processor_kwargs": "multimodal inputs",
     "media_io_kwargs": "multimodal inputs",
@@ -102,6 +101,8 @@ class SamplingFields(BaseModel):
     structural_tag: str | dict[str, Any] | None = None
     guided_decoding_backend: str | None = None  # must name the engine's backend (or be "auto")
     guided_whitespace_pattern: str | None = None
+    # disaggregated prefill and decode (docs/scale-out.md): vLLM's, passed to the engine, which checks it
+    kv_transfer_params: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         """400 for any field we do not implement, or a value of one that we implement only in part."""
@@ -116,6 +117,21 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true.", param="stream_options")
         check_truncation_and_salt(self.truncate_prompt_tokens, self.cache_salt)
+        check_kv_transfer(self.kv_transfer_params, self.n, self.stream)
+
+
+def check_kv_transfer(params: dict[str, Any] | None, n: int, stream: bool) -> None:
+    """A request that produces or loads remote KV runs one choice; a producer's answer carries the params."""
+    if params is None:
+        return
+    if n != 1:
+        raise OpenAIError("kv_transfer_params takes n == 1.", param="kv_transfer_params")
+    if stream and params.get("do_remote_decode"):
+        raise OpenAIError(
+            "a request with do_remote_decode answers with the decode's kv_transfer_params: send it with stream "
+            "false.",
+            param="kv_transfer_params",
+        )
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -80,7 +80,8 @@ async def generate(body: GenerateRequest, request: Request, serving: Serving) ->
     )
     stream = serving.llm.generate(request_id, prompt.token_ids, params, priority=body.priority,
                                   cache_salt=body.cache_salt, log_id=caller_id,
-                                  lora_name=serving.lora_name(body.model))  # fmt: skip
+                                  lora_name=serving.lora_name(body.model),
+                                  kv_transfer_params=body.kv_transfer_params)  # fmt: skip
     answer = Answer(body, request_id, model, prompt.token_ids, top, serving, params.logprob_token_ids)
     if body.stream:
         return StreamingResponse(answer.stream(stream), media_type="text/event-stream")
@@ -134,7 +135,7 @@ class Answer:
             "usage": usage(len(self.prompt), state.num_output_tokens, state.num_cached_tokens),
             "prompt_logprobs": prompt_logprobs_body(state.prompt_logprobs, self.serving.token_text),
             "prompt_token_ids": self.prompt if self.body.return_token_ids else None,
-            "kv_transfer_params": None,
+            "kv_transfer_params": state.kv_transfer_params,
         }
         return body
 

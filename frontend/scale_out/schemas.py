@@ -54,7 +54,6 @@ class GenerateRequest(BaseModel):
 
     def check_supported(self) -> None:
         refused = {
-            "kv_transfer_params": "KV transfer (disaggregated prefill and decode)",
             "features": "multimodal features",
             "content_parts": "multimodal content parts",
             "ec_transfer_params": "encoder-cache transfer",
@@ -98,7 +97,8 @@ class GenerateRequest(BaseModel):
         try:
             body = CompletionRequest(
                 prompt=self.token_ids, model=self.model, stream=self.stream, stream_options=self.stream_options,
-                cache_salt=self.cache_salt, priority=self.priority, **fields,
+                cache_salt=self.cache_salt, priority=self.priority, kv_transfer_params=self.kv_transfer_params,
+                **fields,
             )  # fmt: skip
         except ValidationError as error:
             first = error.errors()[0]

@@ -1,0 +1,201 @@
+"""Disaggregated prefill and decode on in-process engines (real scheduler and worker, no processes): a
+producer engine computes each prompt and writes its KV to a shared folder; a consumer engine loads it and
+decodes. The consumer's greedy tokens equal HF transformers' (float32, a tiny random Llama), with chunked
+prefill, a prefix hit on the decode side and async scheduling; a missing, corrupt or foreign entry is an
+error or a recompute as kv_load_failure_policy says, never a wrong token; no block leaks on either side.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_core.engine_core import EngineCore
+from protocol.config import EngineConfig, WorkerConfig
+from protocol.errors import InvalidParameterError
+from protocol.kv_transfer import KVTransferConfig, entry_path, parse_kv_transfer_config
+from protocol.messages import AddRequest, RequestOutput
+from protocol.sampling import SamplingParams
+from tests.hf_oracle import compare_greedy, hf_greedy
+from tests.test_correctness_tiny import build_tiny
+from worker.executor import InprocExecutor
+
+MAX_NEW_TOKENS = 12
+PRODUCE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}  # fmt: skip  (vLLM's proxy's)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    folder = str(tmp_path_factory.mktemp("llama"))
+    build_tiny("llama", folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rng = random.Random(11)
+    shared = [rng.randrange(512) for _ in range(37)]
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (5, 16, 17, 40, 70)]
+    prompts += [shared + [1, 2, 3, 4], shared + [9] * 20]  # a 32-token block-aligned prefix in common
+    oracle = [hf_greedy(hf, p, MAX_NEW_TOKENS, None) for p in prompts]
+    return folder, prompts, oracle
+
+
+def engine(folder: str, role: str, storage: Path, policy: str = "fail", **kwargs: Any) -> EngineCore:
+    config = KVTransferConfig(kv_connector="SharedStorageConnector", kv_role=role, kv_load_failure_policy=policy,
+                              kv_connector_extra_config={"shared_storage_path": str(storage)})  # fmt: skip
+    worker = WorkerConfig(
+        model=folder, dtype=kwargs.pop("dtype", "float32"), block_size=16, kv_transfer=config
+    )
+    return EngineCore(EngineConfig(worker=worker, **kwargs), InprocExecutor(worker))
+
+
+def run(
+    core: EngineCore, prompts: list[list[int]], params: list[dict[str, Any] | None]
+) -> list[RequestOutput]:
+    """Each prompt to its end; per request, its tokens and last output (finish reason, params, error)."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    ids = [f"r{len(core.scheduler.requests)}-{i}-{random.random()}" for i in range(len(prompts))]
+    for request_id, prompt, kv in zip(ids, prompts, params, strict=True):
+        core.add_request(AddRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling,
+                                    arrival_time=0.0, kv_transfer_params=kv))  # fmt: skip
+    results = {request_id: RequestOutput(request_id, []) for request_id in ids}
+    while core.has_unfinished_requests():
+        for _, output in core.step():
+            result = results[output.request_id]
+            result.new_token_ids += output.new_token_ids
+            result.finish_reason, result.error = output.finish_reason, output.error
+            result.kv_transfer_params = output.kv_transfer_params
+        core.scheduler.check_invariants()
+    assert core.scheduler.kv_cache.pool.num_free_blocks == core.scheduler.config.num_kv_blocks  # no leak
+    return [results[request_id] for request_id in ids]
+
+
+def prefill(core: EngineCore, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    outputs = run(core, prompts, [PRODUCE] * len(prompts))
+    assert all(o.kv_transfer_params is not None for o in outputs)
+    return [o.kv_transfer_params for o in outputs]  # type: ignore[misc]
+
+
+def loaded_tokens(core: EngineCore) -> int:
+    return core.executor.runner.kv_transfer.num_bytes_loaded  # type: ignore[attr-defined,no-any-return]
+
+
+CONSUMERS = {
+    "default": {},
+    "chunk_16": {"max_num_batched_tokens": 16},
+    "async_no_prefix_caching": {"async_scheduling": True, "enable_prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("name", list(CONSUMERS))
+def test_decode_from_remote_kv_equals_hf(tiny, tmp_path: Path, name: str) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = tiny
+    producer = engine(
+        folder, "kv_producer", tmp_path, max_num_batched_tokens=32
+    )  # chunked: 70 in three steps
+    params = prefill(producer, prompts)
+    for prompt, kv in zip(prompts, params, strict=True):
+        tokens = (len(prompt) - 1) // 16 * 16
+        assert kv["do_remote_prefill"] and not kv["do_remote_decode"] and kv["remote_num_tokens"] == tokens
+        assert (kv["remote_key"] is None) == (tokens == 0)
+        if tokens:
+            assert entry_path(str(tmp_path), kv["remote_key"]).is_file()
+    consumer = engine(folder, "kv_consumer", tmp_path, **CONSUMERS[name])
+    outputs = run(consumer, prompts, params)
+    for output, expected in zip(outputs, oracle, strict=True):
+        assert output.finish_reason == "length", output.error
+        compare_greedy(output.new_token_ids, expected)
+    assert loaded_tokens(consumer) > 0
+    stats = consumer.scheduler.make_stats()
+    # the consumer computed only each prompt's tail past its entry (and its outputs)
+    assert stats.num_prompt_tokens == sum(len(p) - (len(p) - 1) // 16 * 16 for p in prompts)
+
+
+def test_a_prefix_hit_on_the_decode_side_loads_only_the_rest(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = tiny
+    producer = engine(folder, "kv_producer", tmp_path)
+    params = prefill(producer, prompts[-2:])
+    consumer = engine(folder, "kv_both", tmp_path)
+    first = run(consumer, prompts[-2:-1], params[:1])  # loads two blocks (32 of its 41 tokens)
+    compare_greedy(first[0].new_token_ids, oracle[-2])
+    before = loaded_tokens(consumer)
+    second = run(consumer, prompts[-1:], params[1:])  # its first two blocks hit; only the third loads
+    compare_greedy(second[0].new_token_ids, oracle[-1])
+    assert loaded_tokens(consumer) - before == before / 2  # one block where the first loaded two
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_corrupt_or_foreign_entry_is_an_error_or_a_recompute(tiny, tmp_path: Path, policy: str) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = tiny
+    producer = engine(folder, "kv_producer", tmp_path)
+    params = prefill(producer, prompts[3:5])
+    entry_path(str(tmp_path), params[0]["remote_key"]).write_bytes(b"not a safetensors file")
+    consumer = engine(folder, "kv_consumer", tmp_path, policy)
+    outputs = run(consumer, prompts[3:5], params)
+    if policy == "fail":
+        assert outputs[0].finish_reason == "error" and not outputs[0].new_token_ids
+        assert outputs[0].error is not None and "could not be loaded" in outputs[0].error.message
+    else:
+        compare_greedy(outputs[0].new_token_ids, oracle[3])
+    compare_greedy(outputs[1].new_token_ids, oracle[4])  # its neighbour's entry is whole
+    # an entry of another dtype (a bfloat16 producer): refused before a block is written
+    other = tmp_path / "bf16"
+    other.mkdir()
+    bf16 = prefill(engine(folder, "kv_producer", other, dtype="bfloat16"), prompts[3:4])
+    outputs = run(engine(folder, "kv_consumer", other, policy), prompts[3:4], bf16)
+    if policy == "fail":
+        assert outputs[0].error is not None and "bfloat16" in outputs[0].error.message
+    else:
+        compare_greedy(outputs[0].new_token_ids, oracle[3])
+
+
+def test_missing_entries_and_roles(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = tiny
+    consumer = engine(folder, "kv_consumer", tmp_path)
+    sampling = SamplingParams(max_tokens=2)
+    for params, words in (
+        ({"do_remote_prefill": True}, "no KV for this prompt"),  # (no producer wrote it)
+        (PRODUCE, "does not produce KV"),
+        ({"do_remote_prefill": True, "remote_key": "ab" * 32}, "another prompt's KV"),
+        ({"do_remote_prefill": True, "surprise": 1}, "unknown key 'surprise'"),
+        ({"do_remote_prefill": True, "do_remote_decode": True}, "either produces"),
+        (
+            {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_host": "10.0.0.2"},
+            "network connector",
+        ),
+    ):
+        with pytest.raises(InvalidParameterError, match=words):
+            consumer.add_request(AddRequest(request_id="x", prompt_token_ids=prompts[3], sampling_params=sampling,
+                                            arrival_time=0.0, kv_transfer_params=params))  # fmt: skip
+    assert not consumer.scheduler.requests
+    lenient = engine(folder, "kv_consumer", tmp_path, "recompute")  # no entry: computed here
+    compare_greedy(run(lenient, prompts[3:4], [{"do_remote_prefill": True}])[0].new_token_ids, oracle[3])
+
+
+def test_kv_transfer_config_refuses_by_name() -> None:
+    base = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}
+    assert parse_kv_transfer_config({**base, "kv_ip": "127.0.0.1", "kv_rank": None}).storage_path == "/tmp"
+    assert parse_kv_transfer_config(
+        {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}
+    ).is_consumer
+    for extra, words in (
+        ({"kv_connector": "NixlConnector"}, "'NixlConnector' is not one of ours"),
+        ({"kv_role": "kv_decoder"}, "kv_role must be"),
+        ({"kv_ip": "10.0.0.2"}, "kv_ip is not supported"),
+        ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy"),
+        ({"kv_connector_extra_config": {"backend": "x"}}, "'backend'"),
+        ({"kv_buffer_device": "cuda"}, "kv_buffer_device"),
+        ({"colour": 1}, "unknown key 'colour'"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            parse_kv_transfer_config({**base, **extra})
