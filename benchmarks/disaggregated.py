@@ -1,10 +1,11 @@
 """Disaggregated prefill and decode on one machine (docs/scale-out.md): TTFT and ITL through `engine proxy`
-(a prefill and a decode `engine serve`, the shared-storage connector on /dev/shm) against one `engine serve`
-of the same model and flags, at c=1 and c=16, in one invocation; then the connector's own rate: a step's
-entry written and read back through the worker's SharedStorageKV, in bytes per second.
+(a prefill and a decode `engine serve`, over the shared-storage connector on /dev/shm and over NIXL) against
+one `engine serve` of the same model and flags, at c=1 and c=16, in one invocation; then each connector's
+own rate: one prompt's entry written and read back through the worker's connector, in bytes per second
+(NIXL: UCX's own choice of transport, and UCX_TLS=tcp).
 
-Both engines of the disaggregated pair share this machine's cores, so expect no gain here: the point is
-what the hand-over costs (one more HTTP hop and a prefill answer, the entry's write and read).
+Both engines of a disaggregated pair share this machine's cores, so expect no gain here: the point is what
+the hand-over costs (one more HTTP hop and a prefill answer, the entry's write and read).
 
     python -m benchmarks.disaggregated [--model MODEL] [--input-len 512] [--output-len 64]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,8 @@ from typing import Any
 import httpx
 
 from tests.serve_helpers import free_port, stop, wait_healthy
+
+PAIRS = {"P+D storage": "SharedStorageConnector", "P+D NIXL": "NixlConnector"}
 
 
 def start(command: list[str]) -> tuple[subprocess.Popen[bytes], str]:
@@ -42,18 +46,22 @@ def bench(base: str, args: argparse.Namespace, concurrency: int, seed: int) -> d
         return json.loads(Path(out.name).read_text())["summary"]  # type: ignore[no-any-return]
 
 
-def serve_pass(args: argparse.Namespace, flags: list[str], storage: Path | None) -> dict[int, dict[str, Any]]:
+def serve_pass(
+    args: argparse.Namespace, flags: list[str], connector: str | None
+) -> dict[int, dict[str, Any]]:
+    """One engine (connector None), or a prefill and a decode engine behind `engine proxy`: c=1 and c=16."""
     processes = []
     try:
-        if storage is None:
+        if connector is None:
             process, base = start(["serve", *args.model, *flags])
             processes.append(process)
             wait_healthy(process, base)
         else:
             bases = []
+            extra = {"side_channel_port": free_port()} if connector == "NixlConnector" else {
+                "shared_storage_path": args.storage}  # fmt: skip
             for role in ("kv_producer", "kv_consumer"):
-                config = {"kv_connector": "SharedStorageConnector", "kv_role": role,
-                          "kv_connector_extra_config": {"shared_storage_path": str(storage)}}  # fmt: skip
+                config = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
                 process, base = start(
                     ["serve", *args.model, *flags, "--kv-transfer-config", json.dumps(config)]
                 )
@@ -71,33 +79,43 @@ def serve_pass(args: argparse.Namespace, flags: list[str], storage: Path | None)
             stop(process)
 
 
-def connector_rate(args: argparse.Namespace) -> tuple[int, float, float]:
-    """Bytes of one entry of input-len tokens in SmolLM2-135M's float32 pool shape, and its write and read
-    rates (bytes/s), through worker/kv_transfer.py on /dev/shm (median of five)."""
+def connector_rate(connector: str, input_len: int) -> tuple[int, float, float]:
+    """Bytes of one entry of input_len tokens in SmolLM2-135M's float32 pool shape (30 layers, 3 KV heads of
+    64), and its write and read rates (bytes/s) through the worker's connector (median of five)."""
     import statistics
 
     import torch
 
     from protocol.kv_transfer import KVLoad, KVSave, KVTransferConfig
-    from worker.kv_transfer import SharedStorageKV
+    from worker.kv_transfer import kv_connector_for
 
-    blocks = args.input_len // 64
-    pool = [torch.randn(blocks * 2, 2, 64, 3, 64) for _ in range(30)]  # 30 layers, 3 KV heads of 64
+    blocks = input_len // 64
+    pool = [torch.randn(blocks * 2, 2, 64, 3, 64) for _ in range(30)]
     writes, reads = [], []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
-        config = KVTransferConfig(kv_connector="SharedStorageConnector", kv_role="kv_both",
-                                  kv_connector_extra_config={"shared_storage_path": folder})  # fmt: skip
-        kv = SharedStorageKV(config)
+        port = free_port()
+        extra = (
+            {"side_channel_port": port} if connector == "NixlConnector" else {"shared_storage_path": folder}
+        )
+        sides = [kv_connector_for(KVTransferConfig(kv_connector=connector, kv_role=role,
+                                                   kv_connector_extra_config=extra))
+                 for role in ("kv_producer", "kv_consumer")]  # fmt: skip
+        producer, consumer = sides
+        assert producer is not None and consumer is not None
         for i in range(5):
             key = f"{i:064x}"
             started = time.perf_counter()
-            kv.save([KVSave("r", key, list(range(blocks)))], pool)
+            producer.save([KVSave("r", key, list(range(blocks)))], pool)
             writes.append(time.perf_counter() - started)
             started = time.perf_counter()
-            assert not kv.load([KVLoad("r", key, 0, list(range(blocks, 2 * blocks)))], pool)
+            load = KVLoad("r", key, 0, list(range(blocks, 2 * blocks)), f"127.0.0.1:{port}")
+            assert not consumer.load([load], pool)
             reads.append(time.perf_counter() - started)
         assert all(torch.equal(layer[:blocks], layer[blocks:]) for layer in pool)
-    size = kv.num_bytes_saved // 5
+        for side in sides:
+            if hasattr(side, "close"):
+                side.close()
+    size = producer.num_bytes_saved // 5
     return size, size / statistics.median(writes), size / statistics.median(reads)
 
 
@@ -107,26 +125,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrent client")
+    parser.add_argument("--rate-only", default=None, help=argparse.SUPPRESS)  # one connector's rate, as JSON
     args = parser.parse_args(argv)
+    if args.rate_only:
+        print(json.dumps(connector_rate(args.rate_only, args.input_len)))
+        return
     flags = ["--max-model-len", "2048"]
     with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
-        results = {
-            "one engine": serve_pass(args, flags, None),
-            "proxy (P+D)": serve_pass(args, flags, Path(folder)),
-        }
+        args.storage = folder
+        results = {"one engine": serve_pass(args, flags, None)}
+        results.update({name: serve_pass(args, flags, connector) for name, connector in PAIRS.items()})
     print(f"{'':12} {'c':>3} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'out tok/s':>10}")
     for name, by_c in results.items():
         for c, summary in by_c.items():
             print(f"{name:12} {c:>3} {summary['ttft_s']['p50'] * 1e3:>12.1f} {summary['itl_s']['p50'] * 1e3:>11.1f} "
                   f"{summary['output_throughput']:>10.1f}")  # fmt: skip
-    for c in (1, 16):
-        one, pd = results["one engine"][c], results["proxy (P+D)"][c]
-        print(f"c={c}: proxy/one TTFT x{pd['ttft_s']['p50'] / one['ttft_s']['p50']:.2f}, "
-              f"ITL x{pd['itl_s']['p50'] / one['itl_s']['p50']:.2f}, "
-              f"throughput x{pd['output_throughput'] / one['output_throughput']:.2f}")  # fmt: skip
-    size, write, read = connector_rate(args)
-    print(f"shared-storage entry of {args.input_len} tokens ({size / 1e6:.1f} MB): write {write / 1e9:.2f} GB/s, "
-          f"read {read / 1e9:.2f} GB/s (/dev/shm)")  # fmt: skip
+    for name in PAIRS:
+        for c in (1, 16):
+            one, pair = results["one engine"][c], results[name][c]
+            print(f"{name} c={c}, over one engine: TTFT x{pair['ttft_s']['p50'] / one['ttft_s']['p50']:.2f}, "
+                  f"ITL x{pair['itl_s']['p50'] / one['itl_s']['p50']:.2f}, "
+                  f"throughput x{pair['output_throughput'] / one['output_throughput']:.2f}")  # fmt: skip
+    for connector, env in (
+        ("SharedStorageConnector", {}),
+        ("NixlConnector", {}),
+        ("NixlConnector", {"UCX_TLS": "tcp"}),
+    ):
+        answer = subprocess.run([sys.executable, "-m", "benchmarks.disaggregated", "--rate-only", connector,
+                                 "--input-len", str(args.input_len)], env={**os.environ, **env}, check=True,
+                                capture_output=True, text=True)  # fmt: skip
+        size, write, read = json.loads(answer.stdout.strip().splitlines()[-1])
+        print(f"{connector}{' UCX_TLS=tcp' if env else ''}: an entry of {args.input_len} tokens ({size / 1e6:.1f} "
+              f"MB) written at {write / 1e9:.2f} GB/s, read at {read / 1e9:.2f} GB/s")  # fmt: skip
 
 
 if __name__ == "__main__":

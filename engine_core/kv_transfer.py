@@ -52,7 +52,7 @@ def kv_transfer_for(
     if refused:
         raise ValueError(f"--kv-transfer-config does not take {refused} yet")
     path = Path(config.storage_path)
-    if not path.is_dir():
+    if not config.is_nixl and not path.is_dir():
         raise ValueError(f"--kv-transfer-config: shared_storage_path {path} is not a folder")
     engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
     return KVTransferScheduler(msgspec.structs.replace(config, engine_id=engine_id), info.block_size)
@@ -76,6 +76,15 @@ class KVTransferScheduler:
         """A new request's kv_transfer_params: checked, and its load or save decided."""
         check_kv_transfer_params(params)
         config = self.config
+        network = ["remote_block_ids", "remote_request_id", "tp_size"]
+        network += [] if config.is_nixl else ["remote_host", "remote_port"]
+        for name in network:
+            if params.get(name) is not None:  # vLLM's NIXL connector's: ours find the KV by the prompt
+                raise InvalidParameterError(
+                    "kv_transfer_params",
+                    f"kv_transfer_params.{name} is not {config.kv_connector}'s: it finds the "
+                    "KV by the prompt (remote_key).",
+                )
         if request.lora is not None or request.mm_inputs or request.pooling_params is not None:
             what = (
                 "a LoRA adapter" if request.lora is not None else "images" if request.mm_inputs else "pooling"
@@ -103,6 +112,17 @@ class KVTransferScheduler:
             )
         if key is None:
             return  # a prompt shorter than a block and a token: nothing was written, all is computed here
+        if config.is_nixl:
+            if remote is None:
+                return  # the producer kept nothing (its prompt was as short)
+            host, port = params.get("remote_host"), params.get("remote_port")
+            if not isinstance(host, str) or not isinstance(port, int):
+                raise InvalidParameterError(
+                    "kv_transfer_params",
+                    "NixlConnector reads from remote_host and remote_port (the prefill's answer).",
+                )
+            request.kv_load_key, request.kv_load_remote = key, f"{host}:{port}"
+            return
         if not entry_path(config.storage_path, key).is_file():
             if config.kv_load_failure_policy == "fail":
                 raise InvalidParameterError(
@@ -126,7 +146,13 @@ class KVTransferScheduler:
         count = num_remote // self.block_size
         assert request.kv_load_key is not None and num_local % self.block_size == 0
         self.loads.append(
-            KVLoad(request.request_id, request.kv_load_key, first, block_ids[first : first + count])
+            KVLoad(
+                request.request_id,
+                request.kv_load_key,
+                first,
+                block_ids[first : first + count],
+                request.kv_load_remote,
+            )
         )
 
     def plan_save(self, request: Request, block_ids: list[int]) -> list[KVSave]:
@@ -155,8 +181,8 @@ class KVTransferScheduler:
             "remote_key": key,
             "remote_num_tokens": self.entry_tokens(request) if key is not None else 0,
             "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
+            "remote_host": self.config.side_channel_host if self.config.is_nixl else None,
+            "remote_port": self.config.side_channel_port if self.config.is_nixl else None,
         }
 
     def load_failed(self, request: Request, reason: str) -> RequestOutput | None:

@@ -100,6 +100,7 @@ class Request:
         self._update_block_hashes()
         # KV transfer (engine_core/kv_transfer.py): the entry it loads at admission, and whether it writes one
         self.kv_load_key: str | None = None
+        self.kv_load_remote = ""  # NIXL: the producer's side channel (host:port)
         self.kv_save = False
         self.kv_saved = False  # planned (the step that ends its prompt writes it)
         # engine clock (time.monotonic): for the queue/prefill/decode histograms

@@ -6,6 +6,10 @@ A prefill engine (kv_role kv_producer or kv_both) computes a prompt for a reques
 prompt token) to the connector; its answer's `kv_transfer_params` tell a decode engine (kv_consumer or
 kv_both) where to read it (`do_remote_prefill`). The decode engine loads those blocks before the request's
 first step, as if they were a prefix-cache hit, and computes the rest of the prompt and the output.
+
+Two connectors: the shared-storage one writes each entry to a file in a folder both engines see (one
+machine, or a shared file system); the NIXL one keeps each entry in the producer worker's registered host
+buffer until a consumer has read it with a NIXL READ (UCX) or it expires.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from protocol.errors import InvalidParameterError
 
 # one connector under vLLM's two names (ExampleConnector was SharedStorageConnector before v0.11)
 SHARED_STORAGE = ("SharedStorageConnector", "ExampleConnector")
+NIXL = "NixlConnector"
+CONNECTORS = (*SHARED_STORAGE, NIXL)
+EXTRA_KEYS = {  # kv_connector_extra_config, by connector
+    SHARED_STORAGE: {"shared_storage_path"},
+    (NIXL,): {"side_channel_host", "side_channel_port", "expiry_s"},
+}
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("fail", "recompute")
 # vLLM's KVTransferConfig fields for what our connectors do not do: refused unless left at vLLM's default
@@ -27,7 +37,6 @@ UNSUPPORTED_KEYS = {
     "kv_parallel_size": 1,
     "kv_ip": "127.0.0.1",
     "kv_port": 14579,
-    "kv_buffer_size": 1e9,
     "kv_connector_module_path": None,
     "enable_permute_local_kv": False,
 }
@@ -42,7 +51,7 @@ PARAM_KEYS = frozenset(
         "remote_port",
         "remote_request_id",
         "tp_size",
-        "remote_key",  # the shared-storage entry the producer wrote (the prompt prefix's chain hash)
+        "remote_key",  # the entry the producer wrote (the prompt prefix's chain hash)
         "remote_num_tokens",  # how many prompt tokens it holds
     }
 )
@@ -57,6 +66,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_connector_extra_config: dict[str, Any] = {}  # shared storage: {"shared_storage_path": folder}
     kv_load_failure_policy: str = "fail"  # a load that fails: "fail" ends the request, "recompute" redoes it
     kv_buffer_device: str = "cpu"  # where KV is staged (vLLM's default is "cuda"; ours is the host)
+    kv_buffer_size: int = 1_000_000_000  # NIXL: the producer's staging buffer, in bytes (vLLM's default)
 
     @property
     def is_producer(self) -> bool:
@@ -70,14 +80,34 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True):
     def storage_path(self) -> str:
         return str(self.kv_connector_extra_config.get("shared_storage_path", "/tmp"))
 
+    @property
+    def is_nixl(self) -> bool:
+        return self.kv_connector == NIXL
+
+    @property
+    def side_channel_host(self) -> str:
+        """NIXL: where the producer's worker answers lookups (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST)."""
+        return str(self.kv_connector_extra_config.get("side_channel_host", "127.0.0.1"))
+
+    @property
+    def side_channel_port(self) -> int:
+        return int(self.kv_connector_extra_config.get("side_channel_port", 5600))
+
+    @property
+    def expiry_s(self) -> float:
+        """NIXL: an entry no consumer read is freed after this long (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
+        return float(self.kv_connector_extra_config.get("expiry_s", 480.0))
+
 
 def parse_kv_transfer_config(value: dict[str, Any]) -> KVTransferConfig:
     """vLLM's JSON object -> KVTransferConfig; ValueError naming the key for what we do not do."""
     for key, default in UNSUPPORTED_KEYS.items():
-        if key in value and value[key] != default:
-            raise ValueError(f"{key} is not supported (the connectors here: {', '.join(SHARED_STORAGE)})")
+        if value.get(key) not in (default, None):
+            raise ValueError(f"{key} is not supported (the connectors here: {', '.join(CONNECTORS)})")
     known = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config", "kv_load_failure_policy",
-             "kv_buffer_device"}  # fmt: skip
+             "kv_buffer_device", "kv_buffer_size"}  # fmt: skip
+    if isinstance(value.get("kv_buffer_size"), float) and value["kv_buffer_size"].is_integer():
+        value = {**value, "kv_buffer_size": int(value["kv_buffer_size"])}  # (vLLM's is a float: 1e9)
     fields = {k: v for k, v in value.items() if k not in UNSUPPORTED_KEYS}
     if unknown := sorted(set(fields) - known):
         raise ValueError(f"unknown key {unknown[0]!r}")
@@ -86,10 +116,8 @@ def parse_kv_transfer_config(value: dict[str, Any]) -> KVTransferConfig:
         config = msgspec.convert(fields, KVTransferConfig)
     except msgspec.ValidationError as error:
         raise ValueError(str(error)) from None
-    if config.kv_connector not in SHARED_STORAGE:
-        raise ValueError(
-            f"kv_connector {config.kv_connector!r} is not one of ours: {', '.join(SHARED_STORAGE)}"
-        )
+    if config.kv_connector not in CONNECTORS:
+        raise ValueError(f"kv_connector {config.kv_connector!r} is not one of ours: {', '.join(CONNECTORS)}")
     if config.kv_role not in KV_ROLES:
         raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {config.kv_role!r}")
     if config.kv_load_failure_policy not in FAILURE_POLICIES:
@@ -100,9 +128,16 @@ def parse_kv_transfer_config(value: dict[str, Any]) -> KVTransferConfig:
         raise ValueError(
             f"kv_buffer_device {config.kv_buffer_device!r}: KV is staged on the host ('cpu') here"
         )
-    if extra := sorted(set(config.kv_connector_extra_config) - {"shared_storage_path"}):
+    if not config.is_nixl and config.kv_buffer_size != 1_000_000_000:
         raise ValueError(
-            f"kv_connector_extra_config key {extra[0]!r} is not one the shared-storage connector reads"
+            f"kv_buffer_size is NixlConnector's (its staging buffer), not {config.kv_connector}'s"
+        )
+    allowed = next(keys for names, keys in EXTRA_KEYS.items() if config.kv_connector in names)
+    if extra := sorted(set(config.kv_connector_extra_config) - allowed):
+        raise ValueError(f"kv_connector_extra_config key {extra[0]!r} is not one {config.kv_connector} reads")
+    if config.kv_buffer_size < 1 or config.expiry_s <= 0 or not 0 < config.side_channel_port < 65536:
+        raise ValueError(
+            "kv_buffer_size, expiry_s and side_channel_port must be positive (a port below 65536)"
         )
     return config
 
@@ -121,13 +156,6 @@ def check_kv_transfer_params(params: dict[str, Any]) -> None:
             "kv_transfer_params",
             "a request either produces KV (do_remote_decode) or consumes it (do_remote_prefill).",
         )
-    for name in ("remote_block_ids", "remote_host", "remote_port", "remote_request_id", "tp_size"):
-        if params.get(name) is not None:  # a network connector's (NIXL's): ours reads entries by prompt
-            raise InvalidParameterError(
-                "kv_transfer_params",
-                f"kv_transfer_params.{name} is a network connector's; the shared-storage "
-                "connector finds the KV by the prompt (remote_key).",
-            )
     remote = params.get("remote_key")
     if remote is not None and not (
         isinstance(remote, str) and len(remote) == 64 and all(c in "0123456789abcdef" for c in remote)
@@ -150,6 +178,7 @@ class KVLoad(msgspec.Struct, array_like=True):
     key: str
     first_block: int
     block_ids: list[int]
+    remote: str = ""  # NIXL: the producer's side channel, host:port ("": the shared-storage folder)
 
 
 class KVSave(msgspec.Struct, array_like=True):

@@ -8,6 +8,7 @@ error or a recompute as kv_load_failure_policy says, never a wrong token; no blo
 from __future__ import annotations
 
 import random
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from protocol.kv_transfer import KVTransferConfig, entry_path, parse_kv_transfer
 from protocol.messages import AddRequest, RequestOutput
 from protocol.sampling import SamplingParams
 from tests.hf_oracle import compare_greedy, hf_greedy
+from tests.serve_helpers import wait_until
 from tests.test_correctness_tiny import build_tiny
 from worker.executor import InprocExecutor
 
@@ -171,7 +173,7 @@ def test_missing_entries_and_roles(tiny, tmp_path: Path) -> None:  # type: ignor
         ({"do_remote_prefill": True, "do_remote_decode": True}, "either produces"),
         (
             {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_host": "10.0.0.2"},
-            "network connector",
+            "not SharedStorageConnector's",
         ),
     ):
         with pytest.raises(InvalidParameterError, match=words):
@@ -189,7 +191,12 @@ def test_kv_transfer_config_refuses_by_name() -> None:
         {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}
     ).is_consumer
     for extra, words in (
-        ({"kv_connector": "NixlConnector"}, "'NixlConnector' is not one of ours"),
+        ({"kv_connector": "P2pNcclConnector"}, "'P2pNcclConnector' is not one of ours"),
+        ({"kv_buffer_size": 1e6}, "kv_buffer_size is NixlConnector's"),
+        (
+            {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"shared_storage_path": "/x"}},
+            "NixlConnector reads",
+        ),
         ({"kv_role": "kv_decoder"}, "kv_role must be"),
         ({"kv_ip": "10.0.0.2"}, "kv_ip is not supported"),
         ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy"),
@@ -199,3 +206,77 @@ def test_kv_transfer_config_refuses_by_name() -> None:
     ):
         with pytest.raises(ValueError, match=words):
             parse_kv_transfer_config({**base, **extra})
+
+
+# ---- the NIXL connector: a producer's registered staging buffer, read with a NIXL READ ----
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def nixl_engine(folder: str, role: str, port: int, policy: str = "fail", **extra: Any) -> EngineCore:
+    config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_load_failure_policy=policy,
+                              kv_buffer_size=8 << 20, kv_connector_extra_config={"side_channel_port": port, **extra})  # fmt: skip
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, kv_transfer=config)
+    return EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
+
+
+def connector(core: EngineCore) -> Any:
+    return core.executor.runner.kv_transfer  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def pair(tiny):  # type: ignore[no-untyped-def]
+    folder = tiny[0]
+    port = free_tcp_port()
+    cores = [
+        nixl_engine(folder, "kv_producer", port, expiry_s=120.0),
+        nixl_engine(folder, "kv_consumer", port),
+    ]
+    yield cores
+    for core in cores:
+        connector(core).close()
+
+
+def test_decode_from_a_nixl_read_equals_hf(tiny, pair) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = tiny
+    producer, consumer = pair
+    params = prefill(producer, prompts)
+    assert all(p["remote_host"] == "127.0.0.1" and isinstance(p["remote_port"], int) for p in params)
+    held = len(connector(producer).entries)
+    assert held == sum(1 for p in prompts if len(p) > 16)  # an entry for each prompt of a block and more
+    outputs = run(consumer, prompts, params)
+    for output, expected in zip(outputs, oracle, strict=True):
+        assert output.finish_reason == "length", output.error
+        compare_greedy(output.new_token_ids, expected)
+    assert connector(consumer).num_bytes_loaded > 0
+    stats = consumer.scheduler.make_stats()
+    assert stats.num_prompt_tokens == sum(len(p) - (len(p) - 1) // 16 * 16 for p in prompts)
+    # read, so freed: the whole staging buffer is free again
+    wait_until(lambda: not connector(producer).entries, 10, "the entries freed once read")
+    assert connector(producer).arena.free == [(0, 8 << 20)]
+    # a second read of a freed entry (its blocks no longer in the consumer's prefix cache): an error, never a token
+    assert consumer.scheduler.kv_cache.reset_prefix_cache()
+    again = run(consumer, prompts[3:4], params[3:4])
+    assert again[0].finish_reason == "error" and "no such entry" in again[0].error.message  # type: ignore[union-attr]
+
+
+def test_an_entry_nobody_reads_expires_and_recompute_still_answers(tiny) -> None:  # type: ignore[no-untyped-def]
+    folder, prompts, oracle = tiny
+    port = free_tcp_port()
+    producer = nixl_engine(folder, "kv_producer", port, expiry_s=0.5)
+    consumer = nixl_engine(folder, "kv_consumer", port, "recompute")
+    try:
+        params = prefill(producer, prompts[4:5])
+        assert connector(producer).num_bytes_saved > 0 and params[0]["remote_key"] is not None
+        wait_until(lambda: not connector(producer).entries, 10, "the unread entry to expire")
+        assert connector(producer).arena.free == [(0, 8 << 20)]
+        outputs = run(consumer, prompts[4:5], params)  # its entry is gone: computed here
+        compare_greedy(outputs[0].new_token_ids, oracle[4])
+        assert connector(consumer).num_bytes_loaded == 0
+    finally:
+        connector(producer).close()
+        connector(consumer).close()

@@ -85,10 +85,13 @@ ZMQ_FILES = {
     "engine_core/executor.py",
     "worker/main.py",
     "worker/parallel/relay.py",
+    "worker/kv_transfer_nixl.py",  # the NIXL connector's side channel (lookups and "done"s between workers)
 }
 # CUDA-only packages (the [cuda] extra), each imported by its one backend only, inside it (the CPU worker
 # never loads them: tests/test_gpu_planning.py)
 CUDA_ONLY_FILES = {"flashinfer": "worker/attention/flashinfer.py", "xformers": "worker/attention/xformers.py"}
+# a KV connector's transfer engine, imported by its connector only, when --kv-transfer-config names it
+CONNECTOR_FILES = {"nixl": "worker/kv_transfer_nixl.py"}
 # what frontend/ must not reach into: the engine is a process, spoken to over protocol/
 FRONTEND_FORBIDDEN_PREFIXES = ("engine_core", "worker")
 
@@ -135,7 +138,7 @@ def test_each_part_imports_only_what_it_may(part: str) -> None:
                 top in allowed and (top != "zmq" or part == "frontend" or relative in ZMQ_FILES)
             ):
                 continue
-            if CUDA_ONLY_FILES.get(top) == relative:
+            if CUDA_ONLY_FILES.get(top) == relative or CONNECTOR_FILES.get(top) == relative:
                 continue
             violations.append(f"{relative}:{line} imports {module}")
     assert not violations, "\n".join(violations)

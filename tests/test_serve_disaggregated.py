@@ -31,15 +31,21 @@ def start(command: list[str], port: int) -> tuple[subprocess.Popen[bytes], str]:
     )
 
 
-@pytest.fixture(scope="module")
-def topology(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+# the NIXL pair in the long tier (make test-long): the engine tests read through NIXL in the quick one
+@pytest.fixture(
+    scope="module", params=["SharedStorageConnector", pytest.param("NixlConnector", marks=pytest.mark.long)]
+)
+def topology(
+    smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Any]]:
     storage = tmp_path_factory.mktemp("kv")
     flags = ["--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK)]
+    extra = {"shared_storage_path": str(storage)} if request.param != "NixlConnector" else {
+        "side_channel_port": free_port()}  # fmt: skip
     processes, bases = [], []
     try:
         for role in ("kv_producer", "kv_consumer"):
-            config = {"kv_connector": "SharedStorageConnector", "kv_role": role,
-                      "kv_connector_extra_config": {"shared_storage_path": str(storage)}}  # fmt: skip
+            config = {"kv_connector": request.param, "kv_role": role, "kv_connector_extra_config": extra}
             process, base = start(["serve", smollm2_gguf, *flags, "--kv-transfer-config", json.dumps(config)],
                                   free_port())  # fmt: skip
             processes.append(process)
@@ -50,6 +56,7 @@ def topology(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         processes.append(proxy)
         wait_healthy(proxy, base, 60)
         yield {
+            "connector": request.param,
             "prefill": bases[0],
             "decode": bases[1],
             "proxy": base,
@@ -86,7 +93,8 @@ def test_the_proxy_answers_as_one_engine(topology: dict[str, Any]) -> None:
     assert (
         chat.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // BLOCK * BLOCK
     )  # loaded, not computed
-    assert len(list(topology["storage"].iterdir())) == 1  # the prompt's entry
+    if topology["connector"] == "SharedStorageConnector":
+        assert len(list(topology["storage"].iterdir())) == 1  # the prompt's entry
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=24, temperature=0, stream=True
     )
@@ -115,10 +123,13 @@ def test_errors_reach_the_client(topology: dict[str, Any]) -> None:
     twice = httpx.post(topology["proxy"] + "/v1/completions", json={"prompt": "hi", "n": 2}, timeout=30)
     assert twice.status_code == 400 and twice.json()["error"]["param"] == "kv_transfer_params"
     # a decode request naming an entry nobody wrote (kv_load_failure_policy "fail"): 400, nothing computed
-    params = {"do_remote_prefill": True}
+    params: dict[str, Any] = {"do_remote_prefill": True}
+    if topology["connector"] == "NixlConnector":  # (the engine tests read freed and expired entries)
+        params = {**params, "remote_key": "ab" * 32, "remote_host": "127.0.0.1", "remote_port": 1}
     missing = httpx.post(topology["decode"] + "/v1/completions", json={"prompt": "Once more. " + STORY, "max_tokens": 2,
                                                                        "kv_transfer_params": params}, timeout=30)  # fmt: skip
-    assert missing.status_code == 400 and "no KV for this prompt" in missing.json()["error"]["message"]
+    words = "another prompt's KV" if topology["connector"] == "NixlConnector" else "no KV for this prompt"
+    assert missing.status_code == 400 and words in missing.json()["error"]["message"]
     # a producer request only a producer takes
     consumer = httpx.post(topology["decode"] + "/v1/completions", json={
         "prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)  # fmt: skip

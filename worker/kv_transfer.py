@@ -13,12 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from protocol.kv_transfer import KVLoad, KVSave, KVTransferConfig, entry_path
+
+if TYPE_CHECKING:
+    from worker.kv_transfer_nixl import NixlKV
 
 logger = logging.getLogger("engine.worker")
 
@@ -86,3 +90,14 @@ class SharedStorageKV:
                 continue
             self.num_bytes_saved += sum(t.numel() * t.element_size() for t in tensors.values())
             self.seconds += time.perf_counter() - started
+
+
+def kv_connector_for(config: KVTransferConfig | None) -> SharedStorageKV | NixlKV | None:
+    """The worker's side of --kv-transfer-config's connector (None without one)."""
+    if config is None:
+        return None
+    if config.is_nixl:
+        from worker.kv_transfer_nixl import NixlKV
+
+        return NixlKV(config)
+    return SharedStorageKV(config)

@@ -33,7 +33,7 @@ from worker.host_memory import keep_freed_memory, trim_freed_memory, zeroed_pool
 from worker.input_batch import InputBatch, StepInputs
 from worker.kernel_table import log_kernel_table
 from worker.kv_groups import KVPools, plan_pools
-from worker.kv_transfer import SharedStorageKV
+from worker.kv_transfer import kv_connector_for
 from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
 from worker.mm_inputs import ImageInputs, check_vision
@@ -195,7 +195,7 @@ class ModelRunner:
                                           self.max_model_len, self.block_size, self.num_kv_blocks, self.device))  # fmt: skip
             phases.mark("cuda graphs")
         self.lora = LoraManager(config.lora, mc, self.dtype, ops) if config.lora is not None else None
-        self.kv_transfer = SharedStorageKV(config.kv_transfer) if config.kv_transfer is not None else None
+        self.kv_transfer = kv_connector_for(config.kv_transfer)  # worker/kv_transfer.py
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.rope_switch)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
