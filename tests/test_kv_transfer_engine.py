@@ -280,3 +280,26 @@ def test_an_entry_nobody_reads_expires_and_recompute_still_answers(tiny) -> None
     finally:
         connector(producer).close()
         connector(consumer).close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_producer_gone_before_the_read(tiny, policy: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The prefill's worker dies after its answer (its side channel and agent gone): the read fails in
+    ANSWER_TIMEOUT_MS, and the policy decides; never a token of KV that did not arrive."""
+    import worker.kv_transfer_nixl
+
+    monkeypatch.setattr(worker.kv_transfer_nixl, "ANSWER_TIMEOUT_MS", 300)
+    folder, prompts, oracle = tiny
+    port = free_tcp_port()
+    producer = nixl_engine(folder, "kv_producer", port)
+    consumer = nixl_engine(folder, "kv_consumer", port, policy)
+    try:
+        params = prefill(producer, prompts[3:4])
+        connector(producer).close()
+        outputs = run(consumer, prompts[3:4], params)
+        if policy == "fail":
+            assert outputs[0].finish_reason == "error" and "did not answer" in outputs[0].error.message  # type: ignore[union-attr]
+        else:
+            compare_greedy(outputs[0].new_token_ids, oracle[3])
+    finally:
+        connector(consumer).close()

@@ -34,7 +34,7 @@ logger = logging.getLogger("engine.proxy")
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
 DOORS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
-FORWARDED_HEADERS = ("authorization", "x-request-id", "x-api-key")
+FORWARDED_HEADERS = ("authorization", "x-request-id", "x-api-key", "x-session-id")
 
 
 def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
