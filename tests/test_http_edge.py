@@ -216,6 +216,10 @@ def test_the_body_request_id_is_echoed_on_errors(app_and_client, monkeypatch) ->
         "/v1/completions", json={"prompt": [1, 500], "request_id": "b-4"}, headers={"X-Request-Id": "h"}
     )
     assert header.headers["x-request-id"] == "h"
+    # an id no header can carry (beyond latin-1, a line break: found by the schema fuzzer) is not echoed
+    for unsafe in ("b-\U000b4233", "b\r\nSet-Cookie: x"):
+        odd = http.post("/v1/chat/completions", json={"messages": [{}], "request_id": unsafe})
+        assert odd.status_code == 400 and odd.headers["x-request-id"] != unsafe  # (the edge's own id)
 
     async def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise InvalidParameterError("prompt", "refused by the engine")

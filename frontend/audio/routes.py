@@ -18,7 +18,7 @@ from frontend.audio.form import AudioRequest, read_form
 from frontend.audio.formats import json_body, srt_text, verbose_body, vtt_text
 from frontend.audio.pipeline import AudioRun, prepare, run_all, stream_texts
 from frontend.engine.async_llm import new_request_id
-from frontend.openai.common import Serving, json_response, until_disconnected
+from frontend.openai.common import Serving, header_safe, json_response, until_disconnected
 from frontend.openai.format import SSE_DONE, sse, usage
 from frontend.server.errors import to_openai_error
 
@@ -47,7 +47,7 @@ async def _serve(request: Request, serving: Any, task: str) -> Response:
     run = await until_disconnected(
         request, prepare(serving.llm, speech, body, request_id, limits, max_model_len)
     )
-    headers = {"X-Request-Id": body.request_id} if body.request_id else None
+    headers = {"X-Request-Id": body.request_id} if body.request_id and header_safe(body.request_id) else None
     if body.stream:
         chunks = _stream(serving, run, model, int(time.time()))
         return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)

@@ -56,10 +56,15 @@ def caller_request_id(request: Request, body: SamplingFields) -> str | None:
 
 
 def id_headers(request: Request, body: SamplingFields) -> dict[str, str] | None:
-    """Echo the body's request_id when no header carried one (the middleware echoes the header)."""
-    if body.request_id and not request.headers.get("x-request-id"):
+    """Echo the body's request_id when no header carried one (the middleware echoes the header), and when
+    a header can carry it (printable ASCII: HTTP headers are latin-1, and a line break would split them)."""
+    if body.request_id and not request.headers.get("x-request-id") and header_safe(body.request_id):
         return {"X-Request-Id": body.request_id}
     return None
+
+
+def header_safe(text: str) -> bool:
+    return all(" " <= c <= "~" for c in text)
 
 
 def echoes_request_id(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:

@@ -14,6 +14,7 @@ from frontend.anthropic import messages
 from frontend.audio import realtime as audio_realtime
 from frontend.audio import routes as audio_routes
 from frontend.openai import chat, chat_batch, completions, invocations, tokenize
+from frontend.openai.common import header_safe
 from frontend.pooling import embeddings as pooling_embeddings
 from frontend.pooling import score as pooling_score
 from frontend.pooling.routes import absent_router
@@ -73,7 +74,7 @@ def build_app(deps: AppDeps) -> FastAPI:
         invalid = OpenAIError(message, param=location[0] if location else None)
         # the body's request_id, as an answer would echo it (the middleware put the header's, if any)
         given = error.body.get("request_id") if isinstance(error.body, dict) else None
-        if isinstance(given, str) and given and "x-request-id" not in request.headers:
+        if isinstance(given, str) and given and "x-request-id" not in request.headers and header_safe(given):
             invalid.headers = {"X-Request-Id": given}
         return error_response(invalid, path)
 
