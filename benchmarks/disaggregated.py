@@ -4,8 +4,9 @@ one `engine serve` of the same model and flags, at c=1 and c=16, in one invocati
 own rate: one prompt's entry written and read back through the worker's connector, in bytes per second
 (NIXL: UCX's own choice of transport, and UCX_TLS=tcp).
 
-Both engines of a disaggregated pair share this machine's cores, so expect no gain here: the point is what
-the hand-over costs (one more HTTP hop and a prefill answer, the entry's write and read).
+Both engines of a disaggregated pair share this machine's cores (each worker takes half of them, the one
+engine all), so expect no gain here: the point is what the hand-over costs (one more HTTP hop and a prefill
+answer, the entry's write and read) and how the split of prefill and decode shows in TTFT and ITL.
 
     python -m benchmarks.disaggregated [--model MODEL] [--input-len 512] [--output-len 64]
 """
@@ -62,9 +63,11 @@ def serve_pass(
                 "shared_storage_path": args.storage}  # fmt: skip
             for role in ("kv_producer", "kv_consumer"):
                 config = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
-                process, base = start(
-                    ["serve", *args.model, *flags, "--kv-transfer-config", json.dumps(config)]
-                )
+                # NOTE: the pair splits the cores (one engine has them all): two workers each spinning
+                # OpenMP threads over every core would measure the oversubscription, not the hand-over
+                half = ["--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
+                command = ["serve", *args.model, *flags, *half, "--kv-transfer-config", json.dumps(config)]
+                process, base = start(command)
                 processes.append(process)
                 bases.append(base)
             for process, base in zip(processes, bases, strict=True):
