@@ -269,6 +269,62 @@ def test_render_generate_derender_completions(smollm2_server) -> None:  # type: 
     assert got["usage"] == want["usage"]
 
 
+def sse(server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    with httpx.stream("POST", f"{server.base}{path}", json={**body, "stream": True}, headers=HEADERS,
+                      timeout=60) as response:  # fmt: skip
+        assert response.status_code == 200
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("door", ["chat", "completions"])
+def test_streamed_derender_chunk_by_chunk_equals_the_door_streamed(smollm2_server, door: str) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's stateless streamed derender: one call per generate chunk, the client carrying stream_state;
+    the text (a stop string's held-back prefix included), finish and logprobs are the door's stream's."""
+    stop = {
+        "stop": ["three", "3"],
+        "temperature": 0,
+        "max_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if door == "chat":
+        body = {"model": SHARED_MODEL_NAME, "messages": [{"role": "user", "content": "Count to three."}],
+                "logprobs": True, "top_logprobs": 1, **stop}  # fmt: skip
+    else:
+        body = {"model": SHARED_MODEL_NAME, "prompt": "One, two,", **stop}
+    path = "/v1/chat/completions" if door == "chat" else "/v1/completions"
+    want = sse(smollm2_server, path, body)
+    rendered = post(smollm2_server, path + "/render", body)
+    rendered = rendered if door == "chat" else rendered[0]
+    state, got = None, []
+    for chunk in sse(smollm2_server, "/inference/v1/generate", rendered):
+        answer = post(smollm2_server, path + "/derender", {"stream": True, "generate_chunk": chunk, "stream_state": state,
+                      "prompt_tokens": len(rendered["token_ids"]), f"{door}_request" if door == "chat" else
+                      "completion_request": body})  # fmt: skip
+        got.append(answer["chunk"])
+        state = answer["stream_state"]
+    key = "content" if door == "chat" else "text"
+
+    def text(chunks: list[dict[str, Any]]) -> str:
+        return "".join(
+            (c["delta"].get(key) or "") if door == "chat" else c[key] for x in chunks for c in x["choices"]
+        )
+
+    assert text(got) == text(want) and text(got)
+    finishes = [c["finish_reason"] for x in got for c in x["choices"] if c["finish_reason"]]
+    assert finishes == [c["finish_reason"] for x in want for c in x["choices"] if c["finish_reason"]]
+    if door == "chat":  # the role once, in the first chunk (stream_state.role_sent)
+        assert [x["choices"][0]["delta"].get("role") for x in got if x["choices"]][:2] == ["assistant", None]
+    assert got[-1]["usage"]["completion_tokens"] == want[-1]["usage"]["completion_tokens"]
+    if door == "chat":
+        logprobs = [
+            e["logprob"] for x in got for c in x["choices"] for e in (c["logprobs"] or {}).get("content", [])
+        ]
+        assert logprobs and logprobs == [
+            e["logprob"] for x in want for c in x["choices"] for e in (c["logprobs"] or {}).get("content", [])
+        ]
+
+
 def test_derender_refuses_what_it_cannot_read(smollm2_server) -> None:  # type: ignore[no-untyped-def]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     generated = post(

@@ -4,8 +4,8 @@ as its door would have given it (vLLM's derender step, for a router that generat
 
 The request is prepared again as its door prepares it (the chat template, the tool plan, the sampling
 values), and each choice's tokens pass the same output processor as an engine's would: detokenized with
-the request's settings, cut at its stop strings, read by its tool and reasoning parsers. Streamed
-derendering (one chunk at a time, with the client carrying the state) is not here yet."""
+the request's settings, cut at its stop strings, read by its tool and reasoning parsers. `stream: true`
+derenders one generate chunk a call, the client carrying the state (frontend/scale_out/derender_stream.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import completion_prompts
 from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.openai.structured import spec_of_request
+from frontend.scale_out.derender_stream import (
+    DerenderChatStream,
+    DerenderCompletionStream,
+    derender_chat_stream,
+    derender_completion_stream,
+)
 from frontend.scale_out.generate import from_token_logprobs
 from frontend.server.errors import OpenAIError
 from protocol.messages import Logprobs, RequestOutput
@@ -56,7 +62,10 @@ class DerenderCompletion(BaseModel):
 
 
 @router.post("/v1/chat/completions/derender")
-async def derender_chat(body: DerenderChat, serving: Serving) -> Response:
+async def derender_chat(body: DerenderChat | DerenderChatStream, serving: Serving) -> Response:
+    if isinstance(body, DerenderChatStream):
+        serving.require_tokenizer("generate_chunk")
+        return await derender_chat_stream(body, serving)  # type: ignore[no-any-return]
     serving.require_tokenizer("generate_response")
     if body.chat_request is None:
         raise OpenAIError("chat_request is needed: the answer is read with the request's settings and parsers.",
@@ -76,7 +85,12 @@ async def derender_chat(body: DerenderChat, serving: Serving) -> Response:
 
 
 @router.post("/v1/completions/derender")
-async def derender_completions(body: DerenderCompletion, serving: Serving) -> Response:
+async def derender_completions(
+    body: DerenderCompletion | DerenderCompletionStream, serving: Serving
+) -> Response:
+    if isinstance(body, DerenderCompletionStream):
+        serving.require_tokenizer("generate_chunk")
+        return await derender_completion_stream(body, serving)  # type: ignore[no-any-return]
     serving.require_tokenizer("generate_responses")
     completion = body.completion_request
     if completion is None:

@@ -1,0 +1,191 @@
+"""Streamed derender: `stream: true` on /v1/chat/completions/derender and /v1/completions/derender, vLLM's
+stateless form. A router sends one call per SSE chunk of a streamed /inference/v1/generate, with the
+`stream_state` the previous call returned (none on the first); each answer is the door's chunk for it and
+the state to send with the next.
+
+No server keeps anything between calls: the state carries the choice's output token ids so far, and each
+call replays them through a fresh output processor (the request's detokenizer settings and stop strings)
+before it adds the chunk's, so the chunk's text is exactly what the door would have streamed after them
+(a stop string's held-back prefix included). vLLM's rule is kept for parsers: a chat request whose tool or
+reasoning parser engages is derendered whole (stream false), not by chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from frontend.engine.output_processor import Choice, OutputProcessor
+from frontend.openai.chat import prepare_chat
+from frontend.openai.common import json_response
+from frontend.openai.format import chat_logprobs, usage
+from frontend.openai.params import check_top, to_sampling_params
+from frontend.openai.render import completion_prompts
+from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
+from frontend.openai.structured import spec_of_request
+from frontend.scale_out.generate import from_token_logprobs
+from frontend.server.errors import OpenAIError
+from protocol.messages import RequestOutput
+from protocol.sampling import SamplingParams
+
+
+class StreamState(BaseModel):
+    """vLLM's DerenderStreamState: what the client carries from one call to the next."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prior_token_ids: list[int] = Field(default_factory=list)  # the choice's output ids before this chunk
+    role_sent: bool = False  # the first chunk carried the role
+    last_content: str | None = None  # (vLLM's fields for parsed streams; unused while those are refused)
+    last_reasoning: str | None = None
+    last_tool_call_ids: list[str] = Field(default_factory=list)
+
+
+class DerenderChatStream(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stream: Literal[True]
+    model: str | None = None
+    generate_chunk: dict[str, Any]  # one SSE chunk of /inference/v1/generate (stream true)
+    stream_state: StreamState | None = None
+    prompt_tokens: int | None = None
+    chat_request: ChatCompletionRequest | None = None
+
+
+class DerenderCompletionStream(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stream: Literal[True]
+    model: str | None = None
+    generate_chunk: dict[str, Any]
+    stream_state: StreamState | None = None
+    prompt_tokens: int | None = None
+    completion_request: CompletionRequest | None = None
+
+
+def chunk_choice(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """The chunk's one choice (None: a usage-only chunk); a chunk of several is refused, as vLLM does."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or len(choices) > 1:
+        raise OpenAIError("a streamed derender call takes one generate chunk of at most one choice.",
+                          param="generate_chunk")  # fmt: skip
+    return choices[0] if choices else None
+
+
+def advance(serving: Any, prompt: list[int], params: SamplingParams, state: StreamState,
+            choice: dict[str, Any]) -> tuple[Choice, str, Any, StreamState]:  # fmt: skip
+    """Replay the state's ids, then add the chunk's: the choice after it, the text it adds, the chunk's
+    logprobs (as the processor folds them) and the next state."""
+    processor = OutputProcessor(serving.tokenizer)
+    request, _ = processor.add_request("derender", prompt, params)
+    child = request.child_id(0)
+    for token_id in state.prior_token_ids:
+        processor.process(request, RequestOutput(child, [token_id]))
+    before = request.choices[0].text
+    new = [int(t) for t in choice.get("token_ids") or []]
+    rows = None
+    if params.logprobs is not None and new:
+        content = (choice.get("logprobs") or {}).get("content")
+        if content is None or len(content) != len(new):
+            raise OpenAIError("the request asks for logprobs and the chunk has none for its tokens.",
+                              param="generate_chunk")  # fmt: skip
+        rows = from_token_logprobs(content, params.logprobs)
+    finish = choice.get("finish_reason")
+    stop_reason = choice.get("stop_reason")
+    if finish == "abort" and stop_reason is None:
+        stop_reason = "abort"  # an abort_requests' end, not the engine's failure
+    steps = [[t] for t in new] or [[]]
+    for i, step in enumerate(steps):
+        last = i == len(steps) - 1
+        if request.choices[0].finished:
+            break  # a stop string ended it inside this chunk
+        processor.process(request, RequestOutput(child, step, finish_reason=finish if last else None,
+                                                 stop_reason=stop_reason if last else None))  # fmt: skip
+    taken = request.choices[0]
+    after = StreamState(prior_token_ids=state.prior_token_ids + new, role_sent=True)
+    return taken, taken.text[len(before) :], rows, after
+
+
+def check_chunk_params(params: SamplingParams) -> None:
+    if params.n != 1:
+        raise OpenAIError("a streamed derender call reads one choice: n must be 1.", param="n")
+
+
+async def derender_chat_stream(body: DerenderChatStream, serving: Any) -> Any:
+    if body.chat_request is None:
+        raise OpenAIError("chat_request is needed: the chunk is read with the request's settings.",
+                          param="chat_request")  # fmt: skip
+    chunk = body.generate_chunk
+    request_id = (
+        str(chunk.get("request_id") or "").removeprefix("generate-tokens-") or f"chatcmpl-{int(time.time())}"
+    )
+    run, params = await prepare_chat(body.chat_request, serving, request_id)
+    if run.plan.parses:
+        raise OpenAIError("a chat request read by a tool or reasoning parser is derendered whole: send it with "
+                          "stream false.", param="chat_request")  # fmt: skip
+    check_chunk_params(params)
+    state = body.stream_state or StreamState()
+    envelope = {"id": run.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": body.model or run.model, "system_fingerprint": serving.system_fingerprint}  # fmt: skip
+    choice = chunk_choice(chunk)
+    prompt_tokens = body.prompt_tokens if body.prompt_tokens is not None else len(run.prompt_ids)
+    if choice is None:  # the usage chunk
+        output_tokens = len(state.prior_token_ids)
+        answer = {**envelope, "choices": [], "usage": usage(prompt_tokens, output_tokens, 0)}
+        return json_response({"chunk": answer, "stream_state": state.model_dump()})
+    taken, text, rows, after = advance(serving, run.prompt_ids, params, state, choice)
+    delta: dict[str, Any] = {"content": text}
+    if not state.role_sent:
+        delta = {"role": run.role, **delta}
+    num_top = params.logprobs or 0
+    logprobs = None
+    if body.chat_request.logprobs and rows is not None:
+        as_ids = body.chat_request.return_tokens_as_token_ids
+        logprobs = {"content": chat_logprobs(rows, num_top, serving.token_text, as_ids)}
+    piece = {"index": int(choice.get("index", 0)), "delta": delta, "logprobs": logprobs,
+             "finish_reason": taken.reported_finish_reason, "stop_reason": taken.stop_reason}  # fmt: skip
+    return json_response({"chunk": {**envelope, "choices": [piece]}, "stream_state": after.model_dump()})
+
+
+async def derender_completion_stream(body: DerenderCompletionStream, serving: Any) -> Any:
+    completion = body.completion_request
+    if completion is None:
+        raise OpenAIError("completion_request is needed: the chunk is read with the request's settings.",
+                          param="completion_request")  # fmt: skip
+    completion.check_supported()
+    if completion.echo or completion.logprobs is not None:
+        field = "echo" if completion.echo else "logprobs"
+        raise OpenAIError(f"streamed derender does not carry {field} yet (stream false does).",
+                          param=f"completion_request.{field}")  # fmt: skip
+    prompts = completion_prompts(serving, completion)
+    if len(prompts) != 1:
+        raise OpenAIError(
+            "a streamed derender call reads one prompt's chunks.", param="completion_request.prompt"
+        )
+    prompt = prompts[0]
+    params = to_sampling_params(
+        completion, model_info=serving.model_info, defaults=serving.defaults, tokenizer=serving.tokenizer,
+        num_prompt_tokens=len(prompt.token_ids), max_tokens=completion.max_tokens,
+        logprobs=check_top(completion.logprobs, "logprobs"), prompt_logprobs=None, prompt_param="prompt",
+        structured_outputs=spec_of_request(completion, serving.validator),
+    )  # fmt: skip
+    check_chunk_params(params)
+    chunk = body.generate_chunk
+    state = body.stream_state or StreamState()
+    request_id = (
+        str(chunk.get("request_id") or "").removeprefix("generate-tokens-") or f"cmpl-{int(time.time())}"
+    )
+    envelope = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": body.model or completion.model or serving.model_name(None),
+                "system_fingerprint": serving.system_fingerprint}  # fmt: skip
+    choice = chunk_choice(chunk)
+    if choice is None:
+        prompt_tokens = body.prompt_tokens if body.prompt_tokens is not None else len(prompt.token_ids)
+        answer = {**envelope, "choices": [], "usage": usage(prompt_tokens, len(state.prior_token_ids), 0)}
+        return json_response({"chunk": answer, "stream_state": state.model_dump()})
+    taken, text, _, after = advance(serving, prompt.token_ids, params, state, choice)
+    piece = {"index": int(choice.get("index", 0)), "text": text, "logprobs": None,
+             "finish_reason": taken.finish_reason, "stop_reason": taken.stop_reason}  # fmt: skip
+    return json_response({"chunk": {**envelope, "choices": [piece]}, "stream_state": after.model_dump()})
