@@ -276,53 +276,67 @@ def sse(server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:  # typ
         return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
 
 
-@pytest.mark.parametrize("door", ["chat", "completions"])
-def test_streamed_derender_chunk_by_chunk_equals_the_door_streamed(smollm2_server, door: str) -> None:  # type: ignore[no-untyped-def]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+STREAMED = {
+    "chat": {"messages": [{"role": "user", "content": "Count to three."}], "logprobs": True, "top_logprobs": 1},
+    "chat_tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": WEATHER,
+                   "tool_choice": "required"},
+    "completions": {"prompt": "One, two,"},
+}  # fmt: skip
+
+
+def streamed_answer(
+    chunks: list[dict[str, Any]],
+) -> tuple[str, list[tuple[str, str]], list[str], list[float]]:
+    """A stream's text, its calls (name, arguments), finish reasons and logprobs, as a client assembles them."""
+    text, calls, finishes, logprobs = "", {}, [], []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice.get("delta", {})
+            text += (delta.get("content") or "") if "delta" in choice else choice["text"]
+            for call in delta.get("tool_calls") or []:
+                name, arguments = calls.get(call["index"], ("", ""))
+                calls[call["index"]] = (
+                    call["function"].get("name") or name,
+                    arguments + call["function"]["arguments"],
+                )
+            finishes += [choice["finish_reason"]] if choice.get("finish_reason") else []
+            logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+    return text, [calls[i] for i in sorted(calls)], finishes, logprobs
+
+
+@pytest.mark.parametrize("name", list(STREAMED))
+def test_streamed_derender_chunk_by_chunk_equals_the_door_streamed(smollm2_server, name: str) -> None:  # type: ignore[no-untyped-def]
     """vLLM's stateless streamed derender: one call per generate chunk, the client carrying stream_state;
-    the text (a stop string's held-back prefix included), finish and logprobs are the door's stream's."""
-    stop = {
-        "stop": ["three", "3"],
-        "temperature": 0,
-        "max_tokens": 16,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if door == "chat":
-        body = {"model": SHARED_MODEL_NAME, "messages": [{"role": "user", "content": "Count to three."}],
-                "logprobs": True, "top_logprobs": 1, **stop}  # fmt: skip
-    else:
-        body = {"model": SHARED_MODEL_NAME, "prompt": "One, two,", **stop}
-    path = "/v1/chat/completions" if door == "chat" else "/v1/completions"
+    the text (a stop string's held-back prefix included), tool calls (read by the door's parser), finish
+    reasons, usage and logprobs are the door's own stream's."""
+    body = {"model": SHARED_MODEL_NAME, "temperature": 0, "max_tokens": 16 if name != "chat_tools" else 40,
+            "stream": True, "stream_options": {"include_usage": True}, **STREAMED[name]}  # fmt: skip
+    if name != "chat_tools":
+        body["stop"] = ["three", "3"]
+    path, door = (
+        ("/v1/completions", "completion") if name == "completions" else ("/v1/chat/completions", "chat")
+    )
     want = sse(smollm2_server, path, body)
     rendered = post(smollm2_server, path + "/render", body)
-    rendered = rendered if door == "chat" else rendered[0]
+    rendered = rendered[0] if door == "completion" else rendered
     state, got = None, []
     for chunk in sse(smollm2_server, "/inference/v1/generate", rendered):
         answer = post(smollm2_server, path + "/derender", {"stream": True, "generate_chunk": chunk, "stream_state": state,
-                      "prompt_tokens": len(rendered["token_ids"]), f"{door}_request" if door == "chat" else
-                      "completion_request": body})  # fmt: skip
+                      "prompt_tokens": len(rendered["token_ids"]), f"{door}_request": body})  # fmt: skip
         got.append(answer["chunk"])
         state = answer["stream_state"]
-    key = "content" if door == "chat" else "text"
-
-    def text(chunks: list[dict[str, Any]]) -> str:
-        return "".join(
-            (c["delta"].get(key) or "") if door == "chat" else c[key] for x in chunks for c in x["choices"]
-        )
-
-    assert text(got) == text(want) and text(got)
-    finishes = [c["finish_reason"] for x in got for c in x["choices"] if c["finish_reason"]]
-    assert finishes == [c["finish_reason"] for x in want for c in x["choices"] if c["finish_reason"]]
+    text, calls, finishes, logprobs = streamed_answer(got)
+    assert (text, calls, finishes, logprobs) == streamed_answer(want) and (text or calls)
+    assert got[-1]["usage"]["completion_tokens"] == want[-1]["usage"]["completion_tokens"]
     if door == "chat":  # the role once, in the first chunk (stream_state.role_sent)
         assert [x["choices"][0]["delta"].get("role") for x in got if x["choices"]][:2] == ["assistant", None]
-    assert got[-1]["usage"]["completion_tokens"] == want[-1]["usage"]["completion_tokens"]
-    if door == "chat":
-        logprobs = [
-            e["logprob"] for x in got for c in x["choices"] for e in (c["logprobs"] or {}).get("content", [])
-        ]
-        assert logprobs and logprobs == [
-            e["logprob"] for x in want for c in x["choices"] for e in (c["logprobs"] or {}).get("content", [])
-        ]
+    if name == "chat":
+        assert logprobs
+    if name == "chat_tools":
+        assert calls and calls[0][0] == "get_weather" and finishes == ["tool_calls"]
+        assert len(state["last_tool_call_ids"]) == len(calls)
 
 
 def test_derender_refuses_what_it_cannot_read(smollm2_server) -> None:  # type: ignore[no-untyped-def]

@@ -6,8 +6,9 @@ the state to send with the next.
 No server keeps anything between calls: the state carries the choice's output token ids so far, and each
 call replays them through a fresh output processor (the request's detokenizer settings and stop strings)
 before it adds the chunk's, so the chunk's text is exactly what the door would have streamed after them
-(a stop string's held-back prefix included). vLLM's rule is kept for parsers: a chat request whose tool or
-reasoning parser engages is derendered whole (stream false), not by chunk.
+(a stop string's held-back prefix included). A chat request's tool and reasoning parsers read the replayed
+text as the door's stream reads it, so a chunk's delta carries the reasoning, content and call fragments the
+door would have sent for its tokens; a call's id, given once in its first fragment, is kept in the state.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.engine.output_processor import Choice, OutputProcessor
-from frontend.openai.chat import prepare_chat
+from frontend.engine.pieces import Pieces
+from frontend.openai.chat import delta_message, prepare_chat
 from frontend.openai.common import json_response
 from frontend.openai.format import chat_logprobs, usage
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import completion_prompts
 from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.openai.structured import spec_of_request
+from frontend.parsers.base import CallDelta
 from frontend.scale_out.generate import from_token_logprobs
 from frontend.server.errors import OpenAIError
 from protocol.messages import RequestOutput
@@ -74,16 +77,35 @@ def chunk_choice(chunk: dict[str, Any]) -> dict[str, Any] | None:
     return choices[0] if choices else None
 
 
-def advance(serving: Any, prompt: list[int], params: SamplingParams, state: StreamState,
-            choice: dict[str, Any]) -> tuple[Choice, str, Any, StreamState]:  # fmt: skip
-    """Replay the state's ids, then add the chunk's: the choice after it, the text it adds, the chunk's
-    logprobs (as the processor folds them) and the next state."""
+def merged(deltas: list[Pieces]) -> Pieces:
+    """Several tokens' pieces as one chunk's: texts joined, each call's fragments joined."""
+    out = Pieces()
+    calls: dict[int, CallDelta] = {}
+    for delta in deltas:
+        out.content += delta.content
+        out.reasoning += delta.reasoning
+        for call in delta.calls:
+            known = calls.setdefault(call.index, CallDelta(call.index))
+            if call.id is not None:
+                known.id, known.name = call.id, call.name
+            known.arguments += call.arguments
+    out.calls = [calls[index] for index in sorted(calls)]
+    return out
+
+
+def advance(serving: Any, prompt: list[int], params: SamplingParams, state: StreamState, choice: dict[str, Any],
+            parser: Any = None) -> tuple[Choice, Pieces, Any, StreamState]:  # fmt: skip
+    """Replay the state's ids, then add the chunk's: the choice after it, the pieces it adds (the text, or
+    what the parser read in it), the chunk's logprobs and the next state."""
     processor = OutputProcessor(serving.tokenizer)
-    request, _ = processor.add_request("derender", prompt, params)
+    request, _ = processor.add_request("derender", prompt, params, parser=parser)
     child = request.child_id(0)
     for token_id in state.prior_token_ids:
         processor.process(request, RequestOutput(child, [token_id]))
-    before = request.choices[0].text
+    reading = request.choices[0].pieces.parse
+    if reading is not None:  # the ids the client was given for the calls so far
+        for call, call_id in zip(reading.sent.calls, state.last_tool_call_ids, strict=False):
+            call.id = call_id
     new = [int(t) for t in choice.get("token_ids") or []]
     rows = None
     if params.logprobs is not None and new:
@@ -97,15 +119,23 @@ def advance(serving: Any, prompt: list[int], params: SamplingParams, state: Stre
     if finish == "abort" and stop_reason is None:
         stop_reason = "abort"  # an abort_requests' end, not the engine's failure
     steps = [[t] for t in new] or [[]]
+    deltas = []
     for i, step in enumerate(steps):
         last = i == len(steps) - 1
         if request.choices[0].finished:
             break  # a stop string ended it inside this chunk
-        processor.process(request, RequestOutput(child, step, finish_reason=finish if last else None,
-                                                 stop_reason=stop_reason if last else None))  # fmt: skip
+        delta = processor.process(request, RequestOutput(child, step, finish_reason=finish if last else None,
+                                                         stop_reason=stop_reason if last else None))  # fmt: skip
+        if delta is not None:
+            deltas.append(delta.pieces)
     taken = request.choices[0]
-    after = StreamState(prior_token_ids=state.prior_token_ids + new, role_sent=True)
-    return taken, taken.text[len(before) :], rows, after
+    pieces = merged(deltas)
+    ids = list(state.last_tool_call_ids) + [call.id for call in pieces.calls if call.id is not None]
+    after = StreamState(prior_token_ids=state.prior_token_ids + new, role_sent=True,
+                        last_content=taken.parsed.content if reading is not None else taken.text,
+                        last_reasoning=taken.parsed.reasoning if reading is not None else None,
+                        last_tool_call_ids=ids)  # fmt: skip
+    return taken, pieces, rows, after
 
 
 def check_chunk_params(params: SamplingParams) -> None:
@@ -122,9 +152,6 @@ async def derender_chat_stream(body: DerenderChatStream, serving: Any) -> Any:
         str(chunk.get("request_id") or "").removeprefix("generate-tokens-") or f"chatcmpl-{int(time.time())}"
     )
     run, params = await prepare_chat(body.chat_request, serving, request_id)
-    if run.plan.parses:
-        raise OpenAIError("a chat request read by a tool or reasoning parser is derendered whole: send it with "
-                          "stream false.", param="chat_request")  # fmt: skip
     check_chunk_params(params)
     state = body.stream_state or StreamState()
     envelope = {"id": run.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -135,8 +162,9 @@ async def derender_chat_stream(body: DerenderChatStream, serving: Any) -> Any:
         output_tokens = len(state.prior_token_ids)
         answer = {**envelope, "choices": [], "usage": usage(prompt_tokens, output_tokens, 0)}
         return json_response({"chunk": answer, "stream_state": state.model_dump()})
-    taken, text, rows, after = advance(serving, run.prompt_ids, params, state, choice)
-    delta: dict[str, Any] = {"content": text}
+    parser = run.plan if run.plan.parses else None
+    taken, pieces, rows, after = advance(serving, run.prompt_ids, params, state, choice, parser)
+    delta = delta_message(pieces, body.chat_request.include_reasoning) or {"content": ""}
     if not state.role_sent:
         delta = {"role": run.role, **delta}
     num_top = params.logprobs or 0
@@ -185,7 +213,7 @@ async def derender_completion_stream(body: DerenderCompletionStream, serving: An
         prompt_tokens = body.prompt_tokens if body.prompt_tokens is not None else len(prompt.token_ids)
         answer = {**envelope, "choices": [], "usage": usage(prompt_tokens, len(state.prior_token_ids), 0)}
         return json_response({"chunk": answer, "stream_state": state.model_dump()})
-    taken, text, _, after = advance(serving, prompt.token_ids, params, state, choice)
-    piece = {"index": int(choice.get("index", 0)), "text": text, "logprobs": None,
+    taken, pieces, _, after = advance(serving, prompt.token_ids, params, state, choice)
+    piece = {"index": int(choice.get("index", 0)), "text": pieces.content, "logprobs": None,
              "finish_reason": taken.finish_reason, "stop_reason": taken.stop_reason}  # fmt: skip
     return json_response({"chunk": {**envelope, "choices": [piece]}, "stream_state": after.model_dump()})
