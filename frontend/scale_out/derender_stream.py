@@ -22,7 +22,7 @@ from frontend.engine.output_processor import Choice, OutputProcessor
 from frontend.engine.pieces import Pieces
 from frontend.openai.chat import delta_message, prepare_chat
 from frontend.openai.common import json_response
-from frontend.openai.format import chat_logprobs, usage
+from frontend.openai.format import CompletionLogprobs, chat_logprobs, usage
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import completion_prompts
 from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -183,10 +183,9 @@ async def derender_completion_stream(body: DerenderCompletionStream, serving: An
         raise OpenAIError("completion_request is needed: the chunk is read with the request's settings.",
                           param="completion_request")  # fmt: skip
     completion.check_supported()
-    if completion.echo or completion.logprobs is not None:
-        field = "echo" if completion.echo else "logprobs"
-        raise OpenAIError(f"streamed derender does not carry {field} yet (stream false does).",
-                          param=f"completion_request.{field}")  # fmt: skip
+    if completion.echo:
+        raise OpenAIError("streamed derender does not carry echo yet (stream false does).",
+                          param="completion_request.echo")  # fmt: skip
     prompts = completion_prompts(serving, completion)
     if len(prompts) != 1:
         raise OpenAIError(
@@ -213,7 +212,13 @@ async def derender_completion_stream(body: DerenderCompletionStream, serving: An
         prompt_tokens = body.prompt_tokens if body.prompt_tokens is not None else len(prompt.token_ids)
         answer = {**envelope, "choices": [], "usage": usage(prompt_tokens, len(state.prior_token_ids), 0)}
         return json_response({"chunk": answer, "stream_state": state.model_dump()})
-    taken, pieces, _, after = advance(serving, prompt.token_ids, params, state, choice)
-    piece = {"index": int(choice.get("index", 0)), "text": pieces.content, "logprobs": None,
+    taken, pieces, rows, after = advance(serving, prompt.token_ids, params, state, choice)
+    logprobs = None
+    if params.logprobs is not None and rows is not None:
+        as_ids = completion.return_tokens_as_token_ids
+        builder = CompletionLogprobs(params.logprobs, serving.token_text, as_ids)
+        builder.offset = sum(len(serving.token_text(t, as_ids)) for t in state.prior_token_ids)  # as the door
+        logprobs = builder.output(rows)
+    piece = {"index": int(choice.get("index", 0)), "text": pieces.content, "logprobs": logprobs,
              "finish_reason": taken.finish_reason, "stop_reason": taken.stop_reason}  # fmt: skip
     return json_response({"chunk": {**envelope, "choices": [piece]}, "stream_state": after.model_dump()})
