@@ -27,6 +27,7 @@ from frontend.openai.structured import spec_of_request
 from frontend.scale_out.derender_stream import (
     DerenderChatStream,
     DerenderCompletionStream,
+    completion_request,
     derender_chat_stream,
     derender_completion_stream,
 )
@@ -92,13 +93,7 @@ async def derender_completions(
         serving.require_tokenizer("generate_chunk")
         return await derender_completion_stream(body, serving)  # type: ignore[no-any-return]
     serving.require_tokenizer("generate_responses")
-    completion = body.completion_request
-    if completion is None:
-        raise OpenAIError("completion_request is needed: the answer is read with the request's settings.",
-                          param="completion_request")  # fmt: skip
-    completion.check_supported()
-    if completion.echo:
-        raise OpenAIError("derender does not carry echo.", param="completion_request.echo")
+    completion = completion_request(body.completion_request)
     prompts = completion_prompts(serving, completion)
     if len(prompts) != len(body.generate_responses):
         raise OpenAIError(f"{len(body.generate_responses)} generate_responses for {len(prompts)} prompts.",

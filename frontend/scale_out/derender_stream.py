@@ -177,15 +177,20 @@ async def derender_chat_stream(body: DerenderChatStream, serving: Any) -> Any:
     return json_response({"chunk": {**envelope, "choices": [piece]}, "stream_state": after.model_dump()})
 
 
-async def derender_completion_stream(body: DerenderCompletionStream, serving: Any) -> Any:
-    completion = body.completion_request
+def completion_request(completion: CompletionRequest | None) -> CompletionRequest:
+    """A derender's completion_request, checked as the door checks it (echo is not carried)."""
     if completion is None:
-        raise OpenAIError("completion_request is needed: the chunk is read with the request's settings.",
+        raise OpenAIError("completion_request is needed: the answer is read with the request's settings.",
                           param="completion_request")  # fmt: skip
     completion.check_supported()
     if completion.echo:
-        raise OpenAIError("streamed derender does not carry echo yet (stream false does).",
+        raise OpenAIError("derender does not carry echo: the router has the prompt.",
                           param="completion_request.echo")  # fmt: skip
+    return completion
+
+
+async def derender_completion_stream(body: DerenderCompletionStream, serving: Any) -> Any:
+    completion = completion_request(body.completion_request)
     prompts = completion_prompts(serving, completion)
     if len(prompts) != 1:
         raise OpenAIError(

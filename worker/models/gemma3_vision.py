@@ -19,18 +19,6 @@ class Gemma3VisionModel(LlavaModel):
     def projector(self, vision: VisionConfig, text_width: int, dtype: torch.dtype) -> torch.nn.Module:
         return PoolProjector(vision, text_width, dtype)
 
-    def check_image(self, tensors: dict[str, torch.Tensor]) -> None:
-        """ValueError unless the processor's outputs are one image: pixel_values [1, channels, image_size,
-        image_size]."""
-        vision = self.config.vision
-        assert vision is not None
-        shape = [1, vision.num_channels, vision.image_size, vision.image_size]
-        pixels = tensors.get("pixel_values")
-        if set(tensors) != {"pixel_values"} or pixels is None or list(pixels.shape) != shape:
-            raise ValueError(f"the tower takes pixel_values of shape {shape}")
-        if not pixels.is_floating_point():
-            raise ValueError("pixel_values must be floating point")
-
     def encode_image(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """One image -> its embeddings [tokens_per_image, hidden]."""
         embeds: torch.Tensor = self.multi_modal_projector(self.vision_tower(tensors["pixel_values"]))

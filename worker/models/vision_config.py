@@ -167,12 +167,24 @@ def idefics3_like(hf: HFConfig, folder: str) -> VisionConfig:
     if image_token is None:
         raise hf.fail("config.json names no image_token_id")
     return VisionConfig(
+        **siglip_tower(vision),
+        image_token_id=int(image_token),
+        connector="pixel_shuffle",
+        scale_factor=scale,
+        max_tiles=max_tiles(folder, hf, image_size),
+    )
+
+
+def siglip_tower(vision: HFConfig) -> dict[str, Any]:
+    """A SigLIP tower run through every layer and its post_layernorm, no class token, every patch kept;
+    the connector after it is a norm and one product or one product alone (projector_act and _bias unused)."""
+    return dict(
         hidden_size=vision.get("hidden_size"),
         intermediate_size=vision.get("intermediate_size"),
         num_layers=vision.get("num_hidden_layers"),
         num_heads=vision.get("num_attention_heads"),
-        image_size=image_size,
-        patch_size=patch,
+        image_size=vision.get("image_size"),
+        patch_size=vision.get("patch_size"),
         layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
         hidden_act=activation(vision, vision.get("hidden_act")),
         class_token=False,
@@ -180,13 +192,9 @@ def idefics3_like(hf: HFConfig, folder: str) -> VisionConfig:
         pre_norm=False,
         post_norm=True,
         drop_first=False,
-        projector_act="gelu",  # unused: the connector is one product
+        projector_act="gelu",
         projector_bias=False,
-        image_token_id=int(image_token),
         num_channels=vision.get("num_channels", 3),
-        connector="pixel_shuffle",
-        scale_factor=scale,
-        max_tiles=max_tiles(folder, hf, image_size),
     )
 
 
@@ -234,23 +242,8 @@ def gemma3_like(hf: HFConfig, folder: str) -> VisionConfig:
             f"mm_tokens_per_image={tokens} does not pool the tower's {side} x {side} patches evenly"
         )
     return VisionConfig(
-        hidden_size=vision.get("hidden_size"),
-        intermediate_size=vision.get("intermediate_size"),
-        num_layers=vision.get("num_hidden_layers"),
-        num_heads=vision.get("num_attention_heads"),
-        image_size=vision.get("image_size"),
-        patch_size=vision.get("patch_size"),
-        layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
-        hidden_act=activation(vision, vision.get("hidden_act")),
-        class_token=False,
-        patch_bias=True,
-        pre_norm=False,
-        post_norm=True,
-        drop_first=False,
-        projector_act="gelu",  # unused: the projector is a norm and one product
-        projector_bias=False,
+        **siglip_tower(vision),
         image_token_id=int(hf.get("image_token_index", 262144)),
-        num_channels=vision.get("num_channels", 3),
         connector="pool",
         max_tiles=1,  # pan and scan's crops only come when a call asks (vLLM's --mm-processor-kwargs)
         tokens_per_image=tokens,
