@@ -112,14 +112,29 @@ class KVTransferScheduler:
             )
         if key is None:
             return  # a prompt shorter than a block and a token: nothing was written, all is computed here
+        tokens = params.get("remote_num_tokens")
+        if tokens is not None and tokens != self.entry_tokens(request):  # another block size, another prompt
+            raise InvalidParameterError(
+                "kv_transfer_params",
+                f"remote_num_tokens {tokens} is not this engine's entry of the prompt ({self.entry_tokens(request)} "
+                "tokens): the producer's block size must be this engine's.",
+            )
+        logger.debug("request %s loads entry %s from engine %s", request.request_id, key[:12],
+                     params.get("remote_engine_id"))  # fmt: skip
         if config.is_nixl:
             if remote is None:
                 return  # the producer kept nothing (its prompt was as short)
             host, port = params.get("remote_host"), params.get("remote_port")
-            if not isinstance(host, str) or not isinstance(port, int):
+            if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
                 raise InvalidParameterError(
                     "kv_transfer_params",
                     "NixlConnector reads from remote_host and remote_port (the prefill's answer).",
+                )
+            if host not in config.remote_hosts:  # the worker connects only where the operator allows
+                raise InvalidParameterError(
+                    "kv_transfer_params",
+                    f"remote_host {host!r} is not one this engine reads KV from (kv_connector_extra_config."
+                    "remote_hosts).",
                 )
             request.kv_load_key, request.kv_load_remote = key, f"{host}:{port}"
             return

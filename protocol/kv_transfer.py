@@ -27,7 +27,7 @@ NIXL = "NixlConnector"
 CONNECTORS = (*SHARED_STORAGE, NIXL)
 EXTRA_KEYS = {  # kv_connector_extra_config, by connector
     SHARED_STORAGE: {"shared_storage_path"},
-    (NIXL,): {"side_channel_host", "side_channel_port", "expiry_s"},
+    (NIXL,): {"side_channel_host", "side_channel_port", "expiry_s", "remote_hosts"},
 }
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("fail", "recompute")
@@ -94,6 +94,12 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True):
         return int(self.kv_connector_extra_config.get("side_channel_port", 5600))
 
     @property
+    def remote_hosts(self) -> list[str]:
+        """NIXL: the hosts a consumer reads from (a request naming another is refused): loopback by default."""
+        hosts = self.kv_connector_extra_config.get("remote_hosts", ["127.0.0.1", "localhost"])
+        return [str(host) for host in hosts] if isinstance(hosts, list) else []
+
+    @property
     def expiry_s(self) -> float:
         """NIXL: an entry no consumer read is freed after this long (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
         return float(self.kv_connector_extra_config.get("expiry_s", 480.0))
@@ -135,6 +141,9 @@ def parse_kv_transfer_config(value: dict[str, Any]) -> KVTransferConfig:
     allowed = next(keys for names, keys in EXTRA_KEYS.items() if config.kv_connector in names)
     if extra := sorted(set(config.kv_connector_extra_config) - allowed):
         raise ValueError(f"kv_connector_extra_config key {extra[0]!r} is not one {config.kv_connector} reads")
+    hosts = config.kv_connector_extra_config.get("remote_hosts", [])
+    if not isinstance(hosts, list) or not all(isinstance(host, str) and host for host in hosts):
+        raise ValueError("kv_connector_extra_config.remote_hosts must be a list of host names")
     if config.kv_buffer_size < 1 or config.expiry_s <= 0 or not 0 < config.side_channel_port < 65536:
         raise ValueError(
             "kv_buffer_size, expiry_s and side_channel_port must be positive (a port below 65536)"

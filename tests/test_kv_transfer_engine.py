@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine_core.engine_core import EngineCore
+from engine_core.request import Request
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.errors import InvalidParameterError
 from protocol.kv_transfer import KVTransferConfig, entry_path, parse_kv_transfer_config
@@ -169,6 +170,7 @@ def test_missing_entries_and_roles(tiny, tmp_path: Path) -> None:  # type: ignor
         ({"do_remote_prefill": True}, "no KV for this prompt"),  # (no producer wrote it)
         (PRODUCE, "does not produce KV"),
         ({"do_remote_prefill": True, "remote_key": "ab" * 32}, "another prompt's KV"),
+        ({"do_remote_prefill": True, "remote_num_tokens": 48}, "block size"),  # (its entry is 32)
         ({"do_remote_prefill": True, "surprise": 1}, "unknown key 'surprise'"),
         ({"do_remote_prefill": True, "do_remote_decode": True}, "either produces"),
         (
@@ -303,3 +305,62 @@ def test_a_producer_gone_before_the_read(tiny, policy: str, monkeypatch) -> None
             compare_greedy(outputs[0].new_token_ids, oracle[3])
     finally:
         connector(consumer).close()
+
+
+def test_a_hostile_producer_or_a_named_host_is_refused(tiny, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A decode request may name only producers on remote_hosts (no connection anywhere a client says);
+    a producer answering garbage, a wrong shape or too much is the request's load error, never a crash."""
+    import threading
+
+    import msgspec
+    import zmq
+
+    import worker.kv_transfer_nixl
+
+    monkeypatch.setattr(
+        worker.kv_transfer_nixl, "ANSWER_TIMEOUT_MS", 1000
+    )  # (an oversized answer never comes)
+
+    from protocol.kv_transfer import KVLoad
+    from worker.kv_transfer import kv_connector_for
+
+    folder, prompts, _ = tiny
+    port = free_tcp_port()
+    consumer = nixl_engine(folder, "kv_consumer", port)
+    try:
+        for host, port_, words in (("10.0.0.2", port, "remote_hosts"), ("127.0.0.1", 0, "remote_port")):
+            key = consumer.scheduler.kv_transfer.entry_key(
+                Request("p", prompts[4], SamplingParams(), block_size=16)
+            )  # type: ignore[union-attr]
+            params = {"do_remote_prefill": True, "remote_host": host, "remote_port": port_, "remote_key": key}
+            with pytest.raises(InvalidParameterError, match=words):
+                consumer.add_request(AddRequest(request_id="h", prompt_token_ids=prompts[4],
+                                                sampling_params=SamplingParams(max_tokens=2), arrival_time=0.0,
+                                                kv_transfer_params=params))  # fmt: skip
+    finally:
+        connector(consumer).close()
+    answers = [b"\xc1 not msgpack", msgspec.msgpack.encode({"agent": 3}), b"x" * (2 << 20)]
+    context = zmq.Context()
+    server = context.socket(zmq.REP)
+    hostile = free_tcp_port()
+    server.bind(f"tcp://127.0.0.1:{hostile}")
+
+    def serve() -> None:
+        for answer in answers:
+            if server.poll(10_000):
+                server.recv()
+                server.send(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    reader = kv_connector_for(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer"))
+    pool = [torch.zeros(4, 2, 16, 2, 8) for _ in range(2)]
+    try:
+        for _ in answers:
+            errors = reader.load([KVLoad("r", "ab" * 32, 0, [1, 2], f"127.0.0.1:{hostile}")], pool)  # type: ignore[union-attr]
+            assert list(errors) == ["r"], errors
+        assert all(not layer.any() for layer in pool)  # nothing written
+    finally:
+        reader.close()  # type: ignore[union-attr]
+        thread.join(timeout=10)
+        context.destroy(linger=0)

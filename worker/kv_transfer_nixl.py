@@ -32,7 +32,22 @@ logger = logging.getLogger("engine.worker")
 
 POLL_S = 0.05  # the side channel's poll: how soon a "done" or an expiry frees an entry
 ANSWER_TIMEOUT_MS = 10_000  # a producer that does not answer a lookup in this long fails the load
+MAX_ANSWER_BYTES = (
+    1 << 20
+)  # a lookup's answer is an agent's metadata and a few numbers: a bigger one is refused
 READ_TIMEOUT_S = 30.0  # a READ that takes longer fails (and its producer stops serving it)
+
+
+class EntryInfo(msgspec.Struct):
+    """A producer's answer to a lookup (decoded strictly: an answer of another shape fails the load)."""
+
+    agent: str
+    metadata: bytes
+    address: int
+    shape: list[int]
+    dtype: str
+    num_layers: int
+    num_blocks: int
 
 
 def block_bytes(cache: torch.Tensor) -> int:
@@ -181,20 +196,22 @@ class NixlKV:
         for load in loads:
             try:
                 self._load_one(load, kv_caches)
-            except (OSError, ValueError, RuntimeError, zmq.ZMQError) as error:  # (NIXL raises RuntimeError)
+            except Exception as error:  # a remote's answer, or NIXL on it, may fail any way: the load fails
+                # NOTE: the engine lets a request name only producers on its remote_hosts allow-list
                 errors[load.request_id] = f"entry {load.key[:12]} at {load.remote}: {error}"
         return errors
 
-    def _ask(self, remote: str, request: dict[str, Any]) -> dict[str, Any]:
+    def _ask(self, remote: str, request: dict[str, Any]) -> Any:
         socket = self.remotes.get(remote)
         if socket is None:
             socket = self.remotes[remote] = self.context.socket(zmq.REQ)
             socket.setsockopt(zmq.RCVTIMEO, ANSWER_TIMEOUT_MS)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
             socket.connect(f"tcp://{remote}")
         try:
             socket.send(msgspec.msgpack.encode(request))
-            return msgspec.msgpack.decode(socket.recv())  # type: ignore[no-any-return]
+            return msgspec.msgpack.decode(socket.recv())
         except zmq.ZMQError:
             socket.close()  # a REQ socket whose answer never came cannot ask again
             del self.remotes[remote]
@@ -213,30 +230,34 @@ class NixlKV:
 
     def _load_one(self, load: KVLoad, kv_caches: list[torch.Tensor]) -> None:
         started = time.perf_counter()
-        info = self._ask(load.remote, {"key": load.key})
-        if "error" in info:
-            raise ValueError(info["error"])
+        answer = self._ask(load.remote, {"key": load.key})
+        if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+            raise ValueError(answer["error"][:200])
+        try:
+            info = msgspec.convert(answer, EntryInfo, strict=True)
+        except msgspec.ValidationError as error:
+            raise ValueError(f"the producer's answer is not an entry's ({error})") from None
         first, count = load.first_block, len(load.block_ids)
         shape, dtype = list(kv_caches[0].shape[1:]), str(kv_caches[0].dtype)
-        if (info["num_layers"], info["shape"], info["dtype"]) != (len(kv_caches), shape, dtype):
-            raise ValueError(f"it holds {info['num_layers']} layers of {info['shape']} {info['dtype']}; this "
-                             f"pool has {len(kv_caches)} of {shape} {dtype}")  # fmt: skip
-        if info["num_blocks"] < first + count:
-            raise ValueError(f"it holds {info['num_blocks']} blocks, not {first + count}")
+        if (info.num_layers, info.shape, info.dtype) != (len(kv_caches), shape, dtype):
+            raise ValueError(f"it holds {info.num_layers} layers of {info.shape} {info.dtype}; this pool has "
+                             f"{len(kv_caches)} of {shape} {dtype}")  # fmt: skip
+        if info.num_blocks < first + count:
+            raise ValueError(f"it holds {info.num_blocks} blocks, not {first + count}")
         self._register_pool(kv_caches)
-        if info["agent"] not in self.known_agents:
-            self.agent.add_remote_agent(info["metadata"])
-            self.known_agents.add(info["agent"])
+        if info.agent not in self.known_agents:
+            self.agent.add_remote_agent(info.metadata)
+            self.known_agents.add(info.agent)
         local, remote = [], []
-        base = info["address"]
+        base = info.address
         for cache in kv_caches:
             size = block_bytes(cache)
             for j, block_id in enumerate(load.block_ids):
                 local.append((cache.data_ptr() + block_id * size, size, 0))
                 remote.append((base + (first + j) * size, size, 0))
-            base += info["num_blocks"] * size
+            base += info.num_blocks * size
         handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
-                                            self.agent.get_xfer_descs(remote, "DRAM"), info["agent"])  # fmt: skip
+                                            self.agent.get_xfer_descs(remote, "DRAM"), info.agent)  # fmt: skip
         deadline = time.monotonic() + READ_TIMEOUT_S
         try:
             state = self.agent.transfer(handle)

@@ -147,6 +147,9 @@ class ModelRunner:
             if self.device.type == "cuda" and not mc.is_encoder and not self.rope_switch
             else []  # (a graph's staged inputs have no long-rope rows)
         )
+        # NOTE: before the KV pool: NIXL's UCX patches the C library's memory calls as it starts, and the
+        # pool's fault-in thread (worker/host_memory.py) calling madvise meanwhile crashed the worker
+        self.kv_transfer = kv_connector_for(config.kv_transfer)  # worker/kv_transfer.py
         if mc.is_encoder:
             # no cache (worker/models/bert.py): the engine's blocks only count the inputs in flight
             self.num_kv_blocks = config.max_num_seqs * -(-self.max_model_len // self.block_size)
@@ -195,7 +198,6 @@ class ModelRunner:
                                           self.max_model_len, self.block_size, self.num_kv_blocks, self.device))  # fmt: skip
             phases.mark("cuda graphs")
         self.lora = LoraManager(config.lora, mc, self.dtype, ops) if config.lora is not None else None
-        self.kv_transfer = kv_connector_for(config.kv_transfer)  # worker/kv_transfer.py
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.rope_switch)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
