@@ -89,6 +89,9 @@ SERVE_CASES = [
     (["--api-key-file", "/nonexistent/keys"], "--api-key-file", "cannot read"),
     (["--chat-template", "{plugins}"], "--chat-template", "cannot read"),  # a folder
     (["--batch-invariant", "--attention-backend", "torch"], "--batch-invariant", "needs the csrc kernels"),
+    (["--tool-server", "localhost"], "--tool-server", "host:port or an http(s) URL"),
+    (["--mcp-timeout-s", "0"], "--mcp-timeout-s", "must be more than 0"),
+    (["--mcp-allowed-urls", "ftp://files"], "--mcp-allowed-urls", "takes http(s) URLs"),
 ]
 
 

@@ -73,6 +73,9 @@ ALLOWED = {
         "PIL",  # images: decoding (frontend/vision/decode.py)
         "aiohttp",  # images: fetching http(s) URLs, imported on the first one (frontend/vision/fetch.py)
         "gguf",  # a render server's context length from a GGUF header (frontend/scale_out/render_server.py)
+        "mcp",  # the Responses API's mcp tools: MCP's client (frontend/responses/mcp_client.py)
+        "httpx2",  # the mcp SDK's HTTP client, which its transports take
+        "anyio",  # the mcp SDK's timeouts (anyio.fail_after; Starlette runs on it too)
     },  # fmt: skip
 }
 # modules only the benchmark harness (frontend/bench/, the [bench] extra) may import

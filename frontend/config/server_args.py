@@ -8,6 +8,7 @@ import ssl
 from dataclasses import dataclass
 
 from frontend.config.flags import ConfigError, option
+from frontend.config.tool_server import allowed_url, tool_server_url
 from frontend.vision.loader import parse_mm_limits
 
 # The step's token budget when serving: short prefill chunks let a burst's first requests start decoding
@@ -120,6 +121,15 @@ class ServerArgs:
         10000, "stored /v1/responses kept at most, least recently used evicted first (0: no store)"
     )
     responses_store_max_mb: float = option(256.0, "and at most this much of them (their JSON)")
+    tool_server: str | None = option(
+        None, "MCP servers a /v1/responses mcp tool names by server_label: host:port,... (their /sse, as "
+        "vLLM's flag) or http(s) URLs (a path ending /sse: SSE, else streamable HTTP)",
+    )  # fmt: skip
+    mcp_allowed_urls: list[str] = option(
+        default_factory=list, help="MCP server URLs a request's mcp tool may name in server_url: an origin "
+        "(scheme://host:port, any path) or one URL (none without this flag)", nargs="+",
+    )  # fmt: skip
+    mcp_timeout_s: float = option(30.0, "seconds an MCP server has to list its tools or answer one call")
 
     # images (docs/vision.md)
     allowed_local_media_path: str | None = option(
@@ -204,8 +214,22 @@ class ServerArgs:
             raise ConfigError("--ssl-cert-reqs", f"takes 0, 1 or 2, got {self.ssl_cert_reqs}")
         if self.root_path is not None and self.root_path and not self.root_path.startswith("/"):
             raise ConfigError("--root-path", f"must start with '/', got {self.root_path!r}")
+        for spec in self.tool_servers:
+            try:
+                tool_server_url(spec)
+            except ValueError as error:
+                raise ConfigError("--tool-server", str(error)) from None
+        for url in self.mcp_allowed_urls:
+            if not allowed_url(url):
+                raise ConfigError("--mcp-allowed-urls", f"takes http(s) URLs, got {url!r}")
+        if self.mcp_timeout_s <= 0:
+            raise ConfigError("--mcp-timeout-s", f"must be more than 0, got {self.mcp_timeout_s}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError("--max-log-len", f"must be 0 or more, got {self.max_log_len}")
+
+    @property
+    def tool_servers(self) -> list[str]:
+        return [spec.strip() for spec in (self.tool_server or "").split(",") if spec.strip()]
 
     @staticmethod
     def dev_mode(environ: dict[str, str] | None = None) -> bool:

@@ -108,12 +108,14 @@ async def start_chat(
     serving: OpenAIServing,
     id_prefix: str = "chatcmpl",
     in_order: bool = False,
+    request_id: str | None = None,
 ) -> tuple[ChatRun, AsyncGenerator[tuple[RequestState, Delta], None]]:
     """The one rendering path of every chat-shaped door (chat completions, responses, messages, batch):
     checks, the chat template, the tool plan and the sampling params; then the generation, started.
-    in_order: the door answers with the blocks in order (ChatRun.generate)."""
+    in_order: the door answers with the blocks in order (ChatRun.generate); request_id: the door's own
+    (engine-unique), else a new one."""
     serving.admit()
-    run, params = await prepare_chat(body, serving, new_request_id(id_prefix))
+    run, params = await prepare_chat(body, serving, request_id or new_request_id(id_prefix))
     if metadata := metadata_of(body):
         logger.debug("request %s metadata: %s", run.request_id, metadata)
     return run, run.generate(params, caller_request_id(request, body), in_order)

@@ -13,6 +13,7 @@ from frontend.engine.data_parallel import EngineClient
 from frontend.openai.format import TokenText
 from frontend.openai.structured import SpecValidator
 from frontend.parsers.registry import Parsers
+from frontend.responses.mcp_client import ToolServers
 from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits, admit
 from frontend.server.errors import OpenAIError
@@ -33,6 +34,8 @@ class OpenAIServing:
     tool_call_parser: str | None = None  # a name in parsers
     reasoning_parser: str | None = None  # a name in parsers
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(":memory:", 1000, 64 << 20))
+    tool_servers: ToolServers = field(default_factory=lambda: ToolServers([], 30.0))  # --tool-server
+    mcp_allowed_urls: list[str] = field(default_factory=list)  # --mcp-allowed-urls
     system_fingerprint: str | None = None  # of every chat and completion body and chunk (fingerprint.py)
     response_role: str = "assistant"  # of chat answers (--response-role)
     force_include_usage: bool = (

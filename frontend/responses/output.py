@@ -1,8 +1,9 @@
-"""The Responses API's shapes: output items (reasoning, message, function_call) from a parsed choice,
-the response object, and the streamed events that build the same items piece by piece.
+"""The Responses API's shapes: output items (reasoning, message, function_call), usage, and the streamed
+events that build the items piece by piece.
 
-The streamed items equal the non-streamed ones by construction: both come from the pieces the output
-path reads (`frontend/engine/pieces.py`, where whitespace between items waits until it is text)."""
+Streamed or not, a response's items are the ones its events built (responses/tool_loop.py), from the
+pieces the output path reads (`frontend/engine/pieces.py`, where whitespace between items waits until
+it is text)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import uuid
 from typing import Any
 
 import msgspec
-
-from frontend.engine.pieces import Block
 
 _encoder = msgspec.json.Encoder()
 
@@ -49,20 +48,6 @@ def call_item(
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def output_items(blocks: list[Block]) -> list[dict[str, Any]]:
-    """The output items in the order the model wrote them, as the stream sends them: text after a call is
-    a message item after the function_call item."""
-    items = []
-    for block in blocks:
-        if block.kind == "reasoning":
-            items.append(reasoning_item(block.text))
-        elif block.kind == "text":
-            items.append(message_item(block.text))
-        else:
-            items.append(call_item(block.call_id, block.name, block.text))
-    return items
 
 
 def usage(num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int) -> dict[str, Any]:

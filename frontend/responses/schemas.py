@@ -9,6 +9,7 @@ previous_response_id, as OpenAI does). As on every door, no field is accepted an
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -23,13 +24,15 @@ from frontend.openai.schemas import (
 )
 from frontend.server.errors import OpenAIError
 
+from .mcp_client import error_message as error_text
+from .mcp_tools import declined_text
+
 logger = logging.getLogger("engine.api")
 
 UNSUPPORTED_FIELDS = {
     "background": "background responses",
     "conversation": "conversations (use previous_response_id)",
     "prompt": "prompt templates",
-    "max_tool_calls": "a tool-call limit",
     "context_management": "context management",
     "prompt_cache_retention": "prompt-cache retention",
     "prompt_cache_options": "prompt-cache options",
@@ -69,6 +72,7 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     truncation: str | None = None
     include: list[str] | None = None
+    max_tool_calls: int | None = None  # the MCP tool calls one response runs at most (tool_loop.py)
     ignore_eos: bool = False  # vLLM's sampling extension, as on the chat door (benchmarks send it)
 
     def check_supported(self) -> None:
@@ -78,17 +82,27 @@ class ResponsesRequest(BaseModel):
         check_one_of("truncation", self.truncation, (None, "disabled"))  # the context limit is a 400
         if self.include:
             raise unsupported("include", f"include {self.include!r}")
+        if self.max_tool_calls is not None and self.max_tool_calls < 1:
+            raise OpenAIError("max_tool_calls must be 1 or more.", param="max_tool_calls")
 
 
-def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """history: the input and output items of the previous response, when one is continued."""
+def to_chat_request(
+    body: ResponsesRequest,
+    items: list[dict[str, Any]],
+    mcp_functions: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    max_tokens: int | None = None,
+) -> ChatCompletionRequest:
+    """items: the conversation so far (a continued response's items, this input, this response's output
+    items of earlier tool-loop turns); mcp_functions: the MCP servers' tools as function tools;
+    tool_choice and max_tokens: this turn's, where the tool loop sets them (responses/tool_loop.py)."""
     body.check_supported()
     messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    messages += input_messages([*history, *input_items(body.input)])
+    messages += input_messages(items)
     fields: dict[str, Any] = {
         "model": body.model,
         "messages": messages,
-        "max_tokens": body.max_output_tokens,
+        "max_tokens": body.max_output_tokens if max_tokens is None else max_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "stream": body.stream,
@@ -97,9 +111,10 @@ def to_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Ch
         **{name: getattr(body, name) for name in METADATA_FIELDS},
     }
     if body.tools is not None:
-        fields["tools"] = [_tool(tool, f"tools[{index}]") for index, tool in enumerate(body.tools)]
-    if body.tool_choice is not None:
-        fields["tool_choice"] = _tool_choice(body.tool_choice)
+        tools = [_tool(tool, f"tools[{index}]") for index, tool in enumerate(body.tools) if not _is_mcp(tool)]
+        fields["tools"] = tools + (mcp_functions or [])
+    if (choice := tool_choice if tool_choice is not None else body.tool_choice) is not None:
+        fields["tool_choice"] = _tool_choice(choice)
     if body.text is not None:
         fields["response_format"] = _text_format(body.text)
     if body.reasoning is not None:
@@ -115,6 +130,7 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
+    asked: dict[str, dict[str, Any]] = {}  # mcp_approval_request items, by id
     for index, item in enumerate(items):
         param = f"input[{index}]"
         if not isinstance(item, dict):
@@ -153,12 +169,43 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), param)}
             )
+        elif kind == "mcp_call":  # the call and its result, as the model read them in the tool loop
+            result = (
+                item.get("output") if item.get("error") is None else f"Error: {error_text(item['error'])}"
+            )
+            messages += _call_messages(item, str(result or ""), param)
+        elif kind == "mcp_approval_request":  # asked; an approval runs it (an mcp_call item follows)
+            asked[str(item.get("id"))] = item
+        elif kind == "mcp_approval_response":
+            request = asked.get(str(item.get("approval_request_id")))
+            if request is not None and item.get("approve") is False:  # the model learns it was declined
+                messages += _call_messages(request, declined_text(request), param)
+        elif kind == "mcp_list_tools":
+            pass  # the tools are in the prompt's tool list
         elif kind == "reasoning":
             parts = item.get("content") or []
             reasoning += "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
         else:
             raise unsupported(f"{param}.type", f"{kind!r} input items")
     return messages
+
+
+def _call_messages(item: dict[str, Any], result: str, param: str) -> list[dict[str, Any]]:
+    """An MCP call as the assistant's tool call and the tool's message."""
+    if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+        raise OpenAIError(
+            f"{param}: an {item.get('type')} needs a name and arguments (a JSON string).", param="input"
+        )
+    call_id, arguments = str(item.get("id")), item["arguments"]
+    try:
+        json.loads(arguments)
+    except ValueError:  # a call the output's end cut short (never run): the model reads it as empty
+        arguments = "{}"
+    call = {"id": call_id, "type": "function", "function": {"name": item["name"], "arguments": arguments}}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
 
 
 def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
@@ -208,6 +255,10 @@ def _text(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _is_mcp(tool: Any) -> bool:
+    return isinstance(tool, dict) and tool.get("type") == "mcp"
+
+
 def _tool(tool: Any, param: str) -> dict[str, Any]:
     kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
     if kind != "function":
@@ -221,8 +272,8 @@ def _tool(tool: Any, param: str) -> dict[str, Any]:
 def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     if isinstance(choice, str):
         return choice  # none, auto, required: checked on the chat path
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-        raise unsupported("tool_choice", f"tool_choice {choice!r} (a function by name only)")
+    if choice.get("type") not in ("function", "mcp") or not isinstance(choice.get("name"), str):
+        raise unsupported("tool_choice", f"tool_choice {choice!r} (a function or an MCP tool by name only)")
     return {"type": "function", "function": {"name": choice["name"]}}
 
 

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from frontend.engine.async_llm import final_state
-from frontend.engine.output_processor import Delta, RequestState
-from frontend.engine.pieces import formatted
-from frontend.openai.chat import ChatRun, start_chat
+from frontend.engine.async_llm import new_request_id
 from frontend.openai.common import Serving, json_response, until_disconnected
 from frontend.openai.serving import OpenAIServing
 from frontend.server.errors import OpenAIError, to_openai_error
 
-from .output import EventStream, output_items, status_of, usage
-from .schemas import ResponsesRequest, input_items, to_chat_request
+from .output import usage
+from .schemas import ResponsesRequest, input_items
 from .store import ResponseStore
+from .tool_loop import ToolLoop
 
 router = APIRouter()
 CANCELLED = "cancelled"  # the stop_reason of a cancelled response's engine request
@@ -34,29 +32,31 @@ CANCEL_WAIT_S = 10.0  # how long a cancel waits for the owner to record the end
 
 
 class Context:
-    """One response on its way: its request, its run, and where it is kept."""
+    """One response on its way: its request, its turns (`ToolLoop`), and where it is kept."""
 
     def __init__(self, serving: OpenAIServing, body: ResponsesRequest, history: list[dict[str, Any]]) -> None:
         self.serving, self.body = serving, body
         self.history = [*history, *input_items(body.input)]  # what a continuation of it starts from
         self.created_at = int(time.time())
         self.store = serving.responses if body.store else None
-        self.run: ChatRun | None = None
+        self.model = serving.model_name(body.model)
+        self.loop: ToolLoop | None = None
 
     def response(self, status: str, output: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        assert self.run is not None
+        assert self.loop is not None
         body = self.body
         return {
-            "id": self.run.request_id,
+            "id": self.loop.response_id,
             "object": "response",
             "created_at": self.created_at,
-            "model": self.run.model,
+            "model": self.model,
             "status": status,
             "output": output,
             "error": None,
             "incomplete_details": None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": body.max_tool_calls,
             "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
@@ -74,15 +74,18 @@ class Context:
         }
 
     async def keep(self, response: dict[str, Any], running: bool) -> None:
-        if self.store is not None and self.run is not None:
+        loop = self.loop
+        if self.store is not None and loop is not None:
             history = self.history + ([] if running else response["output"])
-            await self.store.put(response, history, f"{self.run.request_id}-0" if running else None)
+            engine_request = f"{loop.engine_request_id}-0" if running else None
+            await self.store.put(response, history, engine_request)
 
-    async def finished(self, state: RequestState, output: list[dict[str, Any]]) -> dict[str, Any]:
-        choice = state.choices[0]
-        status, incomplete = status_of(choice.finish_reason, choice.stop_reason)
-        numbers = usage(len(state.prompt_token_ids), state.num_cached_tokens, state.num_output_tokens)
-        response = self.response(status, output, incomplete_details=incomplete, usage=numbers)
+    async def finished(self) -> dict[str, Any]:
+        loop = self.loop
+        assert loop is not None
+        status, incomplete = loop.status
+        numbers = usage(loop.num_prompt_tokens, loop.num_cached_tokens, loop.num_output_tokens)
+        response = self.response(status, loop.events.items, incomplete_details=incomplete, usage=numbers)
         await self.keep(response, running=False)
         return response
 
@@ -97,19 +100,26 @@ async def create(body: ResponsesRequest, request: Request, serving: Serving) -> 
         raise OpenAIError(
             "store is off on this server (--responses-store-max-count 0); send store: false.", param="store"
         )
+    body.check_supported()
     context = Context(serving, body, history)
-    chat = to_chat_request(body, history)
-    run, stream = await start_chat(chat, request, serving, id_prefix="resp", in_order=True)
-    context.run = run
+    loop = ToolLoop(serving, body, request, context.history, new_request_id("resp"))
+    await loop.prepare(history, input_items(body.input))
+    context.loop = loop
+    loop.on_turn = lambda: context.keep(context.response("in_progress", loop.events.items), running=True)
     await context.keep(context.response("in_progress", []), running=True)
     if body.stream:
-        return StreamingResponse(_events(context, stream), media_type="text/event-stream")
+        return StreamingResponse(_events(context, loop), media_type="text/event-stream")
     try:
-        state = await until_disconnected(request, final_state(stream))
+        await until_disconnected(request, _drain(loop))
     except BaseException as error:
         await _failed(context, error)
         raise
-    return json_response(await context.finished(state, output_items(state.choices[0].blocks)))
+    return json_response(await context.finished())
+
+
+async def _drain(loop: ToolLoop) -> None:
+    async for _ in loop.run():
+        pass
 
 
 @router.get("/v1/responses/{response_id}")
@@ -166,39 +176,30 @@ async def _stored(serving: OpenAIServing, response_id: str, param: str) -> Any:
 
 
 async def _failed(context: Context, error: BaseException) -> dict[str, Any] | None:
-    if context.run is None:
+    if context.loop is None:
         return None
     openai_error = (
         to_openai_error(error) if isinstance(error, Exception) else OpenAIError("The request was cancelled.")
     )
     failure = {"code": openai_error.code or openai_error.type, "message": openai_error.message}
-    response = context.response("failed", [], error=failure)
+    response = context.response("failed", context.loop.events.items, error=failure)
     await context.keep(response, running=False)
     return response
 
 
-async def _events(
-    context: Context, stream: AsyncGenerator[tuple[RequestState, Delta], None]
-) -> AsyncIterator[bytes]:
-    assert context.run is not None
-    events = EventStream()
+async def _events(context: Context, loop: ToolLoop) -> AsyncIterator[bytes]:
+    events = loop.events
     start = context.response("in_progress", [])
     yield events.event("response.created", response=start)
     yield events.event("response.in_progress", response=start)
     done = False
     try:
-        async for state, delta in stream:
-            out = formatted(delta.pieces, events)
-            if delta.finish_reason is not None:
-                out += events.close()
-                response = await context.finished(state, events.items)
-                kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
-                out.append(
-                    events.event(kind.get(response["status"], "response.incomplete"), response=response)
-                )
-                done = True
-            for event in out:
-                yield event
+        async for event in loop.run():
+            yield event
+        response = await context.finished()
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
+        yield events.event(kind.get(response["status"], "response.incomplete"), response=response)
+        done = True
     except Exception as error:
         done = True
         yield events.event("response.failed", response=await _failed(context, error))

@@ -16,6 +16,7 @@ from frontend.model_files import load_generation_defaults
 from frontend.openai.fingerprint import output_settings, system_fingerprint
 from frontend.openai.serving import OpenAIServing
 from frontend.parsers.registry import Parsers
+from frontend.responses.mcp_client import ToolServers
 from frontend.responses.store import ResponseStore
 from frontend.server.admission import AdmissionLimits
 from frontend.server.config import ServerConfig
@@ -94,6 +95,8 @@ def build_serving(config: ServerConfig, llm: AsyncLLM, model_info: ModelInfo) ->
         system_fingerprint=system_fingerprint(
             config.fingerprint_mode, model_info, output_settings(config), config.fingerprint_value
         ),
+        tool_servers=ToolServers(config.tool_servers, config.mcp_timeout_s),
+        mcp_allowed_urls=config.mcp_allowed_urls,
         force_include_usage=config.force_include_usage,
         response_role=config.response_role,
         speech=speech,
