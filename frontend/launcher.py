@@ -101,11 +101,13 @@ class Supervisor:
         self.state_dir: str | None = None  # ours to remove at exit: the responses store
         self.shutdown_timeout_s = shutdown_timeout_s
 
-    def start_api_server(self, sock: socket.socket, config: ServerConfig) -> None:
+    def start_api_server(self, sock: socket.socket | None, config: ServerConfig) -> None:
+        """sock: the HTTP servers' listening socket; None for a gRPC server, which binds its port itself."""
+        fd = sock.fileno() if sock is not None else -1
         process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.server.main", str(sock.fileno()), parent_pid_arg()],
+            [sys.executable, "-m", "frontend.server.main", str(fd), parent_pid_arg()],
             stdin=subprocess.PIPE,
-            pass_fds=(sock.fileno(),),
+            pass_fds=(fd,) if sock is not None else (),
         )
         assert process.stdin is not None
         process.stdin.write(msgspec.json.encode(config))
@@ -258,6 +260,10 @@ def server_config(
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         mm_processor_cache_gb=args.mm_processor_cache_gb,
         tokens_only=args.tokens_only,
+        grpc=args.grpc,
+        grpc_host=args.host,
+        grpc_port=args.port,
+        grpc_shared_port=args.api_server_count > 1,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         fingerprint_mode=args.fingerprint_mode,
         fingerprint_value=args.fingerprint_value,
@@ -386,6 +392,10 @@ def _start_api_servers(
     store = os.path.join(supervisor.state_dir, "responses.sqlite")
     # read once, here: every API server gets the launcher's answer
     dev_mode, runtime_lora = ServerArgs.dev_mode(), ServerArgs.runtime_lora_updating()
+    if args.grpc:
+        # gRPC binds its own port: the launcher's socket only checked it was free, and must not take
+        # the connections the gRPC servers' SO_REUSEPORT group would share with it
+        sock.close()
     for index in range(args.api_server_count):
         config = msgspec.structs.replace(
             api_config,
@@ -394,11 +404,13 @@ def _start_api_servers(
             dev_mode=dev_mode,
             runtime_lora_updating=runtime_lora,
         )
-        supervisor.start_api_server(sock, config)
+        supervisor.start_api_server(None if args.grpc else sock, config)
     sock.close()  # the API servers hold it now
     phases.mark("API server processes")
     phases.log(logger)
     url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"
+    if args.grpc:
+        url = f"grpc://{args.host}:{args.port}"
     if args.uds:
         url = f"unix:{args.uds}"
     print(

@@ -90,7 +90,8 @@ SERVE_CASES = [
     (["--chat-template", "{plugins}"], "--chat-template", "cannot read"),  # a folder
     (["--batch-invariant", "--attention-backend", "torch"], "--batch-invariant", "needs the csrc kernels"),
     (["--tool-server", "localhost"], "--tool-server", "host:port or an http(s) URL"),
-    (["--mcp-timeout-s", "0"], "--mcp-timeout-s", "must be more than 0"),
+    (["--mcp-timeout", "0"], "--mcp-timeout", "must be more than 0"),
+    (["--grpc", "--uds", "/tmp/engine-grpc.sock"], "--uds", "is for the HTTP server"),
     (["--mcp-allowed-urls", "ftp://files"], "--mcp-allowed-urls", "takes http(s) URLs"),
 ]
 

@@ -73,6 +73,10 @@ ALLOWED = {
         "PIL",  # images: decoding (frontend/vision/decode.py)
         "aiohttp",  # images: fetching http(s) URLs, imported on the first one (frontend/vision/fetch.py)
         "gguf",  # a render server's context length from a GGUF header (frontend/scale_out/render_server.py)
+        "grpc",  # the gRPC front door (frontend/grpc_door/)
+        "grpc_health",  # its grpc.health.v1 service
+        "grpc_reflection",  # its server reflection
+        "google",  # protobuf's runtime, which the generated stubs import
         "mcp",  # the Responses API's mcp tools: MCP's client (frontend/responses/mcp_client.py)
         "httpx2",  # the mcp SDK's HTTP client, which its transports take
         "anyio",  # the mcp SDK's timeouts (anyio.fail_after; Starlette runs on it too)

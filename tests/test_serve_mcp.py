@@ -77,7 +77,7 @@ def served(smollm2_gguf: str, mcp_servers: dict[str, int]) -> Iterator[Served]:
         "--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         "--tool-server", f"127.0.0.1:{mcp_servers['sse']}",
         "--mcp-allowed-urls", f"http://127.0.0.1:{mcp_servers['http']}", f"http://127.0.0.1:{spare}",
-        "--mcp-timeout-s", "3",
+        "--mcp-timeout", "3",
     ) as served:  # fmt: skip
         served.spare_port = spare  # type: ignore[attr-defined]
         yield served

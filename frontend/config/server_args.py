@@ -55,6 +55,10 @@ class ServerArgs:
         None, "listen on this Unix domain socket path instead (--host and --port unused)"
     )
     api_server_count: int = option(1, "API-server processes sharing the port")
+    grpc: bool = option(
+        False, "serve vLLM's gRPC service (vllm.grpc.engine.VllmEngine, health, reflection) on --port instead "
+        "of HTTP (docs/grpc.md)",
+    )  # fmt: skip
     api_key: list[str] = option(
         default_factory=list,
         help="require `Authorization: Bearer KEY` or `x-api-key: KEY`; also ENGINE_API_KEY or VLLM_API_KEY, "
@@ -129,7 +133,9 @@ class ServerArgs:
         default_factory=list, help="MCP server URLs a request's mcp tool may name in server_url: an origin "
         "(scheme://host:port, any path) or one URL (none without this flag)", nargs="+",
     )  # fmt: skip
-    mcp_timeout_s: float = option(30.0, "seconds an MCP server has to list its tools or answer one call")
+    mcp_timeout_s: float = option(
+        30.0, "seconds an MCP server has to list its tools or answer one call", flag="--mcp-timeout"
+    )
 
     # images (docs/vision.md)
     allowed_local_media_path: str | None = option(
@@ -214,6 +220,16 @@ class ServerArgs:
             raise ConfigError("--ssl-cert-reqs", f"takes 0, 1 or 2, got {self.ssl_cert_reqs}")
         if self.root_path is not None and self.root_path and not self.root_path.startswith("/"):
             raise ConfigError("--root-path", f"must start with '/', got {self.root_path!r}")
+        if self.grpc:
+            http_only: tuple[tuple[str, object], ...] = (
+                ("--uds", self.uds), ("--ssl-certfile", self.ssl_certfile), ("--middleware", self.middleware),
+                ("--root-path", self.root_path),
+            )  # fmt: skip
+            for flag, value in http_only:
+                if value:
+                    raise ConfigError(
+                        flag, "is for the HTTP server; --grpc serves plaintext gRPC on --host:--port"
+                    )
         for spec in self.tool_servers:
             try:
                 tool_server_url(spec)
@@ -223,7 +239,7 @@ class ServerArgs:
             if not allowed_url(url):
                 raise ConfigError("--mcp-allowed-urls", f"takes http(s) URLs, got {url!r}")
         if self.mcp_timeout_s <= 0:
-            raise ConfigError("--mcp-timeout-s", f"must be more than 0, got {self.mcp_timeout_s}")
+            raise ConfigError("--mcp-timeout", f"must be more than 0, got {self.mcp_timeout_s}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError("--max-log-len", f"must be 0 or more, got {self.max_log_len}")
 

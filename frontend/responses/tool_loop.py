@@ -9,7 +9,7 @@ not, the response is built by the same events (`ToolEvents`), so a stream's item
 Bounds: `max_tool_calls` (DEFAULT_MAX_TOOL_CALLS when unset) counts the calls one response runs; once
 it is reached the next turn runs with tool_choice "none", and calls beyond it are failed mcp_call items
 that say so. `max_output_tokens` bounds the output of all turns together. Each call has the server's
---mcp-timeout-s. tool_choice "required" or a named tool holds for the first turn; later turns are
+--mcp-timeout. tool_choice "required" or a named tool holds for the first turn; later turns are
 "auto" (else the model could never answer)."""
 
 from __future__ import annotations

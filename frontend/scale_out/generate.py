@@ -24,11 +24,13 @@ from frontend.openai.common import Serving, json_response, until_disconnected
 from frontend.openai.format import SSE_DONE, chat_logprobs, prompt_logprobs_body, sse, usage
 from frontend.openai.params import check_top, to_sampling_params
 from frontend.openai.render import completion_prompts
+from frontend.openai.schemas import CompletionRequest
+from frontend.openai.serving import OpenAIServing
 from frontend.openai.structured import spec_of_request
 from frontend.scale_out.schemas import AbortRequests, GenerateRequest, label_token_ids
 from frontend.server.errors import OpenAIError, to_openai_error
 from protocol.messages import Logprobs
-from protocol.sampling import MAX_N
+from protocol.sampling import MAX_N, SamplingParams
 
 router = APIRouter()
 abort_router = APIRouter()
@@ -48,6 +50,34 @@ async def generate(body: GenerateRequest, request: Request, serving: Serving) ->
             "output_mode 'text' needs a tokenizer (not --tokens-only) and sampling_params.detokenize.",
             param="output_mode",
         )
+    prompt_ids, params, top = token_request(serving, completion)
+    if (labels := label_token_ids(body.sampling_params)) is not None:  # vLLM's: logprobs is their number
+        if params.logprobs not in (None, len(labels)):
+            raise OpenAIError(f"sampling_params.logprobs must equal len(logprob_token_ids) ({len(labels)}).",
+                              param="sampling_params.logprob_token_ids")  # fmt: skip
+        params = msgspec.structs.replace(params, logprob_token_ids=labels, logprobs=len(labels))
+        top = len(labels)
+    caller_id = request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+    request_id = (
+        f"generate-tokens-{caller_id}"  # vLLM's: what abort_requests names (the engine refuses a twin)
+    )
+    stream = serving.llm.generate(request_id, prompt_ids, params, priority=body.priority,
+                                  cache_salt=body.cache_salt, log_id=caller_id,
+                                  lora_name=serving.lora_name(body.model),
+                                  kv_transfer_params=body.kv_transfer_params)  # fmt: skip
+    answer = Answer(body, request_id, model, prompt_ids, top, serving, params.logprob_token_ids)
+    if body.stream:
+        return StreamingResponse(answer.stream(stream), media_type="text/event-stream")
+    state = await until_disconnected(request, final_state(stream))
+    return json_response(answer.full(state))
+
+
+def token_request(
+    serving: OpenAIServing, completion: CompletionRequest
+) -> tuple[list[int], SamplingParams, int | None]:
+    """A tokens-in request's prompt ids, sampling params and number of top logprobs, from the completions
+    body that computes the same (vLLM's rules: unset fields take SamplingParams' defaults, not the
+    generation config's). The generate door's and the gRPC door's."""
     if serving.tokenizer is None and (completion.stop or completion.bad_words):
         raise OpenAIError(  # vLLM's rule: without a tokenizer these would never match
             "stop strings and bad_words need a tokenizer, which a --tokens-only server does not load: use "
@@ -68,25 +98,7 @@ async def generate(body: GenerateRequest, request: Request, serving: Serving) ->
         prompt_param="token_ids",
         structured_outputs=spec_of_request(completion, serving.validator),
     )
-    if (labels := label_token_ids(body.sampling_params)) is not None:  # vLLM's: logprobs is their number
-        if params.logprobs not in (None, len(labels)):
-            raise OpenAIError(f"sampling_params.logprobs must equal len(logprob_token_ids) ({len(labels)}).",
-                              param="sampling_params.logprob_token_ids")  # fmt: skip
-        params = msgspec.structs.replace(params, logprob_token_ids=labels, logprobs=len(labels))
-        top = len(labels)
-    caller_id = request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
-    request_id = (
-        f"generate-tokens-{caller_id}"  # vLLM's: what abort_requests names (the engine refuses a twin)
-    )
-    stream = serving.llm.generate(request_id, prompt.token_ids, params, priority=body.priority,
-                                  cache_salt=body.cache_salt, log_id=caller_id,
-                                  lora_name=serving.lora_name(body.model),
-                                  kv_transfer_params=body.kv_transfer_params)  # fmt: skip
-    answer = Answer(body, request_id, model, prompt.token_ids, top, serving, params.logprob_token_ids)
-    if body.stream:
-        return StreamingResponse(answer.stream(stream), media_type="text/event-stream")
-    state = await until_disconnected(request, final_state(stream))
-    return json_response(answer.full(state))
+    return prompt.token_ids, params, top
 
 
 @router.post("/inference/v1/abort_requests")

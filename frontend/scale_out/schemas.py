@@ -70,42 +70,51 @@ class GenerateRequest(BaseModel):
     def completion(self) -> tuple[CompletionRequest, bool]:
         """The completions body that computes the same (our one path for token prompts), and whether
         sampling_params.detokenize is on."""
-        fields: dict[str, Any] = {}
-        detokenize = True
-        for name, value in self.sampling_params.items():
-            if name == "logprob_token_ids":
-                continue  # label_token_ids() reads it
-            if name in SAMPLING_FIELDS:
-                fields[name] = value
-            elif name == "detokenize":
-                if not isinstance(value, bool):
-                    raise OpenAIError(
-                        "sampling_params.detokenize must be a boolean.", param="sampling_params.detokenize"
-                    )
-                detokenize = value
-            elif name in UNIMPLEMENTED_SAMPLING:
-                if value != UNIMPLEMENTED_SAMPLING[name]:
-                    raise OpenAIError(f"sampling_params.{name} is not supported by this server.",
-                                      param=f"sampling_params.{name}", code="unsupported_field")  # fmt: skip
-            elif name not in OVERRIDDEN_SAMPLING:
-                raise OpenAIError(f"sampling_params.{name} is not a sampling parameter.",
-                                  param=f"sampling_params.{name}")  # fmt: skip
-        if not detokenize and fields.get("stop"):
-            raise OpenAIError("stop strings need sampling_params.detokenize: use stop_token_ids.",
-                              param="sampling_params.stop")  # fmt: skip
-        fields.setdefault("max_tokens", None)  # vLLM's generate: the rest of the context
-        try:
-            body = CompletionRequest(
-                prompt=self.token_ids, model=self.model, stream=self.stream, stream_options=self.stream_options,
-                cache_salt=self.cache_salt, priority=self.priority, kv_transfer_params=self.kv_transfer_params,
-                **fields,
-            )  # fmt: skip
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise OpenAIError(f"sampling_params.{where}: {first.get('msg', 'invalid')}",
-                              param=f"sampling_params.{where}") from None  # fmt: skip
-        return body, detokenize
+        return completion_body(
+            self.token_ids, self.sampling_params, model=self.model, stream=self.stream,
+            stream_options=self.stream_options, cache_salt=self.cache_salt, priority=self.priority,
+            kv_transfer_params=self.kv_transfer_params,
+        )  # fmt: skip
+
+
+def completion_body(
+    prompt: list[int] | str, sampling_params: dict[str, Any], **request: Any
+) -> tuple[CompletionRequest, bool]:
+    """vLLM's sampling_params (by its names) over a prompt, as the completions body that computes the same,
+    and whether sampling_params.detokenize is on; request: the body's other fields. The generate door's
+    and the gRPC door's (frontend/grpc_door/)."""
+    fields: dict[str, Any] = {}
+    detokenize = True
+    for name, value in sampling_params.items():
+        if name == "logprob_token_ids":
+            continue  # label_token_ids() reads it
+        if name in SAMPLING_FIELDS:
+            fields[name] = value
+        elif name == "detokenize":
+            if not isinstance(value, bool):
+                raise OpenAIError(
+                    "sampling_params.detokenize must be a boolean.", param="sampling_params.detokenize"
+                )
+            detokenize = value
+        elif name in UNIMPLEMENTED_SAMPLING:
+            if value != UNIMPLEMENTED_SAMPLING[name]:
+                raise OpenAIError(f"sampling_params.{name} is not supported by this server.",
+                                  param=f"sampling_params.{name}", code="unsupported_field")  # fmt: skip
+        elif name not in OVERRIDDEN_SAMPLING:
+            raise OpenAIError(f"sampling_params.{name} is not a sampling parameter.",
+                              param=f"sampling_params.{name}")  # fmt: skip
+    if not detokenize and fields.get("stop"):
+        raise OpenAIError("stop strings need sampling_params.detokenize: use stop_token_ids.",
+                          param="sampling_params.stop")  # fmt: skip
+    fields.setdefault("max_tokens", None)  # vLLM's generate: the rest of the context
+    try:
+        body = CompletionRequest(prompt=prompt, **request, **fields)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise OpenAIError(f"sampling_params.{where}: {first.get('msg', 'invalid')}",
+                          param=f"sampling_params.{where}") from None  # fmt: skip
+    return body, detokenize
 
 
 def label_token_ids(sampling_params: dict[str, Any]) -> list[int] | None:

@@ -1,7 +1,8 @@
 """One API-server process: FastAPI + uvicorn on the listening socket the launcher hands down.
 
 `python -m frontend.server.main FD [PARENT_PID]` reads its ServerConfig as JSON on stdin; FD is the shared,
-already-listening TCP socket (N processes accept on it, the kernel spreads the connections).
+already-listening TCP socket (N processes accept on it, the kernel spreads the connections), or -1 for a
+gRPC front door (config.grpc: frontend/grpc_door/server.py), which binds its port itself.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases) -> None:
+async def serve(config: ServerConfig, sock: socket.socket | None, phases: StartupPhases) -> None:
     # The tokenizer (transformers' import, seconds) loads while the engine loads the model; attached
     # without a model name, it waits for the engine's.
     tokenizer_path = config.tokenizer or config.model
@@ -99,6 +100,12 @@ async def serve(config: ServerConfig, sock: socket.socket, phases: StartupPhases
         )
     tokenizer = await tokenizer_load if tokenizer_load is not None else None  # --tokens-only: none
     phases.mark("tokenizer")
+    if config.grpc:
+        from frontend.grpc_door.server import run_grpc
+
+        await run_grpc(config, phases, client, tokenizer, model_info)
+        return
+    assert sock is not None
     await run_app(config, sock, phases, client, tokenizer, model_info)
 
 
@@ -178,7 +185,8 @@ def main() -> None:
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
     configure_logging(config.log_level, config.log_format)
     phases.process = f"API server {config.server_index}"
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    fd = int(sys.argv[1])
+    sock = socket.socket(fileno=fd) if fd >= 0 else None  # -1: a gRPC server, which binds its own port
     import uvloop
 
     phases.mark("imports")
