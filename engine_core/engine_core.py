@@ -28,6 +28,7 @@ from engine_core.request import Request, RequestStatus
 from engine_core.run_state import RunState
 from engine_core.scheduler import Scheduler
 from engine_core.utilities import call_utility
+from engine_core.weight_updates import WeightUpdates
 from protocol.config import EngineConfig
 from protocol.errors import InvalidParameterError
 from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
@@ -139,6 +140,8 @@ class EngineCore:
         self.loras = LoraTable(config.worker.lora, executor, self.model_info.served_model_names)
         self.state = RunState()  # paused, asleep (the operator's endpoints)
         self.profiler_dir = config.profiler_dir
+        self.weight_transfer = config.worker.weight_transfer  # None: weight updates are off
+        self.weight_updates = WeightUpdates(num_ranks=config.worker.parallel.tensor_parallel_size)
         self.pending_outputs: list[tuple[Request, RequestOutput]] = []
         for module in config.lora_modules:
             try:

@@ -336,6 +336,8 @@ class EngineCoreProc:
                 )
             except Exception as error:
                 reply = UtilityResult(message.call_id, encode_value(None), f"{type(error).__name__}: {error}")
+            if reply.error is not None and message.method in STATE_CHANGES:
+                self._broadcast_state()  # a failed weight update resumed the engine
             self.output_queue.put((client_id, reply))
         elif isinstance(message, _ClientGone):
             self._drop_client(client_id)

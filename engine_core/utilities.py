@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from engine_core import weight_updates
 from engine_core.executor import CallTimeoutError
 from protocol.errors import InvalidParameterError
 from protocol.worker_messages import WorkerCall
@@ -153,7 +154,9 @@ def _stop_profile(engine: EngineCore) -> Any:
 
 
 # the calls that change the run state: every frontend is told at once (their admission and /health read it)
-STATE_CHANGES = frozenset({"pause", "resume", "sleep", "wake_up"})
+STATE_CHANGES = frozenset(
+    {"pause", "resume", "sleep", "wake_up", "start_weight_update", "update_weights", "finish_weight_update"}
+)
 
 UTILITIES: dict[str, Callable[..., Any]] = {
     "reset_prefix_cache": lambda engine: engine.scheduler.kv_cache.reset_prefix_cache(),
@@ -171,6 +174,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "collective_rpc": _collective_rpc,
     "start_profile": _start_profile,
     "stop_profile": _stop_profile,
+    **weight_updates.UTILITIES,
 }
 
 

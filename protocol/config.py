@@ -9,6 +9,7 @@ import msgspec
 from protocol.kv_transfer import KVTransferConfig
 from protocol.lora import LoraAdapter, LoraConfig
 from protocol.pooling import PoolerConfig
+from protocol.weight_transfer import WeightTransferConfig
 
 # Tokens per KV block. Decode attention reads each block's rows in one sweep and then jumps to the next
 # block, wherever the pool put it; with 64-token blocks a batch-64 decode step took 2.7% less than with
@@ -89,6 +90,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     max_cudagraph_capture_size: int | None = None  # CUDA: the largest decode batch captured (None: vLLM's)
     rank: int = 0  # this worker's tensor-parallel rank (set by whoever starts it)
     kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config: disaggregated prefill and decode
+    weight_transfer: WeightTransferConfig | None = None  # --weight-transfer-config: RL weight updates
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

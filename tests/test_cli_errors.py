@@ -91,6 +91,11 @@ SERVE_CASES = [
     (["--batch-invariant", "--attention-backend", "torch"], "--batch-invariant", "needs the csrc kernels"),
     (["--tool-server", "localhost"], "--tool-server", "host:port or an http(s) URL"),
     (["--mcp-timeout", "0"], "--mcp-timeout", "must be more than 0"),
+    (
+        ["--weight-transfer-config", '{"backend": "ucx"}'],
+        "--weight-transfer-config",
+        "backend takes gloo, nccl",
+    ),
     (["--grpc", "--uds", "/tmp/engine-grpc.sock"], "--uds", "is for the HTTP server"),
     (["--mcp-allowed-urls", "ftp://files"], "--mcp-allowed-urls", "takes http(s) URLs"),
 ]

@@ -19,9 +19,11 @@ import torch
 
 from protocol.errors import InvalidParameterError
 from protocol.lora import LoraRequest
+from protocol.weight_transfer import InitInfo, UpdateInfo, parse
 from protocol.worker_messages import WorkerCall, WorkerCallResult
 from worker.host_memory import trim_freed_memory
 from worker.sleep import Sleeper, model_tensors, rss_bytes, storages
+from worker.weight_transfer import WeightReceiver, checkpoint_names
 
 if TYPE_CHECKING:
     from worker.model_runner import ModelRunner
@@ -33,6 +35,7 @@ class WorkerCalls:
         self.sleeper = Sleeper(runner.config.cache_dir)
         self.profiler: Any = None  # a torch.profiler.profile while one runs
         self.profile_folder = ""
+        self.receiver: WeightReceiver | None = None  # weight updates' (--weight-transfer-config)
 
     def handle(self, call: WorkerCall) -> WorkerCallResult:
         method = getattr(self, f"call_{call.method}", None)
@@ -93,6 +96,40 @@ class WorkerCalls:
         gc.collect()
         trim_freed_memory()  # a level-2 wake's second copy of the model goes back to the kernel
         return {"rss_before": before, "rss_after": rss_bytes(), "asleep": sorted(self.sleeper.asleep)}
+
+    # ---- weight updates for RL loops (worker/weight_transfer.py); the engine orders them ----
+
+    def _receiver(self) -> WeightReceiver:
+        config = self.runner.config.weight_transfer
+        if config is None:
+            raise InvalidParameterError(
+                "init_info", "weight updates are off: start with --weight-transfer-config"
+            )
+        if self.receiver is None:
+            self.receiver = WeightReceiver(config, self.runner.config.rank, self.runner.device)
+        return self.receiver
+
+    def call_init_weight_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        checkpoint_names(self.runner)  # a quantized model is refused before any rendezvous
+        return self._receiver().init(parse(InitInfo, init_info, "init_info"))
+
+    def call_start_weight_update(self) -> None:
+        self._receiver().start()
+
+    def call_update_weights(self, update_info: dict[str, Any]) -> int:
+        info: UpdateInfo = parse(UpdateInfo, update_info, "update_info")
+        info.check()
+        return self._receiver().receive(info)
+
+    def call_finish_weight_update(self) -> dict[str, Any]:
+        report = self._receiver().finish(self.runner)
+        gc.collect()
+        trim_freed_memory()  # the rebuilt copy and the staged tensors go back to the kernel
+        return report
+
+    def call_abort_weight_update(self) -> None:
+        if self.receiver is not None:
+            self.receiver.staged = None
 
     # ---- collective_rpc's reports (engine_core/utilities.py COLLECTIVE_RPC_METHODS) ----
 

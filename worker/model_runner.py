@@ -243,6 +243,11 @@ class ModelRunner:
             model.init_rotary(self.max_model_len, self.device)
         return model.eval()
 
+    def build_from(self, weights: Any) -> CausalLM | BertModel | WhisperModel:
+        """A second copy of the model from (checkpoint name, tensor) pairs: a weight update's (its TP shard
+        cut here, as at start)."""
+        return self._build_model(weights)
+
     def reload_model(self) -> CausalLM | BertModel | WhisperModel:
         """A second copy of the model, read from the checkpoint again (a level-2 wake copies it in)."""
         _, weights = load_model_files(self.config.model, self.config.cache_dir, self.packed)

@@ -16,6 +16,7 @@ from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, ParallelConfig, Wo
 from protocol.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from protocol.lora import LoraAdapter, LoraConfig
 from protocol.pooling import PoolerConfig
+from protocol.weight_transfer import WeightTransferConfig, parse_weight_transfer_config
 from structured_outputs import resolve_backend_name
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -232,6 +233,12 @@ class EngineArgs:
         '"kv_load_failure_policy": "fail" | "recompute"} (docs/scale-out.md)',
         parse=_json_object,
     )
+    weight_transfer_config: dict[str, Any] | None = option(
+        None,
+        'weight updates from a trainer (RL loops), vLLM\'s JSON: {"backend": "gloo" | "nccl", "timeout_s": 300}; '
+        "the routes need ENGINE_SERVER_DEV_MODE=1 (docs/rl-weight-updates.md)",
+        parse=_json_object,
+    )
     log_level: str = option(
         "info", "log level of every process", choices=["debug", "info", "warning", "error"]
     )
@@ -293,6 +300,12 @@ class EngineArgs:
             resolve_backend_name(config.get("backend", "auto"))
         with naming("--kv-transfer-config"):
             self.kv_transfer()
+        with naming("--weight-transfer-config"):
+            self.weight_transfer()
+        if self.weight_transfer_config is not None and self.data_parallel_size > 1:
+            raise ConfigError(
+                "--weight-transfer-config", "takes one engine: data parallel is not supported yet"
+            )
         timeout = config.get("grammar_compile_timeout_s", 30.0)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(flag, f"grammar_compile_timeout_s must be a positive number, got {timeout!r}")
@@ -393,6 +406,11 @@ class EngineArgs:
             parse_kv_transfer_config(self.kv_transfer_config) if self.kv_transfer_config is not None else None
         )
 
+    def weight_transfer(self) -> WeightTransferConfig | None:
+        if self.weight_transfer_config is None:
+            return None
+        return parse_weight_transfer_config(self.weight_transfer_config)
+
     def lora_config(self) -> LoraConfig | None:
         if not self.enable_lora:
             return None
@@ -442,6 +460,7 @@ class EngineArgs:
             lora=self.lora_config(),
             parallel=self.parallel_config(),
             kv_transfer=self.kv_transfer(),
+            weight_transfer=self.weight_transfer(),
         )
         base = worker.served_model_names[0]
         return EngineConfig(
