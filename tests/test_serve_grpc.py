@@ -243,6 +243,29 @@ def test_health_while_draining_and_when_the_engine_dies(smollm2_gguf: str) -> No
         stop(process)
 
 
+def test_embed_equals_the_embeddings_door(minilm: str) -> None:
+    with serving(minilm, engine_address=True) as http:
+        assert http.engine_address is not None
+        process, target = start_grpc("--attach", http.engine_address)
+        try:
+            ids = [101, 7592, 2088, 102]
+            body = {"input": [ids], "model": minilm}
+            want = httpx.post(f"{http.base}/v1/embeddings", json=body, timeout=60).json()["data"][0][
+                "embedding"
+            ]
+            with grpc.insecure_channel(target) as channel:
+                stub = pb_grpc.VllmEngineStub(channel)
+                got = stub.Embed(pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=ids)), timeout=60)
+                assert not stub.GetModelInfo(pb.GetModelInfoRequest()).is_generation
+                with pytest.raises(grpc.RpcError) as raised:
+                    list(stub.Generate(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids))))
+            assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert got.prompt_tokens == 4 and got.embedding_dim == len(want) == 384
+            assert list(got.embedding) == pytest.approx(want, abs=1e-6)
+        finally:
+            stop(process)
+
+
 def test_the_checked_in_stubs_match_the_proto(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("grpc_tools")
     proto = "frontend/grpc_door/vllm_engine.proto"

@@ -98,6 +98,10 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         serving = self.serving
+        if serving.model_info.runner != "generate":
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, f"{serving.model_info.model} does not generate."
+            )
         try:
             serving.admit()
             kind = request.WhichOneof("input")
