@@ -32,6 +32,7 @@ from protocol.messages import (
     EngineAnnounce,
     EngineDead,
     EngineOutputs,
+    EngineSet,
     Ready,
     Register,
     Rejected,
@@ -86,6 +87,9 @@ class EngineCoreProc:
         # data parallel: every engine's addresses (engine 0 learns those on other machines as they
         # announce themselves) and the registrations waiting for them
         self.addresses = [list(pair) for pair in config.data_parallel_addresses]
+        self.scaling = (
+            False  # an elastic scale is under way (engine 0: set by the launcher, told to frontends)
+        )
         self.pending: list[str] = []
         self.announcer = None
         if config.data_parallel_head:
@@ -139,6 +143,21 @@ class EngineCoreProc:
         if self.addresses:
             info = msgspec.structs.replace(info, data_parallel_addresses=self.addresses)
         self.output_queue.put((client_id, Ready(PROTOCOL_VERSION, info)))
+        if self.scaling:
+            self.output_queue.put((client_id, EngineSet(self.addresses, self.scaling)))
+
+    def _set_engine_set(self, addresses: list[list[str]], scaling: bool) -> dict[str, Any]:
+        """Elastic data parallel (engine 0, from the launcher): the engines now, and whether a change is under
+        way; every frontend is told, and later registrations are answered with it."""
+        if not self.addresses:
+            raise InvalidParameterError("addresses", "this engine was not started for elastic data parallel")
+        if not addresses or not all(isinstance(p, list) and len(p) == 2 and all(p) for p in addresses):
+            raise InvalidParameterError("addresses", "a list of [input, output] addresses, engine 0's first")
+        self.addresses, self.scaling = [list(pair) for pair in addresses], bool(scaling)
+        logger.info("data-parallel engines: %d%s", len(self.addresses), " (scaling)" if scaling else "")
+        for client_id in list(self.clients):
+            self.output_queue.put((client_id, EngineSet(self.addresses, self.scaling)))
+        return {"addresses": self.addresses, "scaling": self.scaling}
 
     def _announced(self, message: EngineAnnounce) -> None:
         """An engine on another machine listens now: record where, and let waiting frontends in."""
@@ -325,7 +344,10 @@ class EngineCoreProc:
         elif isinstance(message, UtilityCall):
             try:
                 args = [decode_value(arg) for arg in message.args]
-                result = self.engine.call_utility(message.method, args)
+                if message.method == "set_engine_set":  # the process's own: who frontends should talk to
+                    result = self._set_engine_set(*args)
+                else:
+                    result = self.engine.call_utility(message.method, args)
                 reply = UtilityResult(message.call_id, encode_value(result))
                 self._send(self.engine.take_pending_outputs())  # a pause that ended requests
                 if message.method in STATE_CHANGES:

@@ -3,6 +3,7 @@ that share the socket, and supervises them until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -25,8 +26,12 @@ from frontend.server.config import ServerConfig
 from frontend.server.tls import check_tls_files
 from frontend.server.user_middleware import import_middleware
 from protocol.config import EngineConfig
+from protocol.errors import InvalidParameterError
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, parent_pid_arg
+
+if TYPE_CHECKING:
+    from frontend.engine.elastic import ElasticScaler
 
 logger = logging.getLogger("engine.launcher")
 
@@ -100,6 +105,7 @@ class Supervisor:
         self.metrics_dir: str | None = None  # ours to remove at exit
         self.state_dir: str | None = None  # ours to remove at exit: the responses store
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.control: ScaleControl | None = None  # elastic data parallel: the API servers' scale requests
 
     def start_api_server(self, sock: socket.socket | None, config: ServerConfig) -> None:
         """sock: the HTTP servers' listening socket; None for a gRPC server, which binds its port itself."""
@@ -119,7 +125,10 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._stop)
         engine_died_at: float | None = None
         while not self.stopping:
-            time.sleep(0.2)
+            if self.control is not None:
+                self.control.serve(0.2)  # a scale runs here, between two looks at the processes
+            else:
+                time.sleep(0.2)
             if isinstance(self.engine, WorkerNode) and not self.engine.is_alive():
                 code = self.engine.returncode  # 0: rank 0 passed the engine's shutdown on
                 logger.log(
@@ -169,10 +178,50 @@ class Supervisor:
                 process.wait()
         if self.engine is not None:
             self.engine.shutdown()
+        if self.control is not None:
+            self.control.close()
         for folder in (self.metrics_dir, self.state_dir):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         return 0
+
+
+class ScaleControl:
+    """The launcher's control socket (ZeroMQ ROUTER on ipc, in its state folder): an API server's
+    POST /scale_elastic_ep arrives as JSON {"new_data_parallel_size", "drain_timeout"}, the answer is JSON
+    {"data_parallel_size"} or {"error", "param"}."""
+
+    def __init__(self, scaler: ElasticScaler, folder: str) -> None:
+        import zmq
+
+        self.scaler = scaler
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.address = f"ipc://{folder}/control"
+        self.socket.bind(self.address)
+
+    def serve(self, timeout_s: float) -> None:
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return
+        identity, _, body = self.socket.recv_multipart()
+        try:
+            ask = json.loads(body)
+            answer = self.scaler.scale(
+                int(ask["new_data_parallel_size"]), float(ask.get("drain_timeout", 120))
+            )
+        except InvalidParameterError as error:
+            answer = {"error": error.message, "param": error.param}
+        except (ValueError, KeyError, TypeError) as error:
+            answer = {"error": f"a scale request is {{new_data_parallel_size, drain_timeout}}: {error}"}
+        except Exception as error:  # noqa: BLE001 (the scale failed; the old set serves on)
+            logger.error("scaling failed: %s", error)
+            answer = {"error": f"scaling failed, the engines are as they were: {error}", "failed": True}
+        self.socket.send_multipart([identity, b"", json.dumps(answer).encode()])
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
 
 
 def check_parsers(args: ServerArgs) -> None:
@@ -301,8 +350,9 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
         if engine_args.data_parallel_start_rank > 0 and engine_args.data_parallel_address:
             head = f"tcp://{engine_args.data_parallel_address}:{engine_args.data_parallel_rpc_port}"
         group = EngineGroup(
-            engine_config, engine_args.data_parallel_size, engine_args.data_parallel_local_ranks, head
-        )
+            engine_config, engine_args.data_parallel_size, engine_args.data_parallel_local_ranks, head,
+            elastic=engine_args.enable_elastic_ep,
+        )  # fmt: skip
         supervisor.engine = group
         phases.mark("engine process")
         addresses = (group.config.input_address, group.config.output_address)
@@ -390,6 +440,12 @@ def _start_api_servers(
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
     supervisor.state_dir = tempfile.mkdtemp(prefix="engine-state-")
     store = os.path.join(supervisor.state_dir, "responses.sqlite")
+    if isinstance(supervisor.engine, EngineGroup) and supervisor.engine.elastic:
+        from frontend.engine.elastic import ElasticScaler
+
+        scaler = ElasticScaler(supervisor.engine, api_config.register_timeout_s)
+        supervisor.control = ScaleControl(scaler, supervisor.state_dir)
+        api_config = msgspec.structs.replace(api_config, control_address=supervisor.control.address)
     # read once, here: every API server gets the launcher's answer
     dev_mode, runtime_lora = ServerArgs.dev_mode(), ServerArgs.runtime_lora_updating()
     if args.grpc:

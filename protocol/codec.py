@@ -23,6 +23,7 @@ TYPE_BYTES: dict[str, bytes] = {
     "outputs": b"\x12",
     "utility_result": b"\x13",
     "dead": b"\x14",
+    "engine_set": b"\x15",
     "schedule": b"\x20",
     "shutdown": b"\x21",
     "worker_call": b"\x22",

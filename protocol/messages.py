@@ -13,7 +13,7 @@ from protocol.media import EncoderInput, MultiModalInput
 from protocol.pooling import PooledOutput, PoolerConfig, PoolingParams
 from protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 13  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
+PROTOCOL_VERSION = 14  # 2: RequestOutput gained queue/prefill/decode times; 3: SchedulerStats grew;
 # 4: RequestOutput.error (typed rejections), SamplingParams.allowed_token_ids and bad_words_token_ids;
 # 5: SamplingParams.structured_outputs, ModelInfo.structured_outputs_backend; 6: pooling (ModelInfo's
 # runner and tasks, AddRequest.pooling_params, RequestOutput.pooled); 7: LoRA (RequestError.code,
@@ -23,7 +23,7 @@ PROTOCOL_VERSION = 13  # 2: RequestOutput gained queue/prefill/decode times; 3: 
 # image fields, NewRequestData.mm_inputs, SchedulerOutput.scheduled_encoder_inputs); 11:
 # ModelInfo.whole_image_spans (Gemma 3); 12: SamplingParams.logprob_token_ids; 13: KV transfer
 # (AddRequest and RequestOutput kv_transfer_params, SchedulerOutput's kv_loads and kv_saves,
-# ModelRunnerOutput.kv_load_errors)
+# ModelRunnerOutput.kv_load_errors); 14: elastic data parallel (EngineSet)
 
 # Inclusive upper bounds of SchedulerStats.iteration_tokens_buckets: vLLM's for iteration_tokens_total.
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -234,5 +234,14 @@ class EngineAnnounce(msgspec.Struct, tag="announce", array_like=True):
     output_address: str
 
 
+class EngineSet(msgspec.Struct, tag="engine_set", array_like=True):
+    """engine 0 -> all frontends: the data-parallel engines now (elastic scaling, docs/parallel.md), in rank
+    order, and whether a change is under way (new requests get 503 meanwhile). A frontend connects to the
+    engines it lacks and drops those no longer listed (their requests drained before)."""
+
+    addresses: list[list[str]]  # [input, output] per engine
+    scaling: bool
+
+
 FrontendMessage = Register | AddRequest | AbortRequests | UtilityCall | EngineAnnounce
-EngineMessage = Ready | Rejected | EngineOutputs | UtilityResult | EngineDead
+EngineMessage = Ready | Rejected | EngineOutputs | UtilityResult | EngineDead | EngineSet

@@ -193,6 +193,10 @@ class EngineArgs:
         "prefix)",
         aliases=[("-dp", int, "the same as --data-parallel-size")],
     )
+    enable_elastic_ep: bool = option(
+        False, "the data-parallel engines may grow and shrink while serving: POST /scale_elastic_ep (vLLM's "
+        "flag; here any model, one machine)",
+    )  # fmt: skip
     data_parallel_size_local: int | None = option(
         None, "of those, the engines this machine runs (default: all from --data-parallel-start-rank on)"
     )
@@ -302,7 +306,16 @@ class EngineArgs:
             self.kv_transfer()
         with naming("--weight-transfer-config"):
             self.weight_transfer()
-        if self.weight_transfer_config is not None and self.data_parallel_size > 1:
+        if self.enable_elastic_ep and (
+            self.data_parallel_start_rank > 0
+            or len(self.data_parallel_local_ranks) != self.data_parallel_size
+        ):
+            raise ConfigError(
+                "--enable-elastic-ep", "scales the engines of one machine: no multi-node data parallel"
+            )
+        if self.weight_transfer_config is not None and (
+            self.data_parallel_size > 1 or self.enable_elastic_ep
+        ):
             raise ConfigError(
                 "--weight-transfer-config", "takes one engine: data parallel is not supported yet"
             )

@@ -29,6 +29,7 @@ from protocol.messages import (
     AddRequest,
     EngineDead,
     EngineOutputs,
+    EngineSet,
     ModelInfo,
     Ready,
     Register,
@@ -65,6 +66,7 @@ def connect_dealers(
 class AsyncEngineClient:
     def __init__(self, input_address: str, output_address: str, client_id: str | None = None) -> None:
         self.client_id = client_id or f"api-{uuid.uuid4().hex[:12]}"
+        self.addresses = [input_address, output_address]
         self._codec = frontend_codec()
         self._decoder = engine_codec()
         self._context = zmq.asyncio.Context()
@@ -83,6 +85,9 @@ class AsyncEngineClient:
         self.last_message_at = 0.0  # loop time of the last message from the engine
         self.last_progress_at = 0.0  # loop time the engine's step count last moved (or it was idle)
         self.added_since_stats = 0  # requests sent since the last stats: not yet in num_waiting
+        # engine 0's word on the data-parallel engines (elastic scaling): DataParallelClient's handler
+        self.on_engine_set: Callable[[EngineSet], None] | None = None
+        self.pending_engine_set: EngineSet | None = None  # one that came before a handler was set
 
     @property
     def is_dead(self) -> bool:
@@ -241,6 +246,11 @@ class AsyncEngineClient:
                         future.set_result(decode_value(message.result))
             elif isinstance(message, EngineDead):
                 self.mark_dead(message.reason)
+            elif isinstance(message, EngineSet):
+                if self.on_engine_set is not None:
+                    self.on_engine_set(message)
+                else:
+                    self.pending_engine_set = message
 
     def _update_stats(self, stats: SchedulerStats) -> None:
         previous = self.last_stats

@@ -25,7 +25,7 @@ import msgspec
 from frontend.engine.client import AsyncEngineClient
 from frontend.engine.router import Router, load_score
 from protocol.errors import EngineDeadError, InvalidParameterError
-from protocol.messages import AddRequest, ModelInfo, RequestOutput, SchedulerStats
+from protocol.messages import AddRequest, EngineSet, ModelInfo, RequestOutput, SchedulerStats
 
 logger = logging.getLogger("engine.frontend")
 # the engine the current HTTP request names (X-data-parallel-rank, set by the edge middleware for the
@@ -71,7 +71,7 @@ async def connect_engines(
     except BaseException:
         first.close()
         raise
-    if len(info.data_parallel_addresses) <= 1:
+    if not info.data_parallel_addresses:  # one engine (an elastic deployment of one lists itself)
         return first
     client = DataParallelClient(first, [(i, o) for i, o in info.data_parallel_addresses])
     try:
@@ -126,6 +126,13 @@ class DataParallelClient:
         # matched) still goes to the one engine, not to all
         self.released: OrderedDict[str, int] = OrderedDict()
         self.queue_engine: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.scaling = False  # elastic data parallel: engine 0 says the set is changing (admission 503s)
+        self.timeout_s = 60.0  # registering with an engine the set gains
+        self._changes: asyncio.Lock | None = None
+        self._change_tasks: set[asyncio.Task[None]] = set()
+        self.engines[0].on_engine_set = self._on_engine_set
+        if self.engines[0].pending_engine_set is not None:  # it came during registration
+            self._on_engine_set(self.engines[0].pending_engine_set)
 
     @property
     def dead_reason(self) -> str | None:
@@ -166,7 +173,49 @@ class DataParallelClient:
                 raise EngineDeadError(f"engine {rank} serves {info.model}, engine 0 {infos[0].model}")
         self.model_info = infos[0]
         self.router = Router(len(self.engines), infos[0].block_size)
+        self.timeout_s = timeout_s
         return infos[0]
+
+    def _on_engine_set(self, message: EngineSet) -> None:
+        self.scaling = message.scaling or self.scaling  # at once: new requests get 503 from now
+        task = asyncio.get_running_loop().create_task(self._apply(message))
+        self._change_tasks.add(task)
+        task.add_done_callback(self._change_tasks.discard)
+
+    async def _apply(self, message: EngineSet) -> None:
+        """Connect to the engines the set gains, drop those it lost (the launcher drained them first). The
+        engines keep their ranks: a scale changes only the highest."""
+        self._changes = self._changes or asyncio.Lock()
+        async with self._changes:
+            wanted = [list(pair) for pair in message.addresses]
+            keep = 0
+            while keep < min(len(wanted), len(self.engines)) and self.engines[keep].addresses == wanted[keep]:
+                keep += 1
+            added = [AsyncEngineClient(i, o, self.client_id) for i, o in wanted[keep:]]
+            try:
+                await asyncio.gather(*(engine.register(self.timeout_s) for engine in added))
+            except Exception as error:  # noqa: BLE001 (logged; the set stays as it was)
+                logger.error("could not join the data-parallel engines %s: %s", wanted[keep:], error)
+                for engine in added:
+                    engine.close()
+                self.scaling = message.scaling
+                return
+            removed, self.engines = self.engines[keep:], [*self.engines[:keep], *added]
+            for engine in removed:
+                if engine.num_open_requests:  # the launcher drained it: none, unless a frontend was late
+                    engine.mark_dead("its engine left the deployment (scaled down)")  # fails what is left
+                engine.close()
+            size = len(self.engines)
+            for table in (self.owner, self.released):
+                for request_id in [r for r, index in table.items() if index >= size]:
+                    del table[request_id]
+            for queue in [q for q, index in self.queue_engine.items() if index >= size]:
+                del self.queue_engine[queue]
+            if self.router is not None and (added or removed):
+                self.router = Router(size, self.router.block_size)
+            self.scaling = message.scaling
+            if added or removed:
+                logger.info("data-parallel engines: %d", size)
 
     def loads(self) -> list[int]:
         return [

@@ -98,12 +98,20 @@ class EngineGroup:
     registers with any of them finds the rest."""
 
     def __init__(
-        self, config: EngineConfig, size: int = 1, local_ranks: range | None = None, head: str = ""
+        self,
+        config: EngineConfig,
+        size: int = 1,
+        local_ranks: range | None = None,
+        head: str = "",
+        elastic: bool = False,
     ) -> None:
         """head: engine 0's input address, when it runs on another machine (ours announce themselves to it);
-        without one, engines of `size` this machine does not run are on other machines, to be announced."""
+        without one, engines of `size` this machine does not run are on other machines, to be announced.
+        elastic: the set may grow and shrink at run time (`start_ranks`, `stop_ranks`), so even one engine
+        lists itself (its frontends then speak to it as to several)."""
         self._ipc_dir: str | None = None
-        if size > 1 and (not config.input_address or not config.output_address):
+        listed = size > 1 or elastic
+        if listed and (not config.input_address or not config.output_address):
             self._ipc_dir = tempfile.mkdtemp(prefix="engine-dp-")
             config.input_address = f"ipc://{self._ipc_dir}/input"
             config.output_address = f"ipc://{self._ipc_dir}/output"
@@ -121,12 +129,43 @@ class EngineGroup:
         self.engines = []
         try:
             for index, rank in enumerate(local):
-                rank_config = _rank_config(config, rank, addresses if size > 1 else [], index)
+                rank_config = _rank_config(config, rank, addresses if listed else [], index)
                 self.engines.append(EngineProcess(rank_config))
         except BaseException:
             self.shutdown()
             raise
         self.config = self.engines[0].config  # the first local engine's, its addresses filled in
+        self.base_config = config  # what a rank added later is made from (elastic)
+        self.elastic = elastic
+
+    def addresses(self, size: int) -> list[list[str]]:
+        """Every engine's [input, output] in a set of `size` on this machine."""
+        base = self.base_config
+        return [list(rank_addresses(base.input_address, base.output_address, r)) for r in range(size)]
+
+    def start_ranks(self, ranks: range) -> list[EngineProcess]:
+        """Engines for these ranks (elastic: the set grows), not yet counted as members: `adopt` them once
+        they answer, or `stop` them."""
+        addresses = self.addresses(ranks.stop)
+        started: list[EngineProcess] = []
+        try:
+            for rank in ranks:
+                started.append(EngineProcess(_rank_config(self.base_config, rank, addresses, rank)))
+        except BaseException:
+            self.stop(started)
+            raise
+        return started
+
+    def adopt(self, engines: list[EngineProcess]) -> None:
+        self.engines += engines
+
+    def stop(self, engines: list[EngineProcess], timeout_s: float = 30.0) -> None:
+        """Stop these engines (members leave the set first: their exit is not a death)."""
+        self.engines = [engine for engine in self.engines if engine not in engines]
+        for engine in engines:
+            engine.terminate()
+        for engine in engines:
+            engine.shutdown(timeout_s)
 
     def is_alive(self) -> bool:
         """Every engine: one that died makes the deployment unhealthy, as a lone engine's death does."""

@@ -92,7 +92,11 @@ class MCPToolset:
 
 
 def mcp_tool_specs(tools: list[dict[str, Any]] | None) -> list[tuple[int, dict[str, Any]]]:
-    return [(index, tool) for index, tool in enumerate(tools or []) if tool.get("type") == "mcp"]
+    return [
+        (i, tool)
+        for i, tool in enumerate(tools or [])
+        if isinstance(tool, dict) and tool.get("type") == "mcp"
+    ]
 
 
 async def resolve(

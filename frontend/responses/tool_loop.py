@@ -152,7 +152,8 @@ class ToolLoop:
                     "as function tools, read by the server's parser.",
                     param="tools",
                 )
-            functions = {str(t.get("name")) for t in self.body.tools or [] if t.get("type") == "function"}
+            functions = {str(t.get("name")) for t in self.body.tools or []
+                         if isinstance(t, dict) and t.get("type") == "function"}  # fmt: skip
             self.toolset, fresh = await resolve(
                 specs, history, self.serving.tool_servers, self.serving.mcp_allowed_urls, functions
             )
@@ -253,6 +254,8 @@ class ToolLoop:
         for index in pending:
             item = events.items[index]
             server, _ = self.toolset.by_name.get(item["name"], (None, None))
+            if server is not None and server.ref.label != item["server_label"]:
+                server = None  # an approval for another server's tool of that name
             if not complete:
                 message = "not run: the output ended before the call did"
                 result = CallResult(error={"type": "mcp_protocol_error", "code": -32000, "message": message})

@@ -29,6 +29,13 @@ def admit(limits: AdmissionLimits, client: EngineClient, draining: bool) -> None
     refusal = None
     if draining:
         refusal = (503, "service_unavailable_error", "server_shutting_down", "The server is shutting down.")
+    elif getattr(client, "scaling", False):  # elastic data parallel: the engines change (vLLM answers 503)
+        refusal = (
+            503,
+            "service_unavailable_error",
+            "engine_scaling",
+            "The deployment is scaling its data-parallel engines; retry shortly.",
+        )
     elif stats is not None and stats.sleeping:
         refusal = (
             503,

@@ -20,7 +20,7 @@ from frontend.pooling import score as pooling_score
 from frontend.pooling.routes import absent_router
 from frontend.responses import serving as responses
 from frontend.scale_out import derender, generate, render, scoring
-from frontend.server import admin, dev, lora, operator, weight_updates
+from frontend.server import admin, dev, elastic, lora, operator, weight_updates
 from frontend.server.deps import AppDeps
 from frontend.server.errors import OpenAIError, error_response, http_status_error, to_openai_error
 from frontend.server.middleware import EdgeMiddleware
@@ -107,7 +107,7 @@ def build_app(deps: AppDeps) -> FastAPI:
             derender.router,
             scoring.router,
         ]
-    routers = [*doors, absent_router(deps.serving.model_info), tokenize.router, admin.router]
+    routers = [*doors, absent_router(deps.serving.model_info), tokenize.router, admin.router, elastic.router]
     routers += [tokenize.info_router] if config.enable_tokenizer_info_endpoint else []
     routers += [dev.router, operator.router, weight_updates.router] if config.dev_mode else []
     if config.dev_mode and not config.tokens_only and generate.abort_router not in doors:

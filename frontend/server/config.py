@@ -64,6 +64,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     limit_mm_per_prompt: dict[str, int] = {}  # per modality (vLLM's default: 999)
     mm_processor_cache_gb: float = 4.0  # processed images each API server keeps
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
+    control_address: str = ""  # the launcher's scale socket (--enable-elastic-ep); "" when attached
     grpc: bool = False  # a gRPC front door (frontend/grpc_door/) on grpc_host:grpc_port instead of HTTP
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 0
