@@ -96,6 +96,8 @@ def test_an_update_serves_the_new_checkpoint_and_requests_follow_the_pause_mode(
     assert greedy(served) == checkpoints["a"][2]
     info = httpx.get(f"{served.base}/weight_info").json()
     assert info["world_size"] == 1 and info["group"] is None and info["num_updates"] == 0
+    aborted = httpx.post(f"{served.base}/abort_requests", json={"request_ids": ["none-such"]}, timeout=30)
+    assert aborted.status_code == 200  # vLLM's dev-mode route for RL loops
     client = WeightTransferClient(served.base, timeout_s=30)
     group = client.init()
     assert group == {"backend": "gloo", "ranks": [1], "world_size": 2}
