@@ -182,6 +182,7 @@ def test_keys_health_info_and_reflection(stub: pb_grpc.VllmEngineStub, target: s
     assert {"vllm.grpc.engine.VllmEngine", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.long  # a failure drill: two engines of its own, one killed
 def test_health_while_draining_and_when_the_engine_dies(smollm2_gguf: str) -> None:
     process, target = start_grpc(smollm2_gguf, *FLAGS, "--shutdown-timeout", "20")
     try:

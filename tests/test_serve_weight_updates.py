@@ -136,6 +136,7 @@ def _waiting(served: Served) -> int:
     return 0
 
 
+@pytest.mark.long  # a failure drill across processes
 def test_a_trainer_that_dies_mid_update_leaves_the_served_weights(
     served: Served, checkpoints: dict[str, Any]
 ) -> None:
@@ -159,6 +160,7 @@ def test_a_trainer_that_dies_mid_update_leaves_the_served_weights(
     assert httpx.get(f"{served.base}/weight_info").json()["weight_version"] == "from-a-process"
 
 
+@pytest.mark.long  # two worker ranks and an engine of their own
 def test_every_rank_of_a_tp_2_engine_gets_its_shard(checkpoints: dict[str, Any]) -> None:
     with serving(checkpoints["a"][0], *FLAGS, "-tp", "2", env=DEV) as served:
         assert greedy(served) == checkpoints["a"][2]
