@@ -52,7 +52,7 @@ def start_mcp(name: str, transport: str, port: int | None = None) -> tuple[subpr
 def end(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
     try:
-        process.wait(timeout=10)
+        process.wait(timeout=3)  # (uvicorn waits on an open SSE stream past that: then it is killed)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
