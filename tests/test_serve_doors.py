@@ -347,6 +347,11 @@ def test_cancel_ends_a_running_response(server: str, oa: openai.OpenAI) -> None:
             "function tools only",
         ),
         (lambda c: c.responses.create(model=MODEL, input="x", background=True), 400, "background"),
+        (
+            lambda c: c.responses.create(model=MODEL, input="x", max_output_tokens=0),
+            400,
+            "max_tokens",
+        ),  # (fuzz)
         (lambda c: c.responses.create(model="nope", input="x"), 404, "does not exist"),
         (lambda c: c.responses.retrieve("resp_nope"), 404, "not found"),
     ],

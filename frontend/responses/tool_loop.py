@@ -214,8 +214,8 @@ class ToolLoop:
 
     async def _start_turn(self, turn: int) -> Any:
         body = self.body
-        max_tokens = None
-        if body.max_output_tokens is not None:
+        max_tokens = None  # the first turn takes max_output_tokens as it is (the chat door checks it)
+        if body.max_output_tokens is not None and self.num_output_tokens:
             max_tokens = body.max_output_tokens - self.num_output_tokens
             if max_tokens <= 0:
                 self.out_of_tokens = True
