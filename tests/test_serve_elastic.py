@@ -55,6 +55,7 @@ def served_by(base: str, rank: int) -> float:
     return total
 
 
+@pytest.mark.long  # a drill under load across processes: engines start and stop while it runs
 def test_one_to_two_to_one_under_load(served: Served) -> None:
     reference = completion(served.base).json()["choices"][0]["text"]
     with attached_frontend(served) as attached:

@@ -170,6 +170,7 @@ def test_every_rank_of_a_tp_2_engine_gets_its_shard(checkpoints: dict[str, Any])
         assert greedy(served) == checkpoints["b"][2]
 
 
+@pytest.mark.long  # two servers for two refusals
 def test_routes_need_the_config_and_dev_mode(checkpoints: dict[str, Any]) -> None:
     with serving(checkpoints["a"][0], *FLAGS[:-2], env=DEV) as served:
         answer = httpx.get(f"{served.base}/weight_info")
