@@ -173,7 +173,7 @@ def test_lora_and_what_tensor_parallel_does_not_shard_are_refused_by_name(tmp_pa
     with pytest.raises(ShardingError, match="experts' width 33"):
         check_shardable(dataclasses.replace(config, moe_intermediate_size=33), 2)
     build_family("gpt_oss", str(tmp_path / "gpt_oss"))
-    with pytest.raises(ShardingError, match="biases on its row-parallel products"):
+    with pytest.raises(ShardingError, match="biases on its experts' down products"):
         check_shardable(load_model_config(str(tmp_path / "gpt_oss")), 2)
 
 

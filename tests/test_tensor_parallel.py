@@ -1,6 +1,7 @@
 """Tensor parallel on CPU ranks (gloo): the sharding's slices and refusals, and float32 greedy through the
 offline API with TP=2 (and TP=4) equal to TP=1 and HF transformers token for token, on tiny models with
-8/4 heads, KV heads replicated (4/1 at TP=2), Qwen2's biases and Qwen3's per-head norms, a vocabulary TP
+8/4 heads, KV heads replicated (4/1 at TP=2), Qwen2's biases and Qwen3's per-head norms, the families
+with fused checkpoint tensors, row-parallel biases and sharded q/k norms, a vocabulary TP
 does not divide, and SmolLM2 at TP=3 (its 9/3 heads refuse TP=2 in one line); with the batch-invariant
 kernels a TP=2 row's logprobs do not depend on the rest of the batch."""
 
@@ -195,10 +196,33 @@ def test_slices_cover_each_tensor_once_and_replicate_kv_heads() -> None:
     assert not parts[1][-1].any()  # the padding row
 
 
+def test_fused_tensors_are_sliced_part_by_part_and_row_biases_kept_once() -> None:
+    config = dataclasses.replace(shape(8, 2, inter=64), family="phi3")
+    q_size, kv_size = 8 * 64, 2 * 64
+    qkv = torch.randn(q_size + 2 * kv_size, 4)
+    gate_up = torch.randn(128, 4)
+    bias = torch.randn(576)
+    for size in (2, 4):
+        local = shard_config(config, size)
+        for rank in range(size):
+            shard = Shard(config, rank, size)
+            part = shard.tensor("model.layers.1.self_attn.qkv_proj.weight", qkv)
+            q, k, v = part.split([local.num_heads * 64, local.num_kv_heads * 64, local.num_kv_heads * 64])
+            assert torch.equal(q, shard.tensor("model.layers.1.self_attn.q_proj.weight", qkv[:q_size]))
+            assert torch.equal(k, shard.tensor("x.self_attn.k_proj.weight", qkv[q_size : q_size + kv_size]))
+            assert torch.equal(v, shard.tensor("x.self_attn.v_proj.weight", qkv[q_size + kv_size :]))
+            gate, up = shard.tensor("model.layers.0.mlp.gate_up_proj.weight", gate_up).chunk(2)
+            width = 64 // size
+            assert torch.equal(gate, gate_up[rank * width : (rank + 1) * width])
+            assert torch.equal(up, gate_up[64 + rank * width : 64 + (rank + 1) * width])
+            o_bias = shard.tensor("model.layers.0.self_attn.o_proj.bias", bias)
+            assert torch.equal(o_bias, bias if rank == 0 else torch.zeros_like(bias))
+
+
 @pytest.mark.parametrize("name", ["gemma2", "smollm3"])
 def test_a_family_beyond_llama_shards_and_equals_hf(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
     """Gemma 2 (sandwich norms, soft-caps, windows of 8 on half its layers) and SmolLM3 (NoPE layers) at
-    TP=2: the tokens of TP=1 and of HF. A family whose shapes do not shard yet is refused by name."""
+    TP=2: the tokens of TP=1 and of HF."""
     from transformers import AutoModelForCausalLM
 
     from tests.family_models import build_family
@@ -212,9 +236,38 @@ def test_a_family_beyond_llama_shards_and_equals_hf(tmp_path, name: str) -> None
         compare_greedy(ours, hf_greedy(hf, prompt, GREEDY.max_tokens, eos_token_id=None))
 
 
+@pytest.mark.parametrize(
+    ("name", "tp"),
+    [
+        ("phi3", 4),
+        ("gpt_neox", 2),
+        ("olmo2", 4),
+        ("stablelm", 2),
+        ("cohere", 2),
+        ("starcoder2", 2),
+        ("glm4", 2),
+    ],
+)
+def test_fused_biased_and_normed_families_shard_and_equal_hf(tmp_path, name: str, tp: int) -> None:  # type: ignore[no-untyped-def]
+    """Phi-3's fused qkv_proj and gate_up_proj (TP=4: its 2 KV heads replicated), GPT-NeoX's head-by-head
+    query_key_value and biases after o and down, OLMo 2's q/k norms over whole projections (TP=4: the sums
+    of squares all-reduced, replicated KV heads counted alike), StableLM's and Command R's per-head q/k norm
+    weights, StarCoder2's biases, GLM-4's fused gate_up_proj: greedy tokens of HF transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_models import build_family
+
+    build_family(name, str(tmp_path))
+    ids = [[t % 512 for t in p] for p in prompts() if len(p) > 8]
+    sharded = greedy(str(tmp_path), tp, ids, max_num_batched_tokens=16, max_model_len=256)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for prompt, ours in zip(ids, sharded, strict=True):
+        compare_greedy(ours, hf_greedy(hf, prompt, GREEDY.max_tokens, eos_token_id=None))
+
+
 def test_a_family_whose_shapes_do_not_shard_yet_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from tests.family_models import build_family
 
-    build_family("olmo2", str(tmp_path))
-    with pytest.raises(EngineRefusedError, match="normalizes q and k over the whole projection"):
+    build_family("gpt_oss", str(tmp_path))
+    with pytest.raises(EngineRefusedError, match="has biases on its experts' down products"):
         LLM(str(tmp_path), tensor_parallel_size=2, num_kv_blocks=32, startup_timeout_s=120)

@@ -94,7 +94,10 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "proj":
             assert self.q_norm is not None and self.k_norm is not None
-            q, k = self.q_norm(q), self.k_norm(k)  # [num_tokens, q_size], [num_tokens, kv_size]
+            if self.tp is not None:
+                q, k = self.sharded_proj_norms(q, k)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)  # [num_tokens, q_size], [num_tokens, kv_size]
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -120,3 +123,19 @@ class Attention(nn.Module):
         if self.tp is not None:
             projected = self.tp.all_reduce(projected)
         return projected
+
+    def sharded_proj_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's RMS norms over whole projections of which this rank holds a slice (and its columns of
+        the weights): the ranks' sums of squares all-reduced, then transformers' rounding. Over all ranks a
+        replicated KV head counts once per rank that holds it, as every head does, so the mean holds."""
+        assert self.tp is not None and self.q_norm is not None and self.k_norm is not None
+        q32, k32 = q.float(), k.float()
+        sums = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1)  # [num_tokens, 2]
+        sums = self.tp.all_reduce(sums)
+        size = self.tp.size
+        out = []
+        for x, x32, norm, total, width in ((q, q32, self.q_norm, sums[:, :1], self.q_size),
+                                           (k, k32, self.k_norm, sums[:, 1:], self.kv_size)):  # fmt: skip
+            normed = (x32 * torch.rsqrt(total / (width * size) + norm.eps)).to(x.dtype)
+            out.append(norm.weight * normed)
+        return out[0], out[1]

@@ -2,7 +2,12 @@
 
 Column-parallel (split by output rows): q, k, v and gate, up, and the vocabulary of the embedding and the
 lm_head; row-parallel (split by input columns): o and down, each followed by one all-reduce. Norms are
-replicated. Multi-head latent attention splits its heads (q, kv_b's per-head keys and values, o) and keeps
+replicated, but for q/k norms that have a weight per head (Command R, StableLM: the rank's heads' rows) or
+span the whole projection (OLMo 2: the rank's columns; attention all-reduces the sums of squares). A bias
+after a row-parallel product is rank 0's alone (zeros elsewhere), so the all-reduce adds it once. Fused
+checkpoint tensors are sliced part by part: Phi-3's qkv_proj ([q; k; v]) and gate_up_proj ([gate; up]), GLM's
+gate_up_proj, GPT-NeoX's query_key_value (head by head: a rank's heads are one run of rows).
+Multi-head latent attention splits its heads (q, kv_b's per-head keys and values, o) and keeps
 the latent products (q_a, kv_a) and its cache whole on every rank. Experts are split by width, each rank holding a slice of every expert (and of the shared
 expert) and the whole router: every rank does its share of every routed token's work whatever the routing
 picks, where a split by expert leaves ranks idle when a step's tokens favour a few experts; the layer's sum
@@ -13,11 +18,13 @@ ranks, as vLLM does; a head count that neither divides nor is divided by the siz
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
 
 from worker.model_config import ModelConfig
+from worker.models.checkpoint import our_name
 
 
 class ShardingError(ValueError):
@@ -56,17 +63,9 @@ def check_shardable(config: ModelConfig, size: int) -> None:
 
 
 def unshardable(config: ModelConfig) -> str:
-    """Why a decoder family's layers do not shard yet ("" when they do): a bias after a row-parallel
-    product would be added once per rank, a norm over a whole projection needs every rank's sum of squares,
-    per-head norm weights and fused checkpoint tensors need slicing of their own."""
-    if config.o_bias or config.mlp_bias or config.expert_bias:
-        return "has biases on its row-parallel products (o_proj, down_proj)"
-    if config.qk_norm == "proj":
-        return "normalizes q and k over the whole projection"
-    if config.qk_norm == "head_each":
-        return "has a q/k norm weight per head"
-    if config.family in ("phi3", "glm", "glm4", "gpt_neox"):
-        return "ships fused q/k/v or gate/up tensors, which are not sliced yet"
+    """Why a decoder family's layers do not shard yet ("" when they do)."""
+    if config.expert_bias:
+        return "has biases on its experts' down products"
     return ""
 
 
@@ -93,7 +92,7 @@ def vocab_shard(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
 
 
 class Shard:
-    """One rank's slices of the checkpoint's tensors, by their Hugging Face names."""
+    """One rank's slices of the checkpoint's tensors, by their Hugging Face names (classified by ours)."""
 
     def __init__(self, config: ModelConfig, rank: int, size: int) -> None:
         self.config, self.rank, self.size = config, rank, size
@@ -102,6 +101,15 @@ class Shard:
         kv_heads = max(1, config.num_kv_heads // size)
         first_kv = rank * config.num_kv_heads // size  # a replicated head: the one this rank's q heads use
         inter = config.intermediate_size // size
+        self.heads = (rank * config.num_heads // size, config.num_heads // size)  # (first, count)
+        self.kv_heads = (first_kv, kv_heads)
+        # fused tensors: their parts' (start, length) in the checkpoint, each sliced as its own tensor
+        q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
+        self.fused = {
+            "qkv_proj": [(0, q_size, "q_proj"), (q_size, kv_size, "k_proj"), (q_size + kv_size, kv_size, "v_proj")],
+            "gate_up_proj": [(0, config.intermediate_size, "gate_proj"),
+                             (config.intermediate_size, config.intermediate_size, "up_proj")],
+        }  # fmt: skip
         # name part -> (dim, start, length)
         if (
             config.kv_lora_rank
@@ -123,6 +131,12 @@ class Shard:
             "o_proj": (1, rank * q_rows, q_rows),
             **self.mlp_slices(inter),
         }
+        if config.qk_norm == "proj":  # a weight over the whole projection: the rank's columns of it
+            self.slices["q_norm"] = (0, rank * q_rows, q_rows)
+            self.slices["k_norm"] = (0, first_kv * head_dim, kv_heads * head_dim)
+        elif config.qk_norm == "head_each":  # [heads, head_dim]: the rank's heads
+            self.slices["q_norm"] = (0, self.heads[0], self.heads[1])
+            self.slices["k_norm"] = (0, first_kv, kv_heads)
 
     def mlp_slices(self, inter: int) -> dict[str, tuple[int, int, int]]:
         return {
@@ -132,7 +146,8 @@ class Shard:
         }
 
     def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight"):
+        ours = our_name(self.config.family, name).partition("#")[0]
+        if ours in ("embed_tokens.weight", "lm_head.weight"):
             start, rows = vocab_shard(self.config.vocab_size, self.rank, self.size)
             part = tensor[start : start + rows]
             if len(part) < rows:  # the last shard's padding: rows no token id reaches
@@ -146,13 +161,32 @@ class Shard:
             width //= self.size
             dim = 1 if name.split(".")[-2] in ("down_proj", "w2") else 0  # Mixtral's w1 / w3 / w2
             return tensor.narrow(dim, self.rank * width, width)
+        if ".qkv_proj." in ours and self.config.family == "gpt_neox":  # [head, (q, k, v), head_dim] rows
+            rows = tensor.shape[0] // self.config.num_heads
+            return tensor.narrow(0, self.heads[0] * rows, self.heads[1] * rows)
+        for key, parts in self.fused.items():
+            if f".{key}." in ours:
+                return torch.cat([self.slice(part, tensor.narrow(0, start, length))
+                                  for start, length, part in parts])  # fmt: skip
+        return self.slice(ours, tensor)
+
+    def slice(self, ours: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's part of a tensor by our name (or a fused tensor's part name)."""
         for key, (dim, start, length) in self.slices.items():
-            if f".{key}." in name:
-                # NOTE: o and down carry no bias in these families; one would be added size times
-                assert not (dim == 1 and name.endswith(".bias")), name
+            if f".{key}." in f".{ours}.":
+                if dim == 1 and ours.endswith(".bias"):  # after a row-parallel product: added once, by rank 0
+                    return tensor if self.rank == 0 else torch.zeros_like(tensor)
                 return tensor.narrow(dim, start, length)
         return tensor  # norms: every rank holds them whole
 
     def weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
+            ours = our_name(self.config.family, name)
+            if "#" in ours and self.config.qk_norm == "head_each":  # StableLM's norms, a tensor per head
+                head = int(ours.partition("#")[2])
+                first, count = self.heads if ".q_norm." in ours else self.kv_heads
+                if not first <= head < first + count:
+                    continue  # another rank's head
+                yield re.sub(rf"\.{head}\.weight$", f".{head - first}.weight", name), tensor
+                continue
             yield name, self.tensor(name, tensor)
