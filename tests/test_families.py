@@ -141,10 +141,17 @@ def test_a_config_field_we_do_not_implement_is_refused_by_name(tmp_path, archite
     assert named in str(refused.value), refused.value
 
 
-@pytest.mark.parametrize("name", ["gemma3", "olmo3"])
-def test_lora_on_a_family_equals_peft(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("name", "native"),
+    [("gemma3", True), ("olmo3", True), ("starcoder2", True), ("starcoder2", False), ("gpt_neox", True),
+     ("phi3", True)],
+    ids=["gemma3", "olmo3", "starcoder2", "starcoder2-python-layers", "gpt_neox", "phi3"],
+)  # fmt: skip
+def test_lora_on_a_family_equals_peft(name: str, native: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An adapter on every linear product of a family beyond Llama's (sandwich and post norms, windows,
-    multiplied logits): our tokens equal peft's, and the base model's beside it in the same batch equal HF's."""
+    multiplied logits; StarCoder2's plain MLP under its own names, c_fc and c_proj; GPT-NeoX's plain MLP
+    and its head-by-head query_key_value; Phi-3's fused qkv_proj and gate_up_proj): our tokens equal peft's,
+    and the base model's beside it in the same batch equal HF's."""
     from transformers import AutoModelForCausalLM
 
     from protocol.lora import LoraAdapter, LoraConfig
@@ -160,6 +167,8 @@ def test_lora_on_a_family_equals_peft(name: str, tmp_path) -> None:  # type: ign
         EngineConfig(worker=worker, lora_modules=[LoraAdapter(name="all", path=str(tmp_path / "all"))]),
         InprocExecutor(worker),
     )
+    if not native:  # the Python layers (as without the csrc stack), with the same adapter products
+        core.executor.runner.model.native_layers = None  # type: ignore[attr-defined]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
     jobs = [(p, lora) for p in prompts for lora in ("all", None)]
     for i, (prompt, lora) in enumerate(jobs):

@@ -1,4 +1,9 @@
-"""Reading a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) for the Llama family.
+"""Reading a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) for a dense decoder.
+
+Module names go through the family's checkpoint names (StarCoder2's c_fc is our up_proj, GPT-NeoX's
+query_key_value our qkv_proj). An adapter on a fused checkpoint product (Phi-3's qkv_proj and gate_up_proj,
+GPT-NeoX's query_key_value) is one A shared by the parts and a B split by their rows: it is kept as each
+part's (A, B rows), which adds the same products. A plain MLP (no gate) has up and down only.
 
 Every check runs before anything is kept, so a folder that fails leaves the worker as it was; each
 failure is an InvalidParameterError naming the problem (the HTTP edge answers 400 with it).
@@ -25,10 +30,29 @@ FUSED: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
-TARGETS = tuple(name for parts in FUSED.values() for name in parts)
-_TENSOR = re.compile(
-    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
-)
+# a checkpoint's fused module -> our parts, in its rows' order
+SPLIT = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_TENSOR = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight")
+_MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.weight")
+
+
+def products(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The fused products of `config`'s layers and their parts (a plain MLP: up alone)."""
+    return FUSED if config.mlp == "gated" else {**FUSED, "gate_up": ("up_proj",)}
+
+
+def targets_of(config: ModelConfig) -> tuple[str, ...]:
+    """The modules an adapter may name, by our names (a fused checkpoint's where its parts are served)."""
+    parts = tuple(name for names in products(config).values() for name in names)
+    return parts + tuple(fused for fused, names in SPLIT.items() if set(names) <= set(parts))
+
+
+def our_module(config: ModelConfig, path: str) -> tuple[int, str] | None:
+    """(layer, our module name) of an adapter's module path, through the family's names; None: not a layer's."""
+    from worker.models.checkpoint import our_name  # (the model's loading side, imported when an adapter is)
+
+    match = _MODULE.fullmatch(our_name(config.family, f"{path}.weight"))
+    return (int(match[1]), match[2]) if match else None
 
 
 @dataclass
@@ -62,8 +86,8 @@ def _refuse(message: str) -> InvalidParameterError:
     return InvalidParameterError("lora_path", message)
 
 
-def read_adapter_config(path: str, max_rank: int) -> tuple[int, float, set[str]]:
-    """(rank, scale, targets) from the folder's adapter_config.json, or an InvalidParameterError."""
+def read_adapter_config(path: str, max_rank: int, model: ModelConfig) -> tuple[int, float, set[str]]:
+    """(rank, scale, targets by our names) from the folder's adapter_config.json, or an InvalidParameterError."""
     if not os.path.isdir(path):
         raise _refuse(f"no LoRA adapter folder at {path}")
     config_path = os.path.join(path, "adapter_config.json")
@@ -94,25 +118,34 @@ def read_adapter_config(path: str, max_rank: int) -> tuple[int, float, set[str]]
     alpha = config.get("lora_alpha", rank)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     targets = config.get("target_modules")
+    allowed = targets_of(model)
     if targets == "all-linear":
-        wanted = set(TARGETS)
-    elif isinstance(targets, list) and targets:
-        # peft matches a name or a dotted path's end ("model.layers.0.self_attn.q_proj" is a q_proj)
-        wanted = {str(t).rsplit(".", 1)[-1] for t in targets}
-    else:
+        return rank, float(scale), set(allowed)
+    if not isinstance(targets, list) or not targets:
         raise _refuse(
             f"target_modules {targets!r}: name the modules as a list (or 'all-linear'); "
             "a regular expression is not supported"
         )
-    unknown = sorted(wanted - set(TARGETS))
+    # peft matches a name or a dotted path's end ("model.layers.0.self_attn.q_proj" is a q_proj)
+    wanted, unknown = set(), []
+    for target in targets:
+        leaf = str(target).rsplit(".", 1)[-1]
+        ours = {
+            our_module(model, f"model.layers.0.{part}.{leaf}") for part in ("self_attn", "mlp", "attention")
+        }
+        found = sorted(module[1] for module in ours if module is not None and module[1] in allowed)
+        if found:
+            wanted.add(found[0])
+        else:
+            unknown.append(leaf)
     if unknown:
-        raise _refuse(f"target modules {unknown} are not supported; LoRA serves {list(TARGETS)}")
+        raise _refuse(f"target modules {sorted(unknown)} are not supported; LoRA serves {list(allowed)}")
     return rank, float(scale), wanted
 
 
 def load_adapter(path: str, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraWeights:
     """The adapter's factors in `dtype`, B scaled by lora_alpha / r (or / sqrt(r) with rsLoRA)."""
-    rank, scale, targets = read_adapter_config(path, max_rank)
+    rank, scale, targets = read_adapter_config(path, max_rank, config)
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights_path):
         raise _refuse(f"{path} has no adapter_model.safetensors (only the safetensors format is read)")
@@ -121,11 +154,12 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int, dtype: torch.dty
     with safe_open(weights_path, framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             match = _TENSOR.fullmatch(name)
-            if match is None:
+            module = our_module(config, match[1]) if match else None
+            if match is None or module is None:
                 raise _refuse(
                     f"unexpected tensor {name!r} in the adapter (LoRA A/B of the decoder layers only)"
                 )
-            layer, target, half = int(match[1]), match[2], match[3]
+            (layer, target), half = module, match[2]
             if target not in targets:
                 raise _refuse(f"tensor {name!r} targets {target}, which target_modules does not list")
             if layer >= config.num_layers:
@@ -136,13 +170,29 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int, dtype: torch.dty
         if set(pair) != {"A", "B"}:
             raise _refuse(f"layer {layer} {target} has lora_{''.join(pair)} without its other half")
         a, b = pair["A"], pair["B"]
-        in_features, out_features = shapes[target]
+        parts = SPLIT.get(target, (target,))
+        in_features = shapes[parts[0]][0]
+        out_features = sum(shapes[part][1] for part in parts)
         if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
             raise _refuse(
                 f"layer {layer} {target}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
                 f"base model ({out_features} x {in_features}) at rank {rank}"
             )
-        factors[(layer, target)] = (a.to(dtype), (b.float() * scale).to(dtype))
+        b = _checkpoint_rows(config, layer, target, b)
+        for part, rows in zip(parts, torch.split(b, [shapes[part][1] for part in parts]), strict=True):
+            factors[(layer, part)] = (a.to(dtype), (rows.float() * scale).to(dtype))
     if not factors:
         raise _refuse(f"{weights_path} holds no LoRA weights")
     return LoraWeights(rank, factors)
+
+
+def _checkpoint_rows(config: ModelConfig, layer: int, target: str, b: torch.Tensor) -> torch.Tensor:
+    """B's rows in our order: the family's reordering of the product's weight (GPT-NeoX's heads)."""
+    from worker.models.families import BY_NAME
+
+    family = BY_NAME.get(config.family)
+    if family is None or family.convert is None:
+        return b
+    section = "self_attn" if target in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    rows: torch.Tensor = family.convert(f"layers.{layer}.{section}.{target}.weight", b, config)
+    return rows

@@ -36,10 +36,6 @@ class LoraManager:
             raise UnsupportedModelError(
                 f"--enable-lora: {model_config.architecture}'s mixture-of-experts layers have no LoRA slots yet"
             )
-        if model_config.mlp != "gated":
-            raise UnsupportedModelError(
-                f"--enable-lora: {model_config.architecture}'s plain MLP (no gate) has no LoRA slots yet"
-            )
         self.config, self.model_config, self.dtype = config, model_config, dtype
         self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype, ops)
         self.cache: OrderedDict[int, LoraWeights] = OrderedDict()  # lora id -> weights, oldest use first

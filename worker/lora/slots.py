@@ -1,6 +1,6 @@
 """The adapters one step may mix, in preallocated slots, and their products for the rows that use them.
 
-Per layer and fused product (qkv, o, gate_up, down: FUSED) the slots are two tensors, allocated once:
+Per layer and fused product (qkv, o, gate_up, down: adapter.products; a plain MLP's gate_up is up alone) the slots are two tensors, allocated once:
 a [max_loras, parts * rank, in] and bt [max_loras, parts * rank, out] (B transposed), where slot s's part p
 (q, k or v of qkv) holds its factors in the rank-wide block at p * rank (zeros past the adapter's rank; bt's
 block only in that part's out columns). Loading an adapter writes its slot and nothing else.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker.lora.adapter import FUSED, LoraWeights, module_shapes
+from worker.lora.adapter import LoraWeights, module_shapes, products
 from worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -42,10 +42,11 @@ class LoraSlots:
     ) -> None:
         self.num_slots, self.max_rank, self.ops = max_loras, max_rank, ops
         shapes = module_shapes(config)
+        self.products = fused_products = products(config)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
         self.bounds: dict[str, torch.Tensor] = {}  # fused -> its parts' out columns, int64 [parts + 1]
-        for fused, parts in FUSED.items():
+        for fused, parts in fused_products.items():
             in_features = shapes[parts[0]][0]
             bounds = np.cumsum([0, *(shapes[part][1] for part in parts)])
             self.bounds[fused] = torch.from_numpy(bounds.astype(np.int64))
@@ -55,13 +56,16 @@ class LoraSlots:
                 self.bt[(layer, fused)] = torch.zeros(max_loras, width, int(bounds[-1]), dtype=dtype)
         # fused -> [slots, parts]: each slot's rank in each part (0: its adapter does not target the part)
         self.ranks = {
-            fused: torch.zeros(max_loras, len(parts), dtype=torch.long) for fused, parts in FUSED.items()
+            fused: torch.zeros(max_loras, len(parts), dtype=torch.long)
+            for fused, parts in fused_products.items()
         }
-        self.used: dict[str, int] = dict.fromkeys(FUSED, 0)  # slots whose adapter targets each product
+        self.used: dict[str, int] = dict.fromkeys(
+            fused_products, 0
+        )  # slots whose adapter targets each product
         self.targets: dict[int, set[str]] = {}  # slot -> the fused products its adapter targets
-        # per layer [a, bt] of each fused product, in FUSED's order: decoder_layers' lora_layers
+        # per layer [a, bt] of each fused product, in the products' order: decoder_layers' lora_layers
         self.native_layers = [
-            [t for fused in FUSED for t in (self.a[(layer, fused)], self.bt[(layer, fused)])]
+            [t for fused in fused_products for t in (self.a[(layer, fused)], self.bt[(layer, fused)])]
             for layer in range(config.num_layers)
         ]
 
@@ -69,7 +73,9 @@ class LoraSlots:
         """Put an adapter in a slot (None: empty it); the other slots are untouched."""
         old = self.targets.get(slot, set())
         new = {
-            fused for fused, parts in FUSED.items() if weights and any(k[1] in parts for k in weights.factors)
+            fused
+            for fused, parts in self.products.items()
+            if weights and any(k[1] in parts for k in weights.factors)
         }
         for key in self.a:
             self.a[key][slot].zero_()
@@ -77,14 +83,14 @@ class LoraSlots:
         for ranks in self.ranks.values():
             ranks[slot] = 0
         for (layer, target), (a_part, b_part) in weights.factors.items() if weights else []:
-            fused = next(name for name, parts in FUSED.items() if target in parts)
-            p = FUSED[fused].index(target)
+            fused = next(name for name, parts in self.products.items() if target in parts)
+            p = self.products[fused].index(target)
             first, last = (int(v) for v in self.bounds[fused][p : p + 2])
             row, rank = p * self.max_rank, a_part.shape[0]
             self.a[(layer, fused)][slot, row : row + rank] = a_part  # [rank, in]
             self.bt[(layer, fused)][slot, row : row + rank, first:last] = b_part.t()  # [rank, part's out]
             self.ranks[fused][slot, p] = rank
-        for fused in FUSED:
+        for fused in self.products:
             self.used[fused] += (fused in new) - (fused in old)
         self.targets[slot] = new
 
@@ -104,7 +110,7 @@ class LoraBatch:
         """decoder_layers' lora_layers and lora_meta (csrc/decoder_cpu.cpp): the same products, in the stack."""
         slots = self.slots
         meta = [self.row_slots]
-        for fused in FUSED:
+        for fused in slots.products:
             meta += [slots.bounds[fused], slots.ranks[fused] if slots.used[fused] else NONE]
         return slots.native_layers, meta
 

@@ -70,7 +70,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         # [num_tokens, hidden]
         if not self.gated:
-            out: torch.Tensor = self.down_proj(activation(self.act, self.up_proj(x)))
+            up = self.up_proj(x)  # [num_tokens, inter]
+            if lora is not None:
+                lora.add(self.index, "gate_up", x, up)  # a plain MLP's gate_up slots hold up alone
+            hidden = activation(self.act, up)
+            out: torch.Tensor = self.down_proj(hidden)
+            if lora is not None:
+                lora.add(self.index, "down", hidden, out)
         elif lora is None:
             out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         else:
