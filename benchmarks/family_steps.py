@@ -45,9 +45,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 64}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "cohere (q/k norms)": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 9}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "stablelm (q/k norms)": ("StableLmConfig", "StableLmForCausalLM", {"qk_layernorm": True}),
     # mixtures of experts, ~270M parameters with ~70M active (16 layers, 32 experts, 4 a token, each 256
     # wide), and the dense model of their active size (MLP 4 x 256): benchmarks/moe_steps.py
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**MOE, "num_experts": 32, "moe_intermediate_size": 256,

@@ -33,8 +33,9 @@
 //             parallel with one norm: (x + attn(norm(x))) + mlp(norm(x)), StableLM's), MLP (0 SiLU-gated,
 //             1 GELU(tanh)-gated, 2 GELU-gated, 3 GELU(tanh) plain, 4 GELU plain: the last three as the
 //             Python layers compute them, in float32 through ATen), norm (0 RMS, 1 LayerNorm through ATen,
-//             with the bias slots), q/k norm (0 none, 1 per head, 2 over
-//             the whole projection), interleaved rotary pairs (0/1; a rope's cos/sin may cover fewer dims
+//             with the bias slots, 2 Command R's LayerNorm: its float32 formula, no bias), q/k norm (0 none,
+//             1 per head, 2 over the whole projection, 3 a weight per head: [heads, head_dim], with the
+//             layer's LayerNorm kind: StableLM's per-head LayerNorms, Command R's), interleaved rotary pairs (0/1; a rope's cos/sin may cover fewer dims
 //             than a head's: partial rotary)
 // layer_kinds: per layer window (0: none), rope (-1 none, 0 global, 1 local), pool (0, 1)
 // scalars:    eps, scale, attention soft-cap (0: none), residual multiplier
@@ -61,7 +62,8 @@ enum Weight {
 };
 enum Layout { kPre, kSandwich, kPost, kParallel, kParallelShared };
 enum Activation { kSiluGated, kGeluTanhGated, kGeluGated, kGeluTanhPlain, kGeluPlain };
-enum QkNorm { kNoQkNorm, kHeadNorm, kProjNorm };
+enum QkNorm { kNoQkNorm, kHeadNorm, kProjNorm, kHeadEachNorm };
+enum NormKind { kRmsNorm, kLayerNorm, kCohereNorm };
 
 std::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -146,10 +148,12 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
   const int64_t heads = config[0], kv_heads = config[1], head_dim = config[2];
   const Product linear{config[3] != 0, config[4]};
   const int64_t layout = config[5], activation = config[6], qk_norm = config[7];
-  const bool interleaved = config[8] != 0, layer_norms = config[9] != 0;
+  const bool interleaved = config[8] != 0, layer_norms = config[9] != kRmsNorm;
+  const int64_t norm_kind = config[9];
   TORCH_CHECK(layout >= kPre && layout <= kParallelShared && activation >= kSiluGated &&
-                  activation <= kGeluPlain && qk_norm >= 0 && qk_norm <= kProjNorm,
-              "unknown layout, MLP or q/k norm");
+                  activation <= kGeluPlain && qk_norm >= 0 && qk_norm <= kHeadEachNorm && norm_kind >= 0 &&
+                  norm_kind <= kCohereNorm && (qk_norm != kHeadEachNorm || layer_norms),
+              "unknown layout, MLP, norm or q/k norm");
   const double eps = scalars[0], scale = scalars[1], softcap = scalars[2], multiplier = scalars[3];
   const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(!out_rows || (out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong),
@@ -159,10 +163,28 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
               "LoRA factors per layer; meta: row_slots, then bounds and ranks of four products");
   at::Tensor lora_rows = lora_meta ? (*lora_meta)[0] : at::Tensor();
   const auto scaled = [&](at::Tensor t) { return multiplier != 1.0 ? t.mul(multiplier) : t; };
+  // Command R's LayerNorm (worker/models/norms.py CohereLayerNorm): float32 mean and variance, no bias; a
+  // [heads, d] weight normalizes each head of a [T, heads, d] x
+  const auto cohere_norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+    const at::Tensor x32 = t.to(at::kFloat);
+    const at::Tensor mean = x32.mean(-1, true);
+    const at::Tensor variance = (x32 - mean).pow(2).mean(-1, true);
+    const at::Tensor normed = (x32 - mean) * at::rsqrt(variance + eps);
+    return (weight.to(at::kFloat) * normed).to(t.scalar_type());
+  };
   // A layer's input or post norm: RMS on the kernel, or LayerNorm through ATen (as F.layer_norm).
   const auto norm = [&](const at::Tensor& t, const at::Tensor& weight, const at::Tensor& bias) {
     if (!layer_norms) return rms_norm(t, weight, eps);
+    if (norm_kind == kCohereNorm) return cohere_norm(t, weight);
     return at::layer_norm(t, {t.size(-1)}, weight, present(bias), eps);
+  };
+  // q or k [T, heads, d] with a weight per head: Command R's norm, or a LayerNorm per head (StableLM's)
+  const auto each_head_norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+    if (norm_kind == kCohereNorm) return cohere_norm(t, weight);
+    std::vector<at::Tensor> each;
+    for (int64_t h = 0; h < t.size(1); ++h)
+      each.push_back(at::layer_norm(t.select(1, h), {t.size(-1)}, weight[h], std::nullopt, eps));
+    return at::stack(each, 1);
   };
   // residual += x, then x = norm(residual): in place on the kernel (RMS), as new tensors otherwise.
   const auto add_and_norm = [&](at::Tensor& t, at::Tensor& residual, const at::Tensor& weight,
@@ -212,6 +234,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     if (qk_norm == kHeadNorm) {
       q = head_norm(q, w[kQNorm], eps);
       k = head_norm(k, w[kKNorm], eps);
+    } else if (qk_norm == kHeadEachNorm) {
+      q = each_head_norm(q, w[kQNorm]);
+      k = each_head_norm(k, w[kKNorm]);
     }
     if (rope >= 0) rotary_embedding(q, k, ropes[3 * rope], ropes[3 * rope + 1], ropes[3 * rope + 2], interleaved);
     write_kv(k, v, kv_caches[l], pools[pool], pools[pool + 1]);

@@ -17,8 +17,9 @@ from worker.models.native import native_stack_serves
 NATIVE = [
     "llama_rope_linear", "llama_rope_llama3", "llama_rope_yarn", "llama_rope_dynamic", "llama_bias",
     "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3", "gemma3_vlm", "phi3", "phi3_longrope",
-    "granite", "olmo2", "olmo3", "smollm3", "glm", "glm4", "starcoder2", "gpt_neox", "gpt_neox_sequential",
-    "stablelm_sequential", "stablelm_parallel", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss",
+    "granite", "olmo2", "olmo3", "smollm3", "glm", "glm4", "cohere", "starcoder2", "gpt_neox",
+    "gpt_neox_sequential", "stablelm", "stablelm_sequential", "stablelm_parallel", "mixtral", "qwen2_moe",
+    "qwen3_moe", "gpt_oss",
 ]  # fmt: skip
 
 
@@ -52,6 +53,8 @@ def test_the_families_the_stack_serves(tmp_path) -> None:  # type: ignore[no-unt
         "gpt_neox",
         "gpt_neox_sequential",
         "stablelm_parallel",
+        "stablelm",
+        "cohere",
         "mixtral",
         "qwen2_moe",
         "qwen3_moe",
@@ -61,7 +64,8 @@ def test_the_families_the_stack_serves(tmp_path) -> None:  # type: ignore[no-unt
 def test_the_stack_equals_the_python_layers_on_each_family(tmp_path, name: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
     """Windows (8 keys, in their own pool where the family mixes them with full layers), soft-caps, Gemma's
     norms and GELU, post-norms, q/k norms over the projection, NoPE layers, the residual multiplier, partial
-    and interleaved rotary, LongRoPE, biases, LayerNorms, the parallel layouts and plain MLPs; mixtures of
+    and interleaved rotary, LongRoPE, biases, LayerNorms (Command R's too), per-head q/k norm weights, the
+    parallel layouts and plain MLPs; mixtures of
     experts (routing, the fused experts, a gated shared expert, dense layers among sparse ones) and
     attention sinks."""
     if load_cpu_ops() is None:

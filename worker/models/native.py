@@ -1,15 +1,14 @@
 """The csrc decoder stack (csrc/decoder_cpu.cpp): which models it runs, and each layer's weights in its order.
 
 It runs the "pre", "sandwich" and "post" layouts with RMSNorms (Gemma's 1 + w ones too), and the "pre",
-"parallel" (GPT-NeoX) and "parallel_shared" (StableLM) ones with LayerNorms; SiLU-, GELU(tanh)- or
-GELU-gated MLPs and plain GELU ones; biases on any product; q/k norms per head or over the projection
-(with RMSNorms); rotary over whole heads or their leading dims, rotate-half or interleaved, with a local
+"parallel" (GPT-NeoX) and "parallel_shared" (StableLM, Command R) ones with LayerNorms or Command R's own;
+SiLU-, GELU(tanh)- or GELU-gated MLPs and plain GELU ones; biases on any product; q/k norms per head or
+over the projection (with RMSNorms), or a weight per head (with LayerNorms: StableLM's, Command R's); rotary over whole heads or their leading dims, rotate-half or interleaved, with a local
 base for the sliding layers; NoPE layers; sliding windows (in the windowed layers' own pool where the model
 keeps one); attention soft-capping and sinks; any query scale and a residual multiplier; mixtures of experts
 (route_experts and fused_experts in the MLP's place, a shared expert in the MLP's slots). That is every family but
-Command R and StableLM with q/k norms (per-head norm weights, Command R's own LayerNorm) and DeepSeek's
-latent attention, which run the Python layers, with the same kernels where they apply and Python between them (benchmarks/family_steps.py
-measures what that costs).
+DeepSeek's latent attention, which runs the Python layers, with the same kernels where they apply and Python
+between them.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from worker.models.norms import Norm, OffsetRMSNorm
 LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2, "parallel": 3, "parallel_shared": 4}
 MLPS = {("gated", "silu"): 0, ("gated", "gelu_tanh"): 1, ("gated", "gelu"): 2, ("plain", "gelu_tanh"): 3,
         ("plain", "gelu"): 4}  # fmt: skip
-QK_NORMS = {"": 0, "head": 1, "proj": 2}
+QK_NORMS = {"": 0, "head": 1, "proj": 2, "head_each": 3}
+NORM_KINDS = {"rms": 0, "rms_offset": 0, "layer": 1, "cohere": 2}  # (Gemma's 1 + w: the kernel's float32 weight)
 
 
 def native_stack_serves(config: ModelConfig) -> bool:
@@ -39,25 +39,25 @@ def native_stack_serves(config: ModelConfig) -> bool:
     if (config.mlp, config.hidden_act) not in MLPS or config.layout not in LAYOUTS:
         return False
     if config.norm in ("rms", "rms_offset"):  # every layout but the parallel ones (no family has both)
-        return config.qk_norm in QK_NORMS and config.layout in ("pre", "sandwich", "post")
-    # LayerNorms (through ATen): before the branches or parallel, without q/k norms
+        return config.qk_norm in ("", "head", "proj") and config.layout in ("pre", "sandwich", "post")
+    # LayerNorms (through ATen) and Command R's: before the branches or parallel, q/k norms a weight per head
     return (
-        config.norm == "layer"
-        and not config.qk_norm
+        config.norm in ("layer", "cohere")
+        and config.qk_norm in ("", "head_each")
         and config.layout in ("pre", "parallel", "parallel_shared")
     )
 
 
 def native_shape(layer: DecoderLayer, config: ModelConfig) -> list[int]:
     """The stack's config: heads, kv heads, head_dim, packed (0/1), pairs_rows, layout, MLP, q/k norm,
-    interleaved rotary (0/1), LayerNorms (0/1)."""
+    interleaved rotary (0/1), norm kind (NORM_KINDS)."""
     assert isinstance(layer.self_attn, Attention)  # native_stack_serves no latent attention
     attention, o = layer.self_attn, layer.self_attn.o_proj
     packed = int(o.packed is not None)
     return [
         attention.num_heads, attention.num_kv_heads, attention.head_dim, packed, o.pairs_rows,
         LAYOUTS[config.layout], MLPS[(config.mlp, config.hidden_act)], QK_NORMS[config.qk_norm],
-        int(config.rope_interleaved), int(config.norm == "layer"),
+        int(config.rope_interleaved), NORM_KINDS[config.norm],
     ]  # fmt: skip
 
 
