@@ -30,7 +30,8 @@ LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2, "parallel": 3, "parallel_shared":
 MLPS = {("gated", "silu"): 0, ("gated", "gelu_tanh"): 1, ("gated", "gelu"): 2, ("plain", "gelu_tanh"): 3,
         ("plain", "gelu"): 4}  # fmt: skip
 QK_NORMS = {"": 0, "head": 1, "proj": 2, "head_each": 3}
-NORM_KINDS = {"rms": 0, "rms_offset": 0, "layer": 1, "cohere": 2}  # (Gemma's 1 + w: the kernel's float32 weight)
+# (Gemma's 1 + w: the rms kernel with a float32 weight)
+NORM_KINDS = {"rms": 0, "rms_offset": 0, "layer": 1, "cohere": 2}
 
 
 def native_stack_serves(config: ModelConfig) -> bool:
