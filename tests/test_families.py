@@ -7,6 +7,7 @@ of 8 tokens are crossed by every prompt."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -141,24 +142,30 @@ def test_a_config_field_we_do_not_implement_is_refused_by_name(tmp_path, archite
     assert named in str(refused.value), refused.value
 
 
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
 @pytest.mark.parametrize(
-    ("name", "native"),
-    [("gemma3", True), ("olmo3", True), ("starcoder2", True), ("starcoder2", False), ("gpt_neox", True),
-     ("phi3", True)],
-    ids=["gemma3", "olmo3", "starcoder2", "starcoder2-python-layers", "gpt_neox", "phi3"],
+    ("name", "native", "targets"),
+    [("gemma3", True, "all-linear"), ("olmo3", True, "all-linear"), ("starcoder2", True, "all-linear"),
+     ("starcoder2", False, "all-linear"), ("gpt_neox", True, "all-linear"), ("phi3", True, "all-linear"),
+     ("qwen3_moe", True, ATTENTION), ("qwen3_moe", False, ATTENTION), ("gpt_oss", True, ATTENTION)],
+    ids=["gemma3", "olmo3", "starcoder2", "starcoder2-python-layers", "gpt_neox", "phi3", "qwen3_moe",
+         "qwen3_moe-python-layers", "gpt_oss"],
 )  # fmt: skip
-def test_lora_on_a_family_equals_peft(name: str, native: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_lora_on_a_family_equals_peft(name: str, native: bool, targets: Any, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An adapter on every linear product of a family beyond Llama's (sandwich and post norms, windows,
     multiplied logits; StarCoder2's plain MLP under its own names, c_fc and c_proj; GPT-NeoX's plain MLP
     and its head-by-head query_key_value; Phi-3's fused qkv_proj and gate_up_proj): our tokens equal peft's,
-    and the base model's beside it in the same batch equal HF's."""
+    and the base model's beside it in the same batch equal HF's. Mixtures of experts (Qwen3-MoE with its
+    dense layers, gpt-oss with its sinks and windows) take adapters on their attention."""
     from transformers import AutoModelForCausalLM
 
     from protocol.lora import LoraAdapter, LoraConfig
     from tests.lora_helpers import make_adapter, peft_model
 
     build_family(name, str(tmp_path / "base"))
-    make_adapter(str(tmp_path / "base"), str(tmp_path / "all"), 8, 16, "all-linear", seed=3, scale=0.6)
+    make_adapter(str(tmp_path / "base"), str(tmp_path / "all"), 8, 16, targets, seed=3, scale=0.6)
     rng = random.Random(2)
     prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (12, 30)]
     worker = WorkerConfig(model=str(tmp_path / "base"), dtype="float32", block_size=16, max_model_len=128,

@@ -158,8 +158,10 @@ def test_an_moe_config_we_do_not_run_is_refused_by_name(tmp_path, architecture, 
         load_model_config(str(tmp_path))
 
 
-def test_lora_and_what_tensor_parallel_does_not_shard_are_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from protocol.lora import LoraConfig
+def test_what_lora_and_tensor_parallel_do_not_serve_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from protocol.errors import InvalidParameterError
+    from protocol.lora import LoraConfig, LoraRequest
+    from tests.lora_helpers import make_adapter
     from worker.config_files import load_model_config
     from worker.lora.manager import LoraManager
     from worker.model_config import UnsupportedModelError
@@ -167,8 +169,29 @@ def test_lora_and_what_tensor_parallel_does_not_shard_are_refused_by_name(tmp_pa
 
     build_family("qwen3_moe", str(tmp_path / "qwen3_moe"))
     config = load_model_config(str(tmp_path / "qwen3_moe"))
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
-        LoraManager(LoraConfig(max_loras=1, max_lora_rank=8), config, torch.float32)
+    LoraManager(
+        LoraConfig(max_loras=1, max_lora_rank=8), config, torch.float32
+    )  # its attention takes adapters
+    build_family("qwen2_moe", str(tmp_path / "qwen2_moe"))
+    adapter = make_adapter(
+        str(tmp_path / "qwen2_moe"), str(tmp_path / "shared"), 4, 8, ["shared_expert_gate"]
+    )
+    manager = LoraManager(
+        LoraConfig(max_loras=1, max_lora_rank=8),
+        load_model_config(str(tmp_path / "qwen2_moe")),
+        torch.float32,
+    )
+    with pytest.raises(
+        InvalidParameterError, match=r"LoRA serves .* \(a mixture-of-experts model: its attention\)"
+    ):
+        manager.add(LoraRequest(lora_id=1, name="shared", path=adapter))
+    build_family("deepseek_v3", str(tmp_path / "deepseek_v3"))
+    with pytest.raises(UnsupportedModelError, match="latent attention has no LoRA slots"):
+        LoraManager(
+            LoraConfig(max_loras=1, max_lora_rank=8),
+            load_model_config(str(tmp_path / "deepseek_v3")),
+            torch.float32,
+        )
     check_shardable(config, 2)  # experts 32 wide: TP=2 shards them
     with pytest.raises(ShardingError, match="experts' width 33"):
         check_shardable(dataclasses.replace(config, moe_intermediate_size=33), 2)

@@ -42,8 +42,10 @@ def products(config: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 
 def targets_of(config: ModelConfig) -> tuple[str, ...]:
-    """The modules an adapter may name, by our names (a fused checkpoint's where its parts are served)."""
-    parts = tuple(name for names in products(config).values() for name in names)
+    """The modules an adapter may name, by our names (a fused checkpoint's where its parts are served). A
+    mixture-of-experts model takes adapters on its attention only (its experts and router have no slots)."""
+    served = {"qkv", "o"} if config.num_experts else set(FUSED)
+    parts = tuple(name for fused, names in products(config).items() if fused in served for name in names)
     return parts + tuple(fused for fused, names in SPLIT.items() if set(names) <= set(parts))
 
 
@@ -139,7 +141,8 @@ def read_adapter_config(path: str, max_rank: int, model: ModelConfig) -> tuple[i
         else:
             unknown.append(leaf)
     if unknown:
-        raise _refuse(f"target modules {sorted(unknown)} are not supported; LoRA serves {list(allowed)}")
+        moe = " (a mixture-of-experts model: its attention)" if model.num_experts else ""
+        raise _refuse(f"target modules {sorted(unknown)} are not supported; LoRA serves {list(allowed)}{moe}")
     return rank, float(scale), wanted
 
 

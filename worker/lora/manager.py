@@ -32,9 +32,9 @@ class LoraManager:
     ) -> None:
         if model_config.is_encoder:
             raise UnsupportedModelError("--enable-lora serves decoders; this model is an encoder")
-        if model_config.num_experts:
+        if model_config.kv_lora_rank:
             raise UnsupportedModelError(
-                f"--enable-lora: {model_config.architecture}'s mixture-of-experts layers have no LoRA slots yet"
+                f"--enable-lora: {model_config.architecture}'s latent attention has no LoRA slots yet"
             )
         self.config, self.model_config, self.dtype = config, model_config, dtype
         self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype, ops)
