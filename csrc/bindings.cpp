@@ -33,7 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_rows", &pack_rows, "A float32 or bf16 [N, K] weight in linear_rows' layout");
   m.def("linear_rows", &linear_rows, "x W^T (+ bias) with each row's sums in one fixed order (CPU)");
   m.def("quant_type_supported", &quant_type_supported, "Whether linear_quant takes this GGML type");
-  m.def("linear_quant", &linear_quant, "x W^T (+ bias) on GGUF blocks kept packed, batch-invariant (CPU)");
+  m.def("linear_quant", &linear_quant, "x W^T (+ bias) on GGUF blocks kept packed, batch-invariant (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("qtype"), py::arg("bias"), py::arg("out_features"),
+        py::arg("amx") = true);
   m.def("linear_quant_parts", &linear_quant_parts, "x W^T (+ bias), W's column runs packed GGUF blocks (CPU)");
   m.def("quant_rows", &quant_rows, "Rows of a packed GGUF weight, dequantized (CPU)");
   m.def("linear_w8a8_parts", &linear_w8a8_parts, "x W^T (+ bias), int8 W, x quantized to int8 per row (CPU)");

@@ -32,7 +32,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor b
 // Products on GGUF's quantized blocks kept packed (csrc/quant_cpu.cpp): the GGML type ids Q4_0 .. Q6_K.
 bool quant_type_supported(int64_t qtype);
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor bias,
-                           int64_t out_features);
+                           int64_t out_features, bool amx);
 // A product whose runs of output columns are packings of their own types, back to back in one uint8 tensor;
 // parts: int64 [P, 4] of (GGML type, first column, columns, byte offset).
 torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,

@@ -10,7 +10,8 @@
 // them (f16 d, dmin, m; Q4_K/Q5_K's 6-bit scales and mins unpacked to bytes; Q6_K's int8 scales).
 //
 // quant_rows(packed, qtype, ids [T] int64, K, dtype) -> [T, K]: rows `ids` of the weight, dequantized.
-// linear_quant(x [M, K] float32 or bf16, packed, qtype, bias [N] or empty, N) -> [M, N] in x's dtype.
+// linear_quant(x [M, K] float32 or bf16, packed, qtype, bias [N] or empty, N, amx=True) -> [M, N] in x's dtype;
+//   amx=False keeps bf16 rows off the AMX form (the tests' way to check both forms on a CPU with AMX).
 //
 // Every weight is fma(scale, q, offset) in float32 with q the stored unsigned (Q8_0: signed) integer:
 //   Q4_0 d, -8d; Q5_0 d, -16d; Q8_0 d, 0; Q4_1 and Q5_1 d, m; Q4_K and Q5_K d * sc[j], -(dmin * m[j]);
@@ -21,12 +22,15 @@
 // The product is linear_rows' (csrc/gemm_rows_cpu.cpp) on those values: y[m, n] = (one FMA chain over
 // k = 0 .. K - 1 from 0) + bias[n], rounded once to x's dtype. So it equals linear_rows on the dequantized
 // float32 weight bit for bit, at any row count and thread count (batch-invariant).
+// bf16 rows take the factored form (the scale out of each sub-block): on AMX tiles where the CPU has them
+// (quant_amx.h), else with AVX-512 BF16 (quant_bf16.h); one form at every row count on a CPU.
 // Up to FUSED_ROWS rows dequantize in registers on the way to the FMAs (decode: the file's bytes are all
 // that is read); more rows dequantize a group's K x 16 weights once into a float32 tile and run linear_rows'
 // inner kernel on it.
 #include "ops.h"
 
 #include "gemm_rows.h"
+#include "quant_amx.h"
 #include "quant_bf16.h"
 #include "quant_blocks.h"
 
@@ -148,8 +152,9 @@ bool quant_type_supported(int64_t qtype) {
 namespace {
 
 // The parts of one product into y's columns [start, start + out_features) each.
+// amx: bf16 rows take the AMX form (quant_amx.h) where the build and the CPU have it.
 void run_parts(const torch::Tensor& x, const uint8_t* bytes, int64_t num_bytes, const int64_t* parts,
-               int64_t num_parts, const float* bias, torch::Tensor& y) {
+               int64_t num_parts, const float* bias, torch::Tensor& y, bool amx) {
   const int64_t rows = x.size(0), k = x.size(1), n = y.size(1);
 #if defined(ENGINE_QUANT_BF16)
   const bool pairs = x.scalar_type() == at::kBFloat16;  // the bf16 path takes bf16 rows as they are
@@ -170,6 +175,12 @@ void run_parts(const torch::Tensor& x, const uint8_t* bytes, int64_t num_bytes, 
     const float* b = bias != nullptr ? bias + start : nullptr;
     dispatch(qtype, [&](auto type) {
       constexpr int64_t T = decltype(type)::value;
+#if defined(ENGINE_QUANT_AMX)
+      if (y.scalar_type() == at::kBFloat16 && amx && amx_permitted()) {
+        run_amx<T>(xb.data_ptr<c10::BFloat16>(), rows, k, w, t, b, y.data_ptr<c10::BFloat16>() + start, width, n);
+        return;
+      }
+#endif
 #if defined(ENGINE_QUANT_BF16)
       if (y.scalar_type() == at::kBFloat16) {
         run_pairs<T>(xb.data_ptr<c10::BFloat16>(), rows, k, w, t, b, y.data_ptr<c10::BFloat16>() + start, width, n);
@@ -186,8 +197,10 @@ void run_parts(const torch::Tensor& x, const uint8_t* bytes, int64_t num_bytes, 
 
 }  // namespace
 
-torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
-                                 int64_t out_features) {
+namespace {
+
+torch::Tensor quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
+                          int64_t out_features, bool amx) {
   TORCH_CHECK(x.dim() == 2, "linear_quant: x [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_quant: float32 or bf16 x");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "linear_quant: packed is contiguous uint8");
@@ -202,18 +215,25 @@ torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::T
   for (int64_t p = 0; p < parts.size(0); ++p) covered += parts.data_ptr<int64_t>()[4 * p + 2];
   TORCH_CHECK(covered == out_features, "linear_quant: the parts cover ", covered, " of ", out_features, " columns");
   run_parts(x, packed.data_ptr<uint8_t>(), packed.numel(), parts.data_ptr<int64_t>(), parts.size(0),
-            has_bias ? bias32.data_ptr<float>() : nullptr, y);
+            has_bias ? bias32.data_ptr<float>() : nullptr, y, amx);
   return y;
 }
 
+}  // namespace
+
+torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
+                                 int64_t out_features) {
+  return quant_parts(x, packed, parts, bias, out_features, true);
+}
+
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor bias,
-                           int64_t out_features) {
+                           int64_t out_features, bool amx) {
   const Traits t = traits_of(qtype);
   TORCH_CHECK(x.dim() == 2, "linear_quant: x [M, K]");
   check_packing(packed, t, x.size(1));
   TORCH_CHECK(out_features == packed.size(0) * COLS, "linear_quant: out_features is 16 x the groups");
   const torch::Tensor parts = torch::tensor({qtype, int64_t{0}, out_features, int64_t{0}}, torch::kLong).view({1, 4});
-  return linear_quant_parts(x, packed.view({-1}), parts, bias, out_features);
+  return quant_parts(x, packed.view({-1}), parts, bias, out_features, amx);
 }
 
 torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids, int64_t in_features,

@@ -52,8 +52,14 @@ def test_rows_dequantize_to_the_gguf_packages_values(ops, qtype) -> None:  # typ
 
 
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_products_equal_linear_rows_on_the_dequantized_weight(ops, qtype, dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("dtype", "amx"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["float32", "bf16", "bf16-avx512"],
+)  # fmt: skip
+def test_products_equal_linear_rows_on_the_dequantized_weight(ops, qtype, dtype, amx) -> None:  # type: ignore[no-untyped-def]
+    """bf16: on a CPU with AMX the tile form (csrc/quant_amx.h) and, with amx=False, the AVX-512 BF16 one."""
+    if not amx and not ops.has_amx():
+        pytest.skip("amx=False is the default form on a CPU without AMX (the bf16 case runs it)")
     n, k = shape_of(qtype)
     raw = random_blocks(qtype, n, k, seed=1)
     weight = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
@@ -61,10 +67,10 @@ def test_products_equal_linear_rows_on_the_dequantized_weight(ops, qtype, dtype)
     rows_layout = ops.pack_rows(weight)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
     x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(3))
-    alone = [ops.linear_quant(x_all[i : i + 1].to(dtype), packed, int(qtype), bias, n) for i in range(8)]
+    alone = [ops.linear_quant(x_all[i : i + 1].to(dtype), packed, int(qtype), bias, n, amx) for i in range(8)]
     for rows in ROWS:
         x = x_all[:rows]
-        y = ops.linear_quant(x.to(dtype), packed, int(qtype), bias, n)
+        y = ops.linear_quant(x.to(dtype), packed, int(qtype), bias, n, amx)
         assert y.dtype == dtype and y.shape == (rows, n)
         if not (dtype == torch.bfloat16 and ops.pairs_available()):  # (bf16 with AVX-512 BF16: the scales
             # factored out of each sub-block, checked against float64 below)

@@ -51,19 +51,25 @@ def test_rows_dequantize_to_scale_times_q_minus_zero(ops, bits, group, qtype) ->
 
 
 @pytest.mark.parametrize(("bits", "group", "qtype"), CASES, ids=lambda c: str(c))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_products_on_integer_weights(ops, bits, group, qtype, dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("dtype", "amx"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["float32", "bf16", "bf16-avx512"],
+)  # fmt: skip
+def test_products_on_integer_weights(ops, bits, group, qtype, dtype, amx) -> None:  # type: ignore[no-untyped-def]
+    """bf16: the AMX form where the CPU has it, and (amx=False) the AVX-512 BF16 one."""
+    if not amx and not ops.has_amx():
+        pytest.skip("amx=False is the default form on a CPU without AMX (the bf16 case runs it)")
     weight, _ = random_weight(bits, group, seed=1)
     n, k = weight.shape
     dense = weight.dequantize()
     packed = weight.packed()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
     x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(3)).to(dtype)
-    alone = [ops.linear_quant(x_all[i : i + 1], packed, int(qtype), bias, n) for i in range(8)]
+    alone = [ops.linear_quant(x_all[i : i + 1], packed, int(qtype), bias, n, amx) for i in range(8)]
     rows_layout = ops.pack_rows(dense)
     for rows in ROWS:
         x = x_all[:rows]
-        y = ops.linear_quant(x, packed, int(qtype), bias, n)
+        y = ops.linear_quant(x, packed, int(qtype), bias, n, amx)
         if dtype == torch.float32:
             assert torch.equal(y, ops.linear_rows(x, rows_layout, bias, n)), f"{rows} rows: not linear_rows'"
         exact = x.double() @ dense.double().T + bias.double()
@@ -85,12 +91,18 @@ def test_groups_the_kernels_do_not_take_are_refused() -> None:
         int_type(4, 128, 320)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_rows_and_products(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("dtype", "amx"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["float32", "bf16", "bf16-avx512"],
+)  # fmt: skip
+def test_mxfp4_rows_and_products(ops, dtype, amx) -> None:  # type: ignore[no-untyped-def]
     """gpt-oss's MXFP4 (every E2M1 code, exponents around 2^-4): the rows are worker/models/mxfp4.py's
     dequantization bit for bit; the products linear_rows' on them (float32), within rounding of float64
-    (bf16), each row alone as in a batch."""
+    (bf16; the AMX form and the AVX-512 BF16 one where the CPU has AMX), each row alone as in a batch."""
     from worker.quant.blocks import Mxfp4Blocks
+
+    if not amx and not ops.has_amx():
+        pytest.skip("amx=False is the default form on a CPU without AMX (the bf16 case runs it)")
 
     rng = np.random.default_rng(4)
     n, k = 48, 256
@@ -102,10 +114,10 @@ def test_mxfp4_rows_and_products(ops, dtype) -> None:  # type: ignore[no-untyped
     x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(3)).to(dtype)
     bias = torch.randn(n)
     rows_layout = ops.pack_rows(dense)
-    alone = [ops.linear_quant(x_all[i : i + 1], packed, weight.qtype, bias, n) for i in range(4)]
+    alone = [ops.linear_quant(x_all[i : i + 1], packed, weight.qtype, bias, n, amx) for i in range(4)]
     for rows in ROWS:
         x = x_all[:rows]
-        y = ops.linear_quant(x, packed, weight.qtype, bias, n)
+        y = ops.linear_quant(x, packed, weight.qtype, bias, n, amx)
         if dtype == torch.float32:
             assert torch.equal(y, ops.linear_rows(x, rows_layout, bias, n))
         exact = x.double() @ dense.double().T + bias.double()

@@ -80,7 +80,13 @@ class CpuOps(Protocol):
     ) -> torch.Tensor: ...
     def quant_type_supported(self, qtype: int) -> bool: ...
     def linear_quant(
-        self, x: torch.Tensor, packed: torch.Tensor, qtype: int, bias: torch.Tensor, out_features: int
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        qtype: int,
+        bias: torch.Tensor,
+        out_features: int,
+        amx: bool = True,
     ) -> torch.Tensor: ...
     def linear_quant_parts(
         self,

@@ -14,6 +14,7 @@ from worker.csrc_ops import cpu_isa_flags
 from worker.models.causal_lm import CausalLM
 from worker.models.layers import Linear
 from worker.models.whisper import WhisperModel
+from worker.quant.int_pack import IntType
 
 if TYPE_CHECKING:
     from worker.attention.base import AttentionBackend
@@ -29,6 +30,11 @@ def isa_summary() -> str:
 
 
 def product_kernel(linear: Linear) -> str:
+    if linear.quant_parts is not None:
+        if int(linear.quant_parts[0, 0]) == IntType.I8_A8:
+            return "csrc linear_w8a8 (int8 rows, every row count)"
+        form = "AMX tiles" if linear.ops is not None and linear.ops.has_amx() else "AVX-512 BF16 pairs"
+        return f"csrc linear_quant on the packed blocks (bf16 rows: {form}; float32: FMA chains; every row count)"
     if linear.rows is not None:
         return "csrc linear_rows (every row count)"
     if linear.amx:
