@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from protocol.errors import InvalidParameterError
 from worker.model_config import ModelConfig
+from worker.models.families import BY_NAME, our_name
 
 # The projections an adapter may target, by the fused product of ours each one is a part of.
 FUSED: dict[str, tuple[str, ...]] = {
@@ -51,8 +52,6 @@ def targets_of(config: ModelConfig) -> tuple[str, ...]:
 
 def our_module(config: ModelConfig, path: str) -> tuple[int, str] | None:
     """(layer, our module name) of an adapter's module path, through the family's names; None: not a layer's."""
-    from worker.models.checkpoint import our_name  # (the model's loading side, imported when an adapter is)
-
     match = _MODULE.fullmatch(our_name(config.family, f"{path}.weight"))
     return (int(match[1]), match[2]) if match else None
 
@@ -191,8 +190,6 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int, dtype: torch.dty
 
 def _checkpoint_rows(config: ModelConfig, layer: int, target: str, b: torch.Tensor) -> torch.Tensor:
     """B's rows in our order: the family's reordering of the product's weight (GPT-NeoX's heads)."""
-    from worker.models.families import BY_NAME
-
     family = BY_NAME.get(config.family)
     if family is None or family.convert is None:
         return b

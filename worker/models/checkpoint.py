@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from worker.model_config import ModelConfig
-from worker.models.families import BY_NAME
+from worker.models.families import BY_NAME, our_name
 from worker.models.families.base import Family
 from worker.models.layers import Embedding, Linear
 from worker.models.moe import Experts
@@ -22,13 +22,6 @@ from worker.quant.blocks import QuantPart, QuantWeight
 IMAGE_SIDE = ("vision_tower.", "multi_modal_projector.")
 # one expert's product, by our names (a family renames its own onto these)
 EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-PREFIXES = (
-    "language_model.model.",
-    "model.language_model.",
-    "model.text_model.",
-    "language_model.",
-    "model.",
-)
 # tensors a checkpoint may hold that no family computes with: rotary caches, a VLM's vision side, GPT-NeoX's
 # old mask buffers
 SKIPPED = (
@@ -38,15 +31,6 @@ SKIPPED = (
     ".attention.bias",
     ".attention.masked_bias",
 )
-
-
-def our_name(family_name: str, name: str) -> str:
-    family = BY_NAME.get(family_name)
-    name = family.checkpoint_name(name) if family is not None else name
-    for prefix in PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return name
 
 
 def load_checkpoint(

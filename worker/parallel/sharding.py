@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from worker.model_config import ModelConfig
-from worker.models.checkpoint import our_name
+from worker.models.families import our_name
 
 
 class ShardingError(ValueError):

@@ -27,5 +27,24 @@ FAMILIES = (
 BY_ARCHITECTURE = {architecture: family for family in FAMILIES for architecture in family.architectures}
 BY_NAME = {family.name: family for family in FAMILIES}
 BY_GGUF = {name: family for family in FAMILIES for name in family.gguf_architectures}
+# the prefixes a checkpoint's decoder tensors may carry (a vision-language model's language model too)
+PREFIXES = (
+    "language_model.model.",
+    "model.language_model.",
+    "model.text_model.",
+    "language_model.",
+    "model.",
+)
 
-__all__ = ["BY_ARCHITECTURE", "BY_GGUF", "BY_NAME", "FAMILIES", "Family", "HFConfig"]
+
+def our_name(family_name: str, name: str) -> str:
+    """A checkpoint tensor's name as our modules have it: the family's renames, then no model prefix."""
+    family = BY_NAME.get(family_name)
+    name = family.checkpoint_name(name) if family is not None else name
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+__all__ = ["BY_ARCHITECTURE", "BY_GGUF", "BY_NAME", "FAMILIES", "Family", "HFConfig", "our_name"]
