@@ -14,8 +14,12 @@
 // weight sums per row int32 [16], then int8 [16 quads][16 rows][4]: a row's 4 consecutive dims side by side,
 // as vpdpbusd multiplies them. AVX-512 VNNI adds 4 products a lane an instruction, on unsigned activations
 // (q + 128) whose excess 128 sum(w) the block sums take back; elsewhere a portable loop sums the same ints.
+// On a CPU with AMX, passes of AMX_FROM rows or more take tdpbusd on tiles: a block's record is a B tile as it
+// lies (16 quads x 16 columns x 4 bytes), each pass's activations an A tile. The int32 sums are exact in any
+// order, so both forms give the same bits and a row's result does not depend on which one its pass took.
 #pragma GCC optimize("no-fast-math")
 #include "ops.h"
+#include "amx.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,6 +33,40 @@
 namespace {
 
 constexpr int64_t I8_A8 = 104, BLOCK = 64, RECORD = 128 + 16 * BLOCK, COLS = 16, ROWS = 8;
+#if defined(ENGINE_AMX) && defined(__AMX_INT8__)
+#define ENGINE_W8A8_AMX 1
+constexpr int64_t AMX_ROWS = 16, AMX_FROM = 4;  // rows a tile pass; passes of fewer rows take vpdpbusd
+
+// Tiles: 0 the int32 sums (rows x 16 columns), 1 A (rows x 64 activations), 2 B (16 quads x 16 columns x 4).
+struct alignas(64) W8A8Tiles {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit W8A8Tiles(int64_t m) {
+    colsb[0] = 64, rows[0] = static_cast<uint8_t>(m);
+    colsb[1] = 64, rows[1] = static_cast<uint8_t>(m);
+    colsb[2] = 64, rows[2] = 16;
+  }
+};
+
+// Rows [0, m) of u (m <= 16) against one group's records on tiles: the same int32 sums as group_sums.
+void group_sums_amx(const uint8_t* u, int64_t m, int64_t k, const uint8_t* group, int32_t* sums) {
+  const int64_t blocks = k / BLOCK;
+  __m512i wsum = _mm512_setzero_si512();
+  _tile_zero(0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec = group + b * RECORD;
+    wsum = _mm512_add_epi32(wsum, _mm512_loadu_si512(rec + 64));
+    _tile_loadd(1, u + b * BLOCK, k);
+    _tile_loadd(2, rec + 128, 64);
+    _tile_dpbusd(0, 1, 2);
+  }
+  _tile_stored(0, sums, COLS * 4);
+  const __m512i excess = _mm512_slli_epi32(wsum, 7);
+  for (int64_t r = 0; r < m; ++r)
+    _mm512_storeu_si512(sums + r * COLS, _mm512_sub_epi32(_mm512_loadu_si512(sums + r * COLS), excess));
+}
+#endif
 
 // Row m's int8 values plus 128 (uint8) into u, its scale into scale[m].
 template <typename T>
@@ -86,15 +124,32 @@ template <typename T>
 void run(const T* x, int64_t rows, int64_t k, const uint8_t* bytes, int64_t start, int64_t width, int64_t offset,
          const float* bias, T* y, int64_t n, const uint8_t* u, const float* scale) {
   const int64_t groups = width / COLS, group_bytes = (k / BLOCK) * RECORD;
+#if defined(ENGINE_W8A8_AMX)
+  const bool tiles = rows >= AMX_FROM && amx_permitted();
+#else
+  [[maybe_unused]] const bool tiles = false;
+#endif
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    int32_t sums[ROWS * COLS];
+    alignas(64) int32_t sums[16 * COLS];
+    int64_t configured = -1;
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = bytes + offset + g * group_bytes;
       float w_scale[COLS];
       std::memcpy(w_scale, group, sizeof w_scale);
-      for (int64_t r = 0; r < rows; r += ROWS) {
-        const int pass = static_cast<int>(std::min<int64_t>(ROWS, rows - r));
+      for (int64_t r = 0; r < rows;) {
         const uint8_t* ur = u + r * k;
+        int pass = static_cast<int>(std::min<int64_t>(ROWS, rows - r));
+#if defined(ENGINE_W8A8_AMX)
+        if (tiles && rows - r >= AMX_FROM) {
+          pass = static_cast<int>(std::min<int64_t>(AMX_ROWS, rows - r));
+          if (pass != configured) {
+            const W8A8Tiles config(pass);
+            _tile_loadconfig(&config);
+            configured = pass;
+          }
+          group_sums_amx(ur, pass, k, group, sums);
+        } else
+#endif
         switch (pass) {
           case 1: group_sums<1>(ur, k, group, sums); break;
           case 2: group_sums<2>(ur, k, group, sums); break;
@@ -112,8 +167,12 @@ void run(const T* x, int64_t rows, int64_t k, const uint8_t* bytes, int64_t star
                                          bias != nullptr ? bias[col] : 0.0f);
             y[(r + m) * n + col] = static_cast<T>(value);
           }
+        r += pass;
       }
     }
+#if defined(ENGINE_W8A8_AMX)
+    if (configured >= 0) _tile_release();
+#endif
   });
 }
 

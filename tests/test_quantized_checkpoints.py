@@ -138,7 +138,8 @@ def test_the_products_hold_the_checkpoints_integers_not_floats(tmp_path) -> None
 def test_w8a8_products_quantize_each_rows_activations_to_int8(ops) -> None:  # type: ignore[no-untyped-def]
     """A W8A8 product: each row's int8 values as torch computes them (scale max |x| / 127, round half to even
     of x / scale), their exact integer sums with the int8 weights, times the two scales (one rounding of each
-    step: within float32 rounding of float64), the same bits alone and in a batch; bf16 rows too."""
+    step: within float32 rounding of float64), the same bits alone and in a batch (on an AMX CPU passes of
+    4 rows or more take tdpbusd tiles, fewer vpdpbusd: 40 rows are passes of 16, 16 and 8); bf16 rows too."""
     from worker.models.layers import Linear
     from worker.quant.blocks import IntBlocks, QuantPart
 
@@ -151,7 +152,7 @@ def test_w8a8_products_quantize_each_rows_activations_to_int8(ops) -> None:  # t
     linear.bias.data = bias
     linear.add_quant(QuantPart(0, blocks.qtype, blocks.packed(), 64, blocks.activations))
     linear.finalize_quant(ops)
-    x = torch.randn(19, 256) * torch.linspace(0.1, 3, 256)
+    x = torch.randn(40, 256) * torch.linspace(0.1, 3, 256)
     x[3] = 0.0
     x[5, 7] = 1000.0  # one large value: the rest of the row rounds to few steps
     scale = x.abs().amax(-1, keepdim=True) / 127
@@ -160,8 +161,9 @@ def test_w8a8_products_quantize_each_rows_activations_to_int8(ops) -> None:  # t
     y = linear(x)
     torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
     assert torch.equal(y[3], bias)
-    for i in (0, 5, 18):
+    for i in (0, 5, 18, 33, 39):
         assert torch.equal(linear(x[i : i + 1]), y[i : i + 1]), f"row {i} alone differs from the batch"
+        assert torch.equal(linear(x[i : i + 3]), y[i : i + 3]), f"rows {i}.. in a pass of 3 differ"
     rows = x.bfloat16()
     assert torch.equal(linear(rows), linear(rows.float()).bfloat16())  # the output rounded once, to bf16
 
