@@ -139,7 +139,8 @@ def test_smollm2_tp3_equals_hf_and_tp2_is_refused(
     model = hf_model_of_gguf(smollm2_gguf)
     for prompt, result in zip(ids, results, strict=True):
         compare_greedy(result.outputs[0].token_ids, hf_greedy(model, prompt, 24, eos_token_id=2))
-    capfd.readouterr()
+    # each rank serves its slice of the Q4_1 blocks as they are (o and down: whole blocks of 32 input dims)
+    assert capfd.readouterr().err.count("csrc linear_quant on the packed blocks") == 3
     refusal = "--tensor-parallel-size 2 does not divide the model's 9 attention heads (3 KV heads)"
     with pytest.raises(EngineRefusedError, match=re.escape(refusal)):  # the worker's reason, one line
         LLM(smollm2_gguf, tensor_parallel_size=2, max_model_len=512, num_kv_blocks=32, startup_timeout_s=120)
@@ -217,6 +218,25 @@ def test_fused_tensors_are_sliced_part_by_part_and_row_biases_kept_once() -> Non
             assert torch.equal(up, gate_up[64 + rank * width : 64 + (rank + 1) * width])
             o_bias = shard.tensor("model.layers.0.self_attn.o_proj.bias", bias)
             assert torch.equal(o_bias, bias if rank == 0 else torch.zeros_like(bias))
+
+
+def test_packed_weights_shard_along_whole_blocks_or_are_refused_by_name() -> None:
+    from tests.test_kernels_quant import random_blocks
+    from worker.quant.blocks import GgufBlocks
+    from worker.quant.gguf_pack import Q
+
+    config = dataclasses.replace(shape(8, 2, inter=512), hidden_size=512, vocab_size=515)
+    rows = random_blocks(Q.Q4_K, 512, 512)  # the file's bytes, sane scales
+    down = GgufBlocks(int(Q.Q4_K), rows, (512, 512))
+    parts = [Shard(config, rank, 2).tensor("model.layers.0.mlp.down_proj.weight", down) for rank in range(2)]
+    assert [p.shape for p in parts] == [(512, 256), (512, 256)]  # type: ignore[attr-defined]
+    assert torch.equal(torch.cat([p.dequantize() for p in parts], 1), down.dequantize())  # type: ignore[attr-defined]
+    with pytest.raises(ShardingError, match=r"down_proj.weight \(Q4_K, kept packed\): input dims \[128, 256\) are "
+                       r"not whole Q4_K blocks of 256 dims; --quantization none"):  # fmt: skip
+        Shard(config, 1, 4).tensor("model.layers.0.mlp.down_proj.weight", down)
+    embed = GgufBlocks(int(Q.Q4_K), rows[: 515 % 512 + 256], (259, 512))
+    last = Shard(dataclasses.replace(config, vocab_size=259), 1, 2).tensor("model.embed_tokens.weight", embed)
+    assert last.shape == (130, 512) and not last.dequantize()[-1].any()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", ["gemma2", "smollm3"])

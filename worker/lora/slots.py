@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker.lora.adapter import LoraWeights, module_shapes, products
+from worker.lora.adapter import LoraWeights, module_shapes, products, targets_of
 from worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class LoraSlots:
         self.num_slots, self.max_rank, self.ops = max_loras, max_rank, ops
         shapes = module_shapes(config)
         self.products = fused_products = products(config)
+        targets = targets_of(config)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
         self.bounds: dict[str, torch.Tensor] = {}  # fused -> its parts' out columns, int64 [parts + 1]
@@ -50,7 +51,8 @@ class LoraSlots:
             in_features = shapes[parts[0]][0]
             bounds = np.cumsum([0, *(shapes[part][1] for part in parts)])
             self.bounds[fused] = torch.from_numpy(bounds.astype(np.int64))
-            width = len(parts) * max_rank
+            # a product no adapter may target (a mixture of experts' MLP) keeps empty slots: never read
+            width = len(parts) * max_rank if set(parts) & set(targets) else 0
             for layer in range(config.num_layers):
                 self.a[(layer, fused)] = torch.zeros(max_loras, width, in_features, dtype=dtype)
                 self.bt[(layer, fused)] = torch.zeros(max_loras, width, int(bounds[-1]), dtype=dtype)

@@ -25,6 +25,7 @@ import torch
 
 from worker.model_config import ModelConfig
 from worker.models.families import our_name
+from worker.quant.blocks import QuantWeight
 
 
 class ShardingError(ValueError):
@@ -147,6 +148,8 @@ class Shard:
 
     def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         ours = our_name(self.config.family, name).partition("#")[0]
+        if isinstance(tensor, QuantWeight):
+            return self.quant(name, ours, tensor)
         if ours in ("embed_tokens.weight", "lm_head.weight"):
             start, rows = vocab_shard(self.config.vocab_size, self.rank, self.size)
             part = tensor[start : start + rows]
@@ -169,6 +172,31 @@ class Shard:
                 return torch.cat([self.slice(part, tensor.narrow(0, start, length))
                                   for start, length, part in parts])  # fmt: skip
         return self.slice(ours, tensor)
+
+    def quant(self, name: str, ours: str, weight: QuantWeight) -> QuantWeight:
+        """A rank's slice of a weight kept packed: whole rows, or whole blocks of its input dims."""
+        try:
+            if ours in ("embed_tokens.weight", "lm_head.weight"):
+                start, rows = vocab_shard(self.config.vocab_size, self.rank, self.size)
+                part = weight.narrow(0, start, min(rows, weight.shape[0] - start))
+                return part if part.shape[0] == rows else part.pad_rows(rows)
+            if (
+                ".experts." in name
+                or ".shared_expert" in name
+                or any(f".{key}." in ours for key in self.fused)
+            ):
+                raise ValueError("fused or expert tensors kept packed are not sliced yet")
+            if ".qkv_proj." in ours:  # (GPT-NeoX's, under its own name)
+                raise ValueError("fused q/k/v kept packed is not sliced yet")
+            for key, (dim, start, length) in self.slices.items():
+                if f".{key}." in f".{ours}.":
+                    return weight.narrow(dim, start, length)
+            return weight
+        except ValueError as error:
+            raise ShardingError(
+                f"--tensor-parallel-size {self.size}: {name} ({weight.type_name}, kept packed): {error}; "
+                "--quantization none serves it dequantized"
+            ) from error
 
     def slice(self, ours: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's part of a tensor by our name (or a fused tensor's part name)."""

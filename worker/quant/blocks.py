@@ -38,6 +38,21 @@ class QuantWeight:
     def packed(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantWeight:
+        """Rows (dim 0) or input dims (dim 1, whole blocks only) [start, start + length): a rank's slice."""
+        raise ValueError(f"a {self.type_name} weight is not sliced for tensor parallel yet")
+
+    def pad_rows(self, rows: int) -> QuantWeight:
+        """The weight with zero rows after its own, `rows` in all (a vocabulary shard's padding)."""
+        raise ValueError(f"a {self.type_name} weight is not padded for tensor parallel yet")
+
+
+def _whole(what: str, start: int, length: int, block: int) -> None:
+    if start % block or length % block:
+        raise ValueError(
+            f"input dims [{start}, {start + length}) are not whole {what} blocks of {block} dims"
+        )
+
 
 @dataclass
 class GgufBlocks(QuantWeight):
@@ -63,6 +78,20 @@ class GgufBlocks(QuantWeight):
 
     def packed(self) -> torch.Tensor:
         return torch.from_numpy(pack(self.rows, self.qtype, self.shape))
+
+    def narrow(self, dim: int, start: int, length: int) -> GgufBlocks:
+        if dim == 0:
+            return GgufBlocks(self.qtype, self.rows[start : start + length], (length, self.shape[1]))
+        from gguf.constants import GGML_QUANT_SIZES
+
+        block, nbytes = GGML_QUANT_SIZES[Q(self.qtype)]
+        _whole(self.type_name, start, length, block)
+        columns = self.rows[:, start // block * nbytes : (start + length) // block * nbytes]
+        return GgufBlocks(self.qtype, np.ascontiguousarray(columns), (self.shape[0], length))
+
+    def pad_rows(self, rows: int) -> GgufBlocks:
+        zeros = np.zeros((rows - self.shape[0], self.rows.shape[1]), dtype=np.uint8)  # scales 0: weights 0
+        return GgufBlocks(self.qtype, np.concatenate([self.rows, zeros]), (rows, self.shape[1]))
 
 
 @dataclass
@@ -106,6 +135,26 @@ class IntBlocks(QuantWeight):
     def packed(self) -> torch.Tensor:
         qtype = int_pack.IntType(self.qtype)
         return torch.from_numpy(int_pack.pack(self.q, self.scale, self.offset, qtype))
+
+    def narrow(self, dim: int, start: int, length: int) -> IntBlocks:
+        if dim == 0:
+            rows = slice(start, start + length)
+            return IntBlocks(self.bits, self.q[rows], self.scale[rows], self.offset[rows], self.activations)
+        groups = int(self.scale.shape[1])
+        if groups == 1:  # one scale a row (channel-wise): any run of dims keeps it
+            return IntBlocks(self.bits, np.ascontiguousarray(self.q[:, start : start + length]), self.scale,
+                             self.offset, self.activations)  # fmt: skip
+        _whole(self.type_name, start, length, self.group)
+        g = slice(start // self.group, (start + length) // self.group)
+        return IntBlocks(self.bits, np.ascontiguousarray(self.q[:, start : start + length]),
+                         np.ascontiguousarray(self.scale[:, g]), np.ascontiguousarray(self.offset[:, g]),
+                         self.activations)  # fmt: skip
+
+    def pad_rows(self, rows: int) -> IntBlocks:
+        extra = rows - self.shape[0]
+        pad = [np.zeros((extra, *a.shape[1:]), dtype=a.dtype) for a in (self.q, self.scale, self.offset)]
+        return IntBlocks(self.bits, np.concatenate([self.q, pad[0]]), np.concatenate([self.scale, pad[1]]),
+                         np.concatenate([self.offset, pad[2]]), self.activations)  # fmt: skip
 
 
 @dataclass

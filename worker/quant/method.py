@@ -83,7 +83,7 @@ def resolve_quantization(requested: str | None, model: str) -> str | None:
 def packed_blocks(config: WorkerConfig) -> bool:
     """Whether this worker serves the checkpoint's quantized weights packed (a GGUF file's blocks, an AWQ,
     GPTQ or compressed-tensors checkpoint's integers): its own quantization or the flag's, on the CPU with
-    the csrc kernels and one rank. Asked for where it cannot be, a start error naming why; left to the
+    the csrc kernels (each tensor-parallel rank its slice: worker/parallel/sharding.py). Asked for where it cannot be, a start error naming why; left to the
     default, such a worker dequantizes them, saying so (a checkpoint that quantizes its activations too
     is refused there)."""
     method = resolve_quantization(config.quantization, config.model)
@@ -98,11 +98,11 @@ def packed_blocks(config: WorkerConfig) -> bool:
         reasons.append("the CUDA worker")
     elif config.attention_backend == "torch" or load_cpu_ops(build=True) is None:
         reasons.append("the torch paths (no csrc kernels)")
-    if config.parallel.tensor_parallel_size > 1:
-        reasons.append(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}")
     if not reasons:
         return True
-    why = f"{method} weights kept packed are served by the csrc kernels on one CPU worker, not {' or '.join(reasons)}"
+    why = (
+        f"{method} weights kept packed are served by the csrc kernels on the CPU, not {' or '.join(reasons)}"
+    )
     if config.quantization == method:
         raise UnsupportedModelError(f"--quantization {method}: {why}; --quantization none dequantizes them")
     if method in INTEGER and activations_quantized(config.model):
