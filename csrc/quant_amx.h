@@ -43,13 +43,7 @@ void run_amx(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, 
              c10::BFloat16* out, int64_t n, int64_t ldy) {
   const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record, subs = k / t.sub;
   const int64_t per_block = t.block / t.sub, dims = std::min<int64_t>(t.sub, 32), chunks = t.sub / dims;
-  std::vector<float> xsum(rows * subs);  // each row's sub-block sums, in k order (as run_pairs)
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t si = 0; si < subs; ++si) {
-      float sum = 0.0f;
-      for (int64_t d = 0; d < t.sub; ++d) sum += static_cast<float>(x[m * k + si * t.sub + d]);
-      xsum[m * subs + si] = sum;
-    }
+  const std::vector<float> xsum = sub_block_sums(x, rows, k, t.sub);
   const int64_t passes = (rows + AMX_ROWS - 1) / AMX_ROWS;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint32_t b[2][4 * 16 * COLS];  // a sub-block's B tiles (up to 128 dims), two sub-blocks in turn

@@ -134,18 +134,26 @@ void factored_passes(const uint32_t* xp, const float* xsum, int64_t rows, int64_
   }
 }
 
-template <int64_t T>
-void run_pairs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const Traits& t, const float* bias,
-               c10::BFloat16* out, int64_t n, int64_t ldy) {
-  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record, subs = k / t.sub;
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // row m's dim pairs at m * K / 2
-  std::vector<float> xsum(rows * subs);  // each row's sub-block sums, in k order
+// Each row's sums of x over the sub-blocks of `sub` dims, in k order: row m's at m * K / sub (the offsets'
+// factor in the factored forms).
+inline std::vector<float> sub_block_sums(const c10::BFloat16* x, int64_t rows, int64_t k, int64_t sub) {
+  const int64_t subs = k / sub;
+  std::vector<float> xsum(rows * subs);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t si = 0; si < subs; ++si) {
       float sum = 0.0f;
-      for (int64_t d = 0; d < t.sub; ++d) sum += static_cast<float>(x[m * k + si * t.sub + d]);
+      for (int64_t d = 0; d < sub; ++d) sum += static_cast<float>(x[m * k + si * sub + d]);
       xsum[m * subs + si] = sum;
     }
+  return xsum;
+}
+
+template <int64_t T>
+void run_pairs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const Traits& t, const float* bias,
+               c10::BFloat16* out, int64_t n, int64_t ldy) {
+  const int64_t groups = n / COLS, group_bytes = (k / t.block) * t.record;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // row m's dim pairs at m * K / 2
+  const std::vector<float> xsum = sub_block_sums(x, rows, k, t.sub);
   // Decode (one pass of rows) spreads single groups over the threads; more rows take PAIR groups at once,
   // a row's dim pair broadcast once for both (the group's records stay in L1 across the passes of rows).
   const int64_t pair = rows <= BF16_ROWS ? 1 : PAIR;

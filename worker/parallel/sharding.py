@@ -186,26 +186,26 @@ class Shard:
                 or any(f".{key}." in ours for key in self.fused)
             ):
                 raise ValueError("fused or expert tensors kept packed are not sliced yet")
-            if ".qkv_proj." in ours:  # (GPT-NeoX's, under its own name)
-                raise ValueError("fused q/k/v kept packed is not sliced yet")
-            for key, (dim, start, length) in self.slices.items():
-                if f".{key}." in f".{ours}.":
-                    return weight.narrow(dim, start, length)
-            return weight
+            where = self.slice_of(ours)
+            return weight if where is None else weight.narrow(*where)
         except ValueError as error:
             raise ShardingError(
                 f"--tensor-parallel-size {self.size}: {name} ({weight.type_name}, kept packed): {error}; "
                 "--quantization none serves it dequantized"
             ) from error
 
+    def slice_of(self, ours: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of the rank's part of a tensor by our name (or a fused tensor's part name);
+        None: every rank holds it whole (norms)."""
+        return next((where for key, where in self.slices.items() if f".{key}." in f".{ours}."), None)
+
     def slice(self, ours: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The rank's part of a tensor by our name (or a fused tensor's part name)."""
-        for key, (dim, start, length) in self.slices.items():
-            if f".{key}." in f".{ours}.":
-                if dim == 1 and ours.endswith(".bias"):  # after a row-parallel product: added once, by rank 0
-                    return tensor if self.rank == 0 else torch.zeros_like(tensor)
-                return tensor.narrow(dim, start, length)
-        return tensor  # norms: every rank holds them whole
+        where = self.slice_of(ours)
+        if where is None:
+            return tensor
+        if where[0] == 1 and ours.endswith(".bias"):  # after a row-parallel product: added once, by rank 0
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        return tensor.narrow(*where)
 
     def weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
