@@ -1,5 +1,5 @@
-"""`engine serve`: binds the HTTP socket, starts the EngineCore (unless attaching) and N API servers
-that share the socket, and supervises them until SIGINT/SIGTERM."""
+"""`engine serve`: binds the HTTP port (frontend/server/listen.py), starts the EngineCore (unless attaching)
+and N API servers that share the port, and supervises them until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from frontend.config.flags import ConfigError, naming
 from frontend.config.server_args import ServerArgs
 from frontend.engine.process import EngineGroup, WorkerNode
 from frontend.server.config import ServerConfig
+from frontend.server.listen import bind_http_sockets, bind_unix_socket
 from frontend.server.tls import check_tls_files
 from frontend.server.user_middleware import import_middleware
 from protocol.config import EngineConfig
@@ -59,38 +59,6 @@ def check_exposure(address: str, allow_remote: bool, flag: str = "--engine-addre
             f"{address} would expose the engine (which has no authentication) beyond this machine; add "
             "--allow-remote-engine if that is intended (and firewall it)",
         )
-
-
-def bind_unix_socket(path: str) -> socket.socket:
-    """--uds: the API servers share a listening Unix socket at path (a stale one from a dead server is
-    replaced; anything else there is an error)."""
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise SystemExit(f"engine: --uds {path}: a file that is not a socket is there")
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-    except OSError as error:
-        sock.close()
-        raise SystemExit(f"engine: cannot listen on {path}: {error.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def bind_http_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise SystemExit(f"engine: cannot listen on {host}:{port}: {error.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 class Supervisor:
@@ -331,15 +299,18 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
         check_parsers(args)
     phases.mark("parsers")
     # The HTTP port first: a port in use must stop us before an engine is started (and left behind).
-    if args.headless:
-        sock = None
-    else:
-        sock = bind_unix_socket(args.uds) if args.uds else bind_http_socket(args.host, args.port)
+    sockets: list[socket.socket] | None = None
+    if args.uds:
+        sockets = [bind_unix_socket(args.uds)] * args.api_server_count
+    elif not args.headless:
+        # gRPC servers bind the port themselves: one socket only checks it is free
+        count = 1 if args.grpc else args.api_server_count
+        sockets = bind_http_sockets(args.host, args.port, count)
     engine_config, model, tokenizer, addresses = resolve_engine(engine_args, args)
     # What the API servers are told, built before anything starts (an unreadable --api-key-file stops us
     # here too); the engine's addresses follow once its process has them.
     api_config = None
-    if sock is not None:
+    if sockets is not None:
         api_config = msgspec.structs.replace(
             server_config(engine_args, args, model, *addresses), tokenizer=tokenizer
         )
@@ -356,14 +327,14 @@ def serve(engine_args: EngineArgs, args: ServerArgs) -> int:
         supervisor.engine = group
         phases.mark("engine process")
         addresses = (group.config.input_address, group.config.output_address)
-    if sock is None or api_config is None:
+    if sockets is None or api_config is None:
         print(f"engine: headless; the engine listens on {addresses[0]} and {addresses[1]}", flush=True)
         return supervisor.run()
     try:
         api_config = msgspec.structs.replace(
             api_config, input_address=addresses[0], output_address=addresses[1]
         )
-        return _start_api_servers(supervisor, sock, args, api_config, phases)
+        return _start_api_servers(supervisor, sockets, args, api_config, phases)
     except BaseException:
         supervisor.shutdown()
         raise
@@ -429,7 +400,7 @@ def local_address_towards(host: str) -> str:
 
 def _start_api_servers(
     supervisor: Supervisor,
-    sock: socket.socket,
+    sockets: list[socket.socket],
     args: ServerArgs,
     api_config: ServerConfig,
     phases: StartupPhases,
@@ -451,7 +422,7 @@ def _start_api_servers(
     if args.grpc:
         # gRPC binds its own port: the launcher's socket only checked it was free, and must not take
         # the connections the gRPC servers' SO_REUSEPORT group would share with it
-        sock.close()
+        sockets[0].close()
     for index in range(args.api_server_count):
         config = msgspec.structs.replace(
             api_config,
@@ -460,8 +431,9 @@ def _start_api_servers(
             dev_mode=dev_mode,
             runtime_lora_updating=runtime_lora,
         )
-        supervisor.start_api_server(None if args.grpc else sock, config)
-    sock.close()  # the API servers hold it now
+        supervisor.start_api_server(None if args.grpc else sockets[index], config)
+    for sock in set(sockets):
+        sock.close()  # the API servers hold them now
     phases.mark("API server processes")
     phases.log(logger)
     url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"

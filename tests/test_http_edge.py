@@ -229,3 +229,33 @@ def test_the_body_request_id_is_echoed_on_errors(app_and_client, monkeypatch) ->
     engine = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "request_id": "b-5"})
     assert engine.status_code == 400 and engine.json()["error"]["message"] == "refused by the engine"
     assert engine.headers["x-request-id"] == "b-5"
+
+
+def test_each_api_server_listens_on_its_own_socket_and_the_kernel_spreads_connections() -> None:
+    """SO_REUSEPORT: new connections are spread over the group by hash, not all given to the server that
+    went idle last; a second group on a port already served is refused, as any other user would be."""
+    import select
+    import socket
+
+    from frontend.server.listen import bind_http_sockets
+
+    group = bind_http_sockets("127.0.0.1", 0, 2)
+    port = group[0].getsockname()[1]
+    clients: list[socket.socket] = []
+    try:
+        assert len({sock.fileno() for sock in group}) == 2 and group[1].getsockname()[1] == port
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_http_sockets("127.0.0.1", port, 2)
+        for _ in range(40):  # each from its own source port
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        accepted = [0, 0]
+        while sum(accepted) < len(clients):
+            ready, _, _ = select.select(group, [], [], 5)
+            assert ready, f"only {sum(accepted)} of {len(clients)} connections arrived"
+            for sock in ready:
+                sock.accept()[0].close()
+                accepted[group.index(sock)] += 1
+        assert min(accepted) > 0, accepted
+    finally:
+        for sock in clients + group:
+            sock.close()

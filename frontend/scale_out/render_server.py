@@ -114,8 +114,9 @@ def launch_render(engine_args: Any, args: Any) -> int:
     import uvloop
 
     from frontend.config.flags import ConfigError
-    from frontend.launcher import bind_http_socket, bind_unix_socket, server_config
+    from frontend.launcher import server_config
     from frontend.model_files import load_tokenizer, resolve_model
+    from frontend.server.listen import bind_http_socket, bind_unix_socket
     from frontend.server.main import run_app
     from protocol.startup import StartupPhases
     from structured_outputs.registry import resolve_backend_name
