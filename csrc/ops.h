@@ -37,6 +37,8 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype,
 // parts: int64 [P, 4] of (GGML type, first column, columns, byte offset).
 torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
                                  int64_t out_features);
+// A GGUF weight's blocks in linear_quant's tiles layout (csrc/gguf_pack_cpu.cpp)
+torch::Tensor pack_gguf(torch::Tensor raw, int64_t qtype, int64_t n, int64_t k);
 torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids, int64_t in_features,
                          c10::ScalarType dtype);
 // W8A8 (csrc/quant_w8a8.cpp): int8 weights (type 104) times each row quantized to int8 per token, summed in int32.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from structured_outputs.base import Backend
+if TYPE_CHECKING:
+    from structured_outputs.base import Backend
 
 BACKENDS = {"guidance": "structured_outputs.guidance:GuidanceBackend"}
 AUTO = "guidance"  # chosen by measurement: docs/structured-outputs.md

@@ -150,6 +150,33 @@ def test_offline_throughput_and_latency(smollm2_gguf: str, tmp_path) -> None:  #
 
 
 @pytest.mark.long  # make test-long
+def test_startup_times_cold_and_warm_starts_with_their_phases(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "startup.json"
+    run = bench(
+        "startup", "--num-iters-cold", "1", "--num-iters-warmup", "1", "--num-iters-warm", "1",
+        "--output-json", str(out), "--", smollm2_gguf, "--max-model-len", "256",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["cold"]["starts"] == 1 and report["warm"]["starts"] == 1
+    for mode in ("cold", "warm"):
+        (start,) = report[mode]["runs"]
+        phases = start["phases"]
+        assert {"launcher", "engine", "worker", "API server 0"} <= set(phases), phases
+        assert phases["worker"]["imports"] > 0 and phases["launcher"]["total"] > 0
+        # /health answers once the API server is ready, which waits for the engine, which waits for the worker
+        assert start["healthy_s"] >= phases["API server 0"]["total"] >= phases["worker"]["total"]
+    # the warm start reads the conversion the cold one wrote into its own folder: the worker's config is quick
+    assert (
+        report["warm"]["runs"][0]["phases"]["worker"]["config"]
+        < report["cold"]["runs"][0]["phases"]["worker"]["config"]
+    )
+    assert "warm: /health after" in run.stdout
+    run = bench("startup", "--", smollm2_gguf, "--port", "8000")
+    assert run.returncode != 0 and "picks --port" in run.stderr
+
+
+@pytest.mark.long  # make test-long
 def test_lockstep_runs_every_variant_to_the_end(smollm2_gguf: str) -> None:
     """benchmarks.lockstep: each variant decodes the same prompts to the end with its own block size, and
     a `:4k` variant's KV cache is not the huge-page buffer the worker allocates."""

@@ -233,6 +233,21 @@ def test_the_api_server_does_not_load_the_benchmark_harness() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_launcher_starts_the_engine_before_loading_the_serving_stack() -> None:
+    """`engine serve` parses its flags and starts the engine process before anything heavy is imported: the
+    web framework, numpy and torch come with the API server and the worker, which start in parallel
+    (docs/operations.md#startup)."""
+    code = (
+        "import sys, frontend.cli.main, frontend.launcher; "
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'pydantic', 'numpy', "
+        "'torch', 'transformers', 'tokenizers', 'uvicorn', 'PIL', 'gguf'}); print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_files_stay_small() -> None:
     too_big = []
     for part in PYTHON_FOLDERS:

@@ -12,7 +12,7 @@ import pytest
 
 from frontend.vision.decode import decode_image, max_pixels_from_env
 from frontend.vision.fetch import FetchLimits, MediaError, MediaFetcher
-from frontend.vision.loader import parse_mm_limits
+from frontend.vision.limits import parse_mm_limits
 from tests.image_server import image_server
 from tests.vlm_models import png_bytes
 

@@ -46,6 +46,7 @@ SOURCES = [
         "route_cpu.cpp",
         "quant_cpu.cpp",
         "quant_w8a8.cpp",
+        "gguf_pack_cpu.cpp",
     )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
@@ -88,6 +89,7 @@ class CpuOps(Protocol):
         out_features: int,
         amx: bool = True,
     ) -> torch.Tensor: ...
+    def pack_gguf(self, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor: ...
     def linear_quant_parts(
         self,
         x: torch.Tensor,
@@ -291,6 +293,12 @@ def _seed_from_sibling(directory: pathlib.Path) -> None:
     for path in newest.iterdir():
         if path.suffix == ".o" or path.name in (".ninja_deps", ".ninja_log"):
             shutil.copy2(path, directory / path.name)
+
+
+def loaded_cpu_ops() -> CpuOps | None:
+    """The kernels if this process has loaded them already (no build lookup, no warning)."""
+    module = sys.modules.get(MODULE_NAME)
+    return cast(CpuOps, module) if module is not None else None
 
 
 def load_cpu_ops(build: bool = False) -> CpuOps | None:

@@ -112,11 +112,17 @@ def _load(config: WorkerConfig, phases: StartupPhases) -> tuple[Any, Any, Any]:
     from worker.model_runner import ModelRunner
     from worker.parallel.sharding import ShardingError
 
+    # The modules' objects (torch's most of them) are never garbage: frozen now, the one full collection after
+    # the load walks only what the load made, and none runs during it.
+    gc.freeze()
+    gc.disable()
     phases.mark("imports")
     try:
         runner = ModelRunner(config, phases)
     except (ShardingError, DeviceError, UnsupportedModelError) as error:
         raise StartupRefused(str(error)) from None
+    finally:
+        gc.enable()
     calls = WorkerCalls(runner)
     relay = None
     if runner.tp is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from frontend.config.flags import ConfigError, option
 from frontend.config.tool_server import allowed_url, tool_server_url
-from frontend.vision.loader import parse_mm_limits
+from frontend.vision.limits import parse_mm_limits
 
 # The step's token budget when serving: short prefill chunks let a burst's first requests start decoding
 # while the rest are prefilled, instead of the whole burst waiting for one long step (served c=16 TTFT

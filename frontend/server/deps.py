@@ -22,7 +22,8 @@ from frontend.server.admission import AdmissionLimits
 from frontend.server.config import ServerConfig
 from frontend.vision.decode import max_pixels_from_env
 from frontend.vision.fetch import FetchLimits, MediaFetcher
-from frontend.vision.loader import DEFAULT_LIMIT, ImageLoader
+from frontend.vision.limits import DEFAULT_LIMIT
+from frontend.vision.loader import ImageLoader
 from frontend.vision.processing import VisionModel
 from protocol.messages import ModelInfo
 

@@ -189,6 +189,7 @@ def main() -> None:
     sock = socket.socket(fileno=fd) if fd >= 0 else None  # -1: a gRPC server, which binds its own port
     import uvloop
 
+    gc.freeze()  # the modules' objects are never garbage: the collection once the app is built skips them
     phases.mark("imports")
     uvloop.run(serve(config, sock, phases))
 
