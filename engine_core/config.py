@@ -32,6 +32,9 @@ class SchedulerConfig:
     # many blocks (ModelInfo.num_window_blocks), and kv_window applies to that pool only
     num_window_blocks: int = 0
     rope_switch_len: int = 0  # >0: ModelInfo.rope_switch_len: a request crossing it is recomputed
+    rope_dynamic_len: int = (
+        0  # >0: ModelInfo.rope_dynamic_len: a longer prompt's blocks are keyed by its length
+    )
     # an encoder-decoder model's encoder positions per step (ModelInfo.encoder_len each new request): at
     # least one input's; 0 for a model without an encoder input
     max_num_encoder_input_tokens: int = 0

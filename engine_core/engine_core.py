@@ -124,6 +124,7 @@ class EngineCore:
             kv_window=info.kv_window,
             num_window_blocks=info.num_window_blocks,
             rope_switch_len=info.rope_switch_len,
+            rope_dynamic_len=info.rope_dynamic_len,
             # NOTE: one step computes at most a step budget's encoder positions, and always one input's
             # (an image's tower too: vLLM's encoder compute budget and cache, both at least one image's)
             max_num_encoder_input_tokens=max(budget, info.encoder_len or info.max_image_tokens)

@@ -190,6 +190,15 @@ class Request:
         self._update_block_hashes()
         return True
 
+    def key_dynamic_rope(self, limit: int) -> None:
+        """A dynamic NTK rope (limit: max_position_embeddings, 0: none): a prompt longer than the limit has
+        every key rotated on its own length's frequencies (as transformers runs it), so the same tokens'
+        KV differs between prompts of different lengths: its blocks get a key of that length."""
+        if limit and self.num_prompt_tokens > limit:
+            self.extra_keys = (*self.extra_keys, f"dynamic-rope:{self.num_prompt_tokens}")
+            self.block_hashes = []
+            self._update_block_hashes()
+
     def _update_block_hashes(self) -> None:
         size = self.block_size
         parent = self.block_hashes[-1] if self.block_hashes else None

@@ -91,6 +91,7 @@ class Scheduler:
         if request.num_tokens > self.config.num_kv_blocks * self.config.block_size:
             raise ValueError(f"prompt of {request.num_tokens} tokens does not fit the KV pool")
         request.passes_rope_switch(self.config.rope_switch_len)  # a prompt past it: long from the start
+        request.key_dynamic_rope(self.config.rope_dynamic_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

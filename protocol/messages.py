@@ -78,6 +78,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     # >0: a LongRoPE model: a request with more tokens runs on the long factors at every position, so the
     # engine recomputes one that crosses it (as transformers does) and keys its prefix-cache blocks apart
     rope_switch_len: int = 0
+    # >0: a dynamic NTK rope served past max_position_embeddings (this many): the keys of a longer prompt
+    # are rotated on frequencies of the prompt's length, so the engine keys its prefix-cache blocks apart
+    rope_dynamic_len: int = 0
     # >0: an encoder-decoder model (Whisper, runner "transcription"): each request carries one encoder input
     # (AddRequest.encoder_input) of this many encoder positions, run once when the request is first scheduled
     encoder_len: int = 0

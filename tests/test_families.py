@@ -43,11 +43,18 @@ def family(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def greedy_with_logprobs(
-    folder: str, prompts: list[list[int]], **engine_kwargs: object
+    folder: str,
+    prompts: list[list[int]],
+    max_tokens: int = MAX_NEW_TOKENS,
+    max_model_len: int = 128,
+    native: bool = True,  # False: the Python layers, not the csrc decoder stack
+    **engine_kwargs: object,
 ) -> tuple[list[list[int]], list[list[float]], EngineCore]:
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, max_model_len=128)
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, max_model_len=max_model_len)
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))  # type: ignore[arg-type]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
+    if not native:
+        core.executor.runner.model.native_layers = None  # type: ignore[attr-defined]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     logprobs: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
 

@@ -31,9 +31,17 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, rope_switch: int = 0) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        rope_switch: int = 0,
+        rope_dynamic: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.rope_switch = rope_switch  # >0: a request with more known tokens runs on the long rope
+        self.rope_dynamic = rope_dynamic  # dynamic NTK: a row's rotation depends on its prompt's length
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
@@ -42,6 +50,7 @@ class InputBatch:
         self.num_window_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
 
@@ -53,6 +62,7 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = data.num_computed_tokens
+        self.num_prompt_tokens[row] = len(data.prompt_token_ids)
         self.block_table[row, : len(data.block_ids)] = data.block_ids
         self.num_blocks[row] = len(data.block_ids)
         self.window_table[row, : len(data.window_block_ids)] = data.window_block_ids
@@ -112,6 +122,8 @@ class InputBatch:
             metadata.long_rope = torch.from_numpy(
                 (self.num_tokens[row_per_token] > self.rope_switch).astype(np.int64)
             )
+        if self.rope_dynamic:
+            metadata.prompt_lens = torch.from_numpy(self.num_prompt_tokens[row_per_token])
         return StepInputs(
             request_ids,
             rows,

@@ -37,11 +37,10 @@ from worker.kv_transfer import kv_connector_for
 from worker.lora.manager import LoraManager
 from worker.lora.slots import LoraBatch
 from worker.mm_inputs import ImageInputs, check_vision
-from worker.model_config import UnsupportedModelError
 from worker.models import build_model
 from worker.models.bert import BertModel
 from worker.models.causal_lm import CausalLM
-from worker.models.rope import check_rope_length, rope_length_limit, rope_switch_length
+from worker.models.rope import rope_length_limit, rope_position_limit, rope_switch_length
 from worker.models.whisper import WhisperModel
 from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
@@ -81,19 +80,13 @@ class ModelRunner:
         limit = self.model_config.max_position_embeddings
         # a sentence-transformers folder's max_seq_length is its longest input, as vLLM takes it
         longest = self.pooling.max_seq_length if self.pooling is not None else None
-        # a dynamic rope (which changes with the sequence's length) is served up to where it does
-        rope_limit = rope_length_limit(self.model_config.rope_scaling)
-        if rope_limit is not None and not config.max_model_len and rope_limit < limit:
-            logger.info("max_model_len %d: where this model's %s rope changes", rope_limit,
-                        (self.model_config.rope_scaling or {}).get("rope_type"))  # fmt: skip
-            limit = rope_limit
+        # dynamic NTK stretches the positions by its factor (vLLM's derived max_model_len)
+        limit = rope_position_limit(self.model_config.rope_scaling, limit)
         self.max_model_len = config.max_model_len or min(limit, longest or limit)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
-        try:
-            check_rope_length(self.model_config.rope_scaling, self.max_model_len)
-        except ValueError as error:
-            raise UnsupportedModelError(str(error)) from None
+        dynamic = rope_length_limit(self.model_config.rope_scaling) or 0  # where a dynamic rope changes
+        self.rope_dynamic = dynamic if self.max_model_len > dynamic else 0
         self.block_size = config.block_size
         switch = rope_switch_length(self.model_config.rope_scaling)  # longrope's (0: none)
         self.rope_switch = switch if self.max_model_len > switch else 0
@@ -144,8 +137,11 @@ class ModelRunner:
         )
         graph_sizes = (
             decode_graph_sizes(config, self.backend, parallel.tensor_parallel_size)
-            if self.device.type == "cuda" and not mc.is_encoder and not self.rope_switch
-            else []  # (a graph's staged inputs have no long-rope rows)
+            if self.device.type == "cuda"
+            and not mc.is_encoder
+            and not self.rope_switch
+            and not self.rope_dynamic
+            else []  # (a graph's staged inputs have no long-rope rows, nor dynamic NTK's)
         )
         # NOTE: before the KV pool: NIXL's UCX patches the C library's memory calls as it starts, and the
         # pool's fault-in thread (worker/host_memory.py) calling madvise meanwhile crashed the worker
@@ -198,7 +194,9 @@ class ModelRunner:
                                           self.max_model_len, self.block_size, self.num_kv_blocks, self.device))  # fmt: skip
             phases.mark("cuda graphs")
         self.lora = LoraManager(config.lora, mc, self.dtype, ops) if config.lora is not None else None
-        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, self.rope_switch)
+        self.batch = InputBatch(
+            config.max_num_seqs, self.max_model_len, self.block_size, self.rope_switch, self.rope_dynamic > 0
+        )
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = mc.eos_token_ids
         # NOTE: the grammar backend (the tokenizer's trie, 1-3 s) is built by the first constrained
@@ -305,6 +303,7 @@ class ModelRunner:
             kv_window=self.model_config.kv_window or self.pools.window,
             num_window_blocks=self.pools.num_window_blocks,
             rope_switch_len=self.rope_switch,
+            rope_dynamic_len=self.rope_dynamic,
             encoder_len=self.model_config.encoder_len,
             num_mel_bins=self.model_config.num_mel_bins,
             max_num_encoder_outputs=self.cross.max_entries if self.cross is not None else 0,

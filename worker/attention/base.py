@@ -57,6 +57,8 @@ class AttentionMetadata:
     window_group: AttentionMetadata | None = None
     # [num_tokens] (long) 1 where a longrope model's row runs on its long factors (worker/models/rope.py)
     long_rope: torch.Tensor | None = None
+    # [num_tokens] (long) each row's prompt length, for a dynamic NTK rope served past its limit
+    prompt_lens: torch.Tensor | None = None
     image_runs: list[ImageRun] = field(default_factory=list)  # worker/models/image_attention.py
 
 

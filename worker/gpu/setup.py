@@ -106,6 +106,8 @@ def to_device(
             chunk.block_ids = move(chunk.block_ids)
     if inputs.metadata.long_rope is not None:
         inputs.metadata.long_rope = move(inputs.metadata.long_rope)
+    if inputs.metadata.prompt_lens is not None:
+        inputs.metadata.prompt_lens = move(inputs.metadata.prompt_lens)
     inputs.input_ids, inputs.positions = move(inputs.input_ids), move(inputs.positions)
     return inputs
 

@@ -104,7 +104,7 @@ class CausalLM(nn.Module):
             image_rows, image_embeds = mm_embeds
             x[image_rows] = image_embeds.to(x.dtype)
         ropes = {
-            kind: rotary.prepare(positions, x.dtype, self.ops, metadata.long_rope)
+            kind: rotary.prepare(positions, x.dtype, self.ops, metadata.long_rope, metadata.prompt_lens)
             for kind, rotary in self.rotaries.items()
         }
         window_group = metadata.window_group  # the windowed layers' pool, where they have one

@@ -3,9 +3,13 @@ the rope types a family may scale its rotary with (linear, dynamic, yarn, llama3
 head or its leading `rotary_dim` dims (partial rotary), rotating (i, i + dim / 2) pairs (HF's rotate_half)
 or adjacent ones (2i, 2i + 1: Command R, GLM).
 
-Two rope types depend on the sequence in transformers. `dynamic` recomputes its frequencies past
-max_position_embeddings (equal to the default below it): served below that length, refused past it at start
-(`check_rope_length`). `longrope` runs a sequence on its short factors while it is at most
+Two rope types depend on the sequence in transformers. `dynamic` (NTK) recomputes its frequencies for the
+sequence's length once that passes max_position_embeddings (the default ones below it), at every forward: a
+prompt's tokens all run on the prompt's length, each generated token on its own length (its position + 1),
+and the cache keeps each key as it was rotated. So a token's rotation is a function of its position and of
+its request's prompt length (`prompt_lens`): the decode rows (length = position + 1) are a second table at
+positions + max_position, and the rows of a prompt longer than the limit are computed in the step.
+`longrope` runs a sequence on its short factors while it is at most
 original_max_position_embeddings long and on its long factors for every position once it is longer
 (transformers' Phi-3 recomputes the whole sequence when it crosses): its table holds both, the long one at
 positions + max_position, and the step's metadata says which rows are long (`long_rope`: the request's known
@@ -38,7 +42,9 @@ class RotaryEmbedding:
         self.rotary_dim, self.interleaved = rotary_dim, interleaved
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         attention_factor = 1.0
-        self.long_offset = 0  # >0: longrope: the long factors' rows start here
+        self.long_offset = 0  # >0: longrope's long factors, or dynamic NTK's decode rows, start here
+        self.base, self.scaling = base, scaling
+        self.dynamic_limit = 0  # >0: dynamic NTK past this length (max_position_embeddings)
         positions = torch.arange(max_position, dtype=torch.float32)
         if scaling:
             inv_freq, attention_factor = scaled_inv_freq(inv_freq, scaling, base, rotary_dim)
@@ -49,12 +55,22 @@ class RotaryEmbedding:
                 (freqs, torch.outer(positions, long_freq))
             )  # [2 * max_position, rotary_dim // 2]
             self.long_offset = max_position
-        if interleaved:
-            emb = freqs.repeat_interleave(2, dim=-1)  # [max_position, rotary_dim]: c0 c0 c1 c1 ...
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]: c0 c1 ... c0 c1 ...
+        limit = rope_length_limit(scaling)
+        if scaling and limit is not None and max_position > limit:
+            self.dynamic_limit = limit
+            lengths = torch.arange(1, max_position + 1)  # a generated token's: its position + 1
+            grown = positions[:, None] * dynamic_inv_freq(lengths, base, scaling, rotary_dim)
+            freqs = torch.cat((freqs, grown))  # [2 * max_position, rotary_dim // 2]
+            self.long_offset = max_position
+        emb = self._emb(freqs)
         self.cos = (emb.cos() * attention_factor).to(device)
         self.sin = (emb.sin() * attention_factor).to(device)
+
+    def _emb(self, freqs: torch.Tensor) -> torch.Tensor:
+        """[n, rotary_dim // 2] angles -> [n, rotary_dim] as the pairs rotate."""
+        if self.interleaved:
+            return freqs.repeat_interleave(2, dim=-1)  # c0 c0 c1 c1 ...
+        return torch.cat((freqs, freqs), dim=-1)  # c0 c1 ... c0 c1 ...
 
     def prepare(
         self,
@@ -62,16 +78,44 @@ class RotaryEmbedding:
         dtype: torch.dtype,
         ops: CpuOps | None = None,
         long: torch.Tensor | None = None,  # [num_tokens] 1 where a longrope row runs on its long factors
+        prompt_lens: torch.Tensor | None = None,  # [num_tokens] dynamic NTK: each row's prompt length
     ) -> Rope:
         """The step's rotation, shared by the layers of this table: looked up once (torch) or indexed per
         token (csrc, partial and interleaved rotary too)."""
-        if self.long_offset and long is not None:
+        cos_table, sin_table = self.cos, self.sin
+        if self.dynamic_limit and prompt_lens is not None:
+            positions, cos_table, sin_table = self._dynamic_rows(positions, prompt_lens)
+        elif self.long_offset and long is not None:
             positions = positions + long * self.long_offset
         if ops is not None:
-            return Rope(positions, self.cos, self.sin, ops, self.rotary_dim, self.interleaved)
-        cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
-        sin = self.sin[positions].to(dtype).unsqueeze(1)
+            return Rope(positions, cos_table, sin_table, ops, self.rotary_dim, self.interleaved)
+        cos = cos_table[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
+        sin = sin_table[positions].to(dtype).unsqueeze(1)
         return Rope(positions, cos, sin, None, self.rotary_dim, self.interleaved)
+
+    def _dynamic_rows(
+        self, positions: torch.Tensor, prompt_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, cos table, sin table) of a dynamic NTK step: a token runs on the length
+        max(prompt length, position + 1); past the limit, a generated token's row is in the decode table,
+        and a prompt token's (its prompt longer than the limit) is computed here, in a table of the step."""
+        lengths = torch.maximum(prompt_lens, positions + 1)
+        past = lengths > self.dynamic_limit
+        if not bool(past.any()):
+            return positions, self.cos, self.sin
+        grown = past & (lengths == positions + 1)
+        rows = positions + grown * self.long_offset
+        held = past & ~grown
+        if not bool(held.any()):
+            return rows, self.cos, self.sin
+        cos, sin = self.cos[rows], self.sin[rows]  # [num_tokens, rotary_dim]
+        assert self.scaling is not None
+        freqs = positions[held].float()[:, None] * dynamic_inv_freq(
+            lengths[held], self.base, self.scaling, self.rotary_dim
+        )
+        emb = self._emb(freqs)
+        cos[held], sin[held] = emb.cos(), emb.sin()  # (dynamic NTK's attention factor is 1)
+        return torch.arange(positions.shape[0], device=positions.device), cos, sin
 
 
 class Rope:
@@ -177,6 +221,22 @@ def _yarn(scaling: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor,
     return interpolation * (1 - extra) + extrapolation * extra, float(attention_factor)
 
 
+def dynamic_inv_freq(lengths: torch.Tensor, base: float, scaling: dict[str, Any], dim: int) -> torch.Tensor:
+    """Dynamic NTK's frequencies for sequences of these lengths ([n] int64 -> [n, dim // 2]), in float32
+    op for op as transformers' _compute_dynamic_ntk_parameters computes them for one length (a tensor).
+    Each length's base is computed alone, as there: a vector of them takes torch's vectorized pow, which
+    differs from the one-element path in the last bit."""
+    limit, factor = int(scaling["max_position_embeddings"]), scaling["factor"]
+    distinct, index = torch.unique(lengths.cpu(), return_inverse=True)
+    floor = torch.tensor(limit)
+    bases = torch.stack([
+        base * ((factor * torch.maximum(torch.tensor(n), floor) / limit) - (factor - 1)) ** (dim / (dim - 2))
+        for n in distinct.tolist()
+    ])  # fmt: skip
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return (1.0 / (bases[index][:, None] ** exponents)).to(lengths.device)
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -199,10 +259,18 @@ def _longrope(
 
 
 def rope_length_limit(scaling: dict[str, Any] | None) -> int | None:
-    """The longest sequence this rope serves as transformers does (None: any)."""
+    """Dynamic NTK: the length past which its frequencies change (None: another rope)."""
     if scaling and scaling.get("rope_type") == "dynamic":
         return int(scaling["max_position_embeddings"])
     return None
+
+
+def rope_position_limit(scaling: dict[str, Any] | None, max_position_embeddings: int) -> int:
+    """The positions a model serves: dynamic NTK's are its max_position_embeddings times its factor."""
+    if rope_length_limit(scaling) is not None:
+        assert scaling is not None
+        return int(max_position_embeddings * float(scaling["factor"]))
+    return max_position_embeddings
 
 
 def rope_switch_length(scaling: dict[str, Any] | None) -> int:
@@ -210,14 +278,3 @@ def rope_switch_length(scaling: dict[str, Any] | None) -> int:
     if scaling and scaling.get("rope_type") == "longrope":
         return int(scaling["original_max_position_embeddings"])
     return 0
-
-
-def check_rope_length(scaling: dict[str, Any] | None, max_model_len: int) -> None:
-    limit = rope_length_limit(scaling)
-    if limit is not None and max_model_len > limit:
-        kind = scaling["rope_type"] if scaling else ""
-        raise ValueError(
-            f"--max-model-len {max_model_len}: this model's {kind} rope changes past {limit} positions "
-            f"(transformers recomputes the sequence there), which is not supported yet; serve it with "
-            f"--max-model-len {limit} or less"
-        )
