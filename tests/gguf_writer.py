@@ -37,22 +37,33 @@ ARCH_LAYER = {
                 "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"},
 }  # fmt: skip
 ARCH_LAYER["gemma3"] = ARCH_LAYER["gemma2"]
+ARCH_LAYER["deepseek2"] = {
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}  # fmt: skip
 GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
           "gpt_neox.embed_in": "token_embd", "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output"}  # fmt: skip
 PERMUTED = ("llama", "granite", "smollm3")
 Quantize = Callable[[str, np.ndarray], Any]
 
 
-def write_gguf(folder: str, arch: str, path: str, quantize: Quantize | None = None) -> None:
+def write_gguf(
+    folder: str, arch: str, path: str, quantize: Quantize | None = None, split_kv_b: bool = True
+) -> None:
     """quantize(llama.cpp's tensor name, its float32 values): the GGML type to store it in, or None for
-    float32; a type the `gguf` package cannot quantize to is written as zero blocks (a refusal's test)."""
+    float32, or (type, the blocks' bytes); a type the `gguf` package cannot quantize to is written as zero
+    blocks (a refusal's test).
+    split_kv_b: deepseek2's kv_b_proj as today's converter writes it (attn_k_b and attn_v_b), or whole
+    (attn_kv_b) as files converted before mid-2025 hold it."""
     import gguf
     from safetensors.torch import load_file
 
     config = json.loads((pathlib.Path(folder) / "config.json").read_text())
     tensors = load_file(str(pathlib.Path(folder) / "model.safetensors"))
     writer = gguf.GGUFWriter(path, arch)
-    _metadata(writer, arch, config)
+    _metadata(writer, arch, config, split_kv_b)
     heads, kv_heads = (
         config["num_attention_heads"],
         config.get("num_key_value_heads") or config["num_attention_heads"],
@@ -60,6 +71,8 @@ def write_gguf(folder: str, arch: str, path: str, quantize: Quantize | None = No
     stacked: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in sorted(tensors.items()):
         data = tensor.float().numpy()
+        if arch == "gpt-oss" and _gpt_oss_tensor(writer, name, data, quantize):
+            continue
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1.0
         if arch in PERMUTED and (".q_proj." in name or ".k_proj." in name):
@@ -73,6 +86,22 @@ def write_gguf(folder: str, arch: str, path: str, quantize: Quantize | None = No
             continue
         if name.endswith("shared_expert_gate.weight"):  # [1, hidden] -> [hidden], as llama.cpp reads it
             data = data.reshape(-1)
+        if name.endswith(".mlp.gate.e_score_correction_bias"):  # the converter's exp_probs_b, a `.bias`
+            writer.add_tensor(f"blk.{name.split('.')[2]}.exp_probs_b.bias", data)
+            continue
+        if arch == "deepseek2" and name.endswith("kv_b_proj.weight") and split_kv_b:
+            # per head [nope + v, rank] -> attn_k_b [heads, rank, nope] (transposed) and attn_v_b [heads, v, rank]
+            nope, rank = config["qk_nope_head_dim"], config["kv_lora_rank"]
+            per_head = data.reshape(heads, -1, rank)
+            block = f"blk.{name.split('.')[2]}"
+            _add(
+                writer,
+                f"{block}.attn_k_b.weight",
+                np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1)),
+                quantize,
+            )
+            _add(writer, f"{block}.attn_v_b.weight", np.ascontiguousarray(per_head[:, nope:]), quantize)
+            continue
         if arch == "stablelm" and "_layernorm.norms." in name:
             which, head = ("q" if ".q_layernorm." in name else "k"), int(name.split(".")[-2])
             stacked.setdefault(f"{name.split('.self_attn.')[0]}.self_attn.{which}_norm", {})[head] = data
@@ -97,6 +126,9 @@ def _add(writer: Any, name: str, data: np.ndarray, quantize: Quantize | None) ->
     qtype = quantize(name, data) if quantize is not None else None
     if qtype is None:
         writer.add_tensor(name, data)
+        return
+    if isinstance(qtype, tuple):  # (type, the file's bytes): blocks the gguf package cannot make
+        writer.add_tensor(name, qtype[1], raw_dtype=qtype[0])
         return
     try:
         blocks = gguf_quantize(data, qtype)
@@ -125,7 +157,7 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def _metadata(writer: Any, arch: str, config: dict[str, Any]) -> None:
+def _metadata(writer: Any, arch: str, config: dict[str, Any], split_kv_b: bool = True) -> None:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope = config.get("rope_parameters") or {}
@@ -135,8 +167,20 @@ def _metadata(writer: Any, arch: str, config: dict[str, Any]) -> None:
     writer.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
     writer.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
     writer.add_uint32(f"{arch}.attention.head_count", heads)
-    writer.add_uint32(f"{arch}.attention.head_count_kv", config.get("num_key_value_heads") or heads)
-    writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    if arch == "deepseek2":
+        _deepseek2_metadata(writer, config, rope, split_kv_b)
+    elif arch == "gpt-oss":  # GptOssModel.set_gguf_parameters, and the base class's YaRN keys
+        writer.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+        writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+        writer.add_uint32(f"{arch}.attention.value_length", head_dim)
+        writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
+        writer.add_uint32(f"{arch}.expert_count", config["num_local_experts"])
+        writer.add_uint32(f"{arch}.expert_used_count", config["num_experts_per_tok"])
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", config["intermediate_size"])
+        _yarn_metadata(writer, arch, rope)
+    else:
+        writer.add_uint32(f"{arch}.attention.head_count_kv", config.get("num_key_value_heads") or heads)
+        writer.add_uint32(f"{arch}.attention.key_length", head_dim)
     writer.add_uint32(f"{arch}.vocab_size", config["vocab_size"])
     eps = config.get("rms_norm_eps") or 1e-6
     if arch in ("starcoder2", "gptneox", "stablelm", "command-r"):
@@ -164,7 +208,7 @@ def _metadata(writer: Any, arch: str, config: dict[str, Any]) -> None:
     if arch == "command-r":
         writer.add_float32(f"{arch}.logit_scale", config["logit_scale"])
     experts = config.get("num_experts") or config.get("num_local_experts")
-    if experts:
+    if experts and arch not in ("deepseek2", "gpt-oss"):
         writer.add_uint32(f"{arch}.expert_count", experts)
         writer.add_uint32(f"{arch}.expert_used_count", config["num_experts_per_tok"])
         if config.get("moe_intermediate_size"):
@@ -175,3 +219,79 @@ def _metadata(writer: Any, arch: str, config: dict[str, Any]) -> None:
             )
     if arch == "gptneox":
         writer.add_bool(f"{arch}.use_parallel_residual", config.get("use_parallel_residual", True))
+
+
+def _deepseek2_metadata(writer: Any, config: dict[str, Any], rope: dict[str, Any], split_kv_b: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters: one KV head (the latent), the MLA lengths, the experts, YaRN's
+    mscale_all_dim as 0.1 times itself."""
+    arch, rank, rope_dim = "deepseek2", config["kv_lora_rank"], config["qk_rope_head_dim"]
+    key, value = config["qk_nope_head_dim"] + rope_dim, config["v_head_dim"]
+    writer.add_uint32(f"{arch}.attention.head_count_kv", 1)
+    writer.add_uint32(f"{arch}.leading_dense_block_count", config["first_k_dense_replace"])
+    if config.get("q_lora_rank"):
+        writer.add_uint32(f"{arch}.attention.q_lora_rank", config["q_lora_rank"])
+    writer.add_uint32(f"{arch}.attention.kv_lora_rank", rank)
+    if split_kv_b:
+        writer.add_uint32(f"{arch}.attention.key_length", rank + rope_dim)
+        writer.add_uint32(f"{arch}.attention.value_length", rank)
+        writer.add_uint32(f"{arch}.attention.key_length_mla", key)
+        writer.add_uint32(f"{arch}.attention.value_length_mla", value)
+    else:
+        writer.add_uint32(f"{arch}.attention.key_length", key)
+        writer.add_uint32(f"{arch}.attention.value_length", value)
+    writer.add_uint32(f"{arch}.rope.dimension_count", rope_dim)
+    writer.add_uint32(f"{arch}.expert_count", config["n_routed_experts"])
+    writer.add_uint32(f"{arch}.expert_used_count", config["num_experts_per_tok"])
+    writer.add_uint32(f"{arch}.expert_feed_forward_length", config["moe_intermediate_size"])
+    writer.add_uint32(f"{arch}.expert_shared_count", config.get("n_shared_experts") or 0)
+    writer.add_float32(f"{arch}.expert_weights_scale", config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        writer.add_bool(f"{arch}.expert_weights_norm", True)
+    v3 = config["architectures"][0].startswith("DeepseekV3")
+    writer.add_uint32(
+        f"{arch}.expert_gating_func", 2 if v3 else 1
+    )  # sigmoid (V3's configs say so) or softmax
+    writer.add_uint32(f"{arch}.expert_group_count", config.get("n_group") or 1)
+    writer.add_uint32(f"{arch}.expert_group_used_count", config.get("topk_group") or 1)
+    if rope.get("rope_type") == "yarn":
+        _yarn_metadata(writer, arch, rope)
+        writer.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"])
+
+
+def _yarn_metadata(writer: Any, arch: str, rope: dict[str, Any]) -> None:
+    writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+    writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    writer.add_uint32(
+        f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"]
+    )
+    writer.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+    writer.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+
+
+GPT_OSS = {"self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+           "mlp.router.bias": "ffn_gate_inp.bias", "post_attention_layernorm.weight": "post_attention_norm.weight",
+           "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}  # fmt: skip
+
+
+def _gpt_oss_tensor(writer: Any, name: str, data: np.ndarray, quantize: Quantize | None) -> bool:
+    """GptOssModel.modify_tensors on a float checkpoint: the experts' [E, H, 2I] gate_up de-interleaved and
+    transposed into ffn_gate_exps and ffn_up_exps [E, I, H], down_proj [E, I, H] into [E, H, I], the biases
+    apart; the router, the sinks and the post-attention norm by their names. False: the shared table's."""
+    if not name.startswith("model.layers."):
+        return False
+    layer, rest = name.split(".")[2], name.split(".", 3)[3]
+    block = f"blk.{layer}"
+    if rest == "mlp.experts.gate_up_proj":
+        both = data.transpose(0, 2, 1)
+        _add(writer, f"{block}.ffn_gate_exps.weight", np.ascontiguousarray(both[:, 0::2]), quantize)
+        _add(writer, f"{block}.ffn_up_exps.weight", np.ascontiguousarray(both[:, 1::2]), quantize)
+    elif rest == "mlp.experts.gate_up_proj_bias":
+        writer.add_tensor(f"{block}.ffn_gate_exps.bias", np.ascontiguousarray(data[:, 0::2]))
+        writer.add_tensor(f"{block}.ffn_up_exps.bias", np.ascontiguousarray(data[:, 1::2]))
+    elif rest == "mlp.experts.down_proj":
+        _add(writer, f"{block}.ffn_down_exps.weight", np.ascontiguousarray(data.transpose(0, 2, 1)), quantize)
+    elif rest in GPT_OSS:
+        writer.add_tensor(f"{block}.{GPT_OSS[rest]}", data)
+    else:
+        return False
+    return True

@@ -83,13 +83,23 @@ def write(model: Any, folder: str, method: str, **options: Any) -> Any:
     bits, group = options.get("bits", 4), options.get("group", 128)
     symmetric = options.get("symmetric", method == "ct-int8")
     scale_dtype = torch.bfloat16 if method.startswith("ct") else torch.float16
+    act_order = options.get("act_order", False)
+    rng = torch.Generator().manual_seed(3)
     for name, module in model.named_modules():
         if name.rpartition(".")[2] not in PRODUCTS:
             continue
         w = module.weight.detach()
-        q, scale, zero = quantize(w, bits, group, symmetric, scale_dtype)
+        # act-order (GPTQ's desc_act, compressed-tensors' actorder "group"): the groups are formed over the
+        # input dims in an order of their own; g_idx says each dim's group
+        k = w.shape[1]
+        order = torch.randperm(k, generator=rng) if act_order else torch.arange(k)
+        q, scale, zero = quantize(w[:, order], bits, group, symmetric, scale_dtype)
+        where = torch.empty_like(order)
+        where[order] = torch.arange(k)  # where each input dim went
+        q = q[:, where]  # back in the input dims' order
+        g_idx = (where // (k // scale.shape[1])).to(torch.int32)
         with torch.no_grad():
-            module.weight.copy_(dequantized(q, scale, zero))
+            module.weight.copy_(dequantized(q[:, order], scale, zero)[:, where])
         del tensors[f"{name}.weight"]
         if method == "awq":
             tensors[f"{name}.qweight"] = pack_words(q.T, 4, AWQ_PACK_ORDER)
@@ -100,13 +110,13 @@ def write(model: Any, folder: str, method: str, **options: Any) -> Any:
             tensors[f"{name}.qweight"] = pack_words(q, bits).T.contiguous()  # input dims along the rows
             tensors[f"{name}.qzeros"] = pack_words(zero.T - shift, bits)
             tensors[f"{name}.scales"] = scale.T.contiguous()
-            tensors[f"{name}.g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // (
-                w.shape[1] // scale.shape[1]
-            )
+            tensors[f"{name}.g_idx"] = g_idx
         elif method == "ct-pack":  # signed values plus 2^(bits - 1) (q here), packed along the input dims
             tensors[f"{name}.weight_packed"] = pack_words(q, bits)
             tensors[f"{name}.weight_scale"] = scale.contiguous()
             tensors[f"{name}.weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+            if act_order:
+                tensors[f"{name}.weight_g_idx"] = g_idx
             if not symmetric:  # signed zero points plus 2^(bits - 1), packed along the output rows
                 tensors[f"{name}.weight_zero_point"] = pack_words(zero.T, bits).T.contiguous()
         else:  # ct-int8: int8 weights as they are, per-channel scales
@@ -141,12 +151,13 @@ def quantization_config(
         return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": None}  # fmt: skip
     if method == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False, "sym": symmetric,
+        return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": bool(options.get("act_order")), "sym": symmetric,
                 "damp_percent": 0.01, "true_sequential": True,
                 "checkpoint_format": "gptq_v2" if options.get("v2") else "gptq"}  # fmt: skip
     strategy = "channel" if group == -1 else "group"
     weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
-               "group_size": None if group == -1 else group, "dynamic": False, "actorder": None}  # fmt: skip
+               "group_size": None if group == -1 else group, "dynamic": False,
+               "actorder": "group" if options.get("act_order") else None}  # fmt: skip
     activations = None
     if method == "ct-int8":
         activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}

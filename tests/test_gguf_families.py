@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.family_models import BUILDERS as FAMILY_BUILDERS
 from tests.family_models import VOCAB, _model
 from tests.gguf_writer import write_gguf
 from tests.hf_oracle import hf_greedy
@@ -51,6 +52,16 @@ BUILDERS: dict[str, tuple[str, Any]] = {
     "qwen3moe": ("qwen3moe", lambda: _model(
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True)),
+    # latent attention: V2 (softmax, groups by their best) with kv_b_proj whole as older files hold it, V3
+    # (sigmoid plus exp_probs_b, a compressed q, YaRN's mscale_all_dim) split as today's converter writes it
+    "deepseek_v2": ("deepseek2", lambda: FAMILY_BUILDERS["deepseek_v2"]()),
+    "deepseek_v3": ("deepseek2", lambda: FAMILY_BUILDERS["deepseek_v3"]()),
+    # sinks, biases everywhere, windows on the even layers, YaRN untruncated; SwiGLU's alpha and limit are
+    # llama.cpp's constants (transformers' defaults), which the file does not hold
+    "gpt_oss": ("gpt-oss", lambda: _model(
+        "GptOssConfig", "GptOssForCausalLM", num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+        sliding_window=8, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 1.5e5})),
 }  # fmt: skip
 
 
@@ -70,7 +81,7 @@ def test_a_gguf_file_is_the_checkpoint_it_came_from(name: str, tmp_path) -> None
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
     path = str(tmp_path / f"{name}.gguf")
-    write_gguf(str(folder), arch, path)
+    write_gguf(str(folder), arch, path, split_kv_b=name != "deepseek_v2")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (6, 30)]

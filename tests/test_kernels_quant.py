@@ -14,10 +14,10 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from worker.quant.gguf_pack import PACKED_TYPES, Q, pack
+from worker.quant.gguf_pack import PACKED_TYPES, Q, pack, q3_k_as_q6_k
 
 F16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-          Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}  # fmt: skip
+          Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108]}  # fmt: skip
 ROWS = (1, 2, 3, 4, 5, 6, 7, 16, 97, 512)
 
 
@@ -35,6 +35,19 @@ def random_blocks(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 def shape_of(qtype: Q) -> tuple[int, int]:
     return (64, 512) if GGML_QUANT_SIZES[qtype][0] == 256 else (64, 160)
+
+
+def test_q3_k_served_as_q6_k_blocks_is_the_same_values(ops) -> None:  # type: ignore[no-untyped-def]
+    """Q3_K's blocks rewritten as Q6_K's (every 3-bit value and 6-bit scale the format holds): the gguf
+    package's Q6_K dequantization of them, and the tiles' rows, are its Q3_K values bit for bit."""
+    raw = random_blocks(Q.Q3_K, 64, 512)
+    expected = np.asarray(dequantize(raw, Q.Q3_K), dtype=np.float32).reshape(64, 512)
+    q6 = q3_k_as_q6_k(raw)
+    assert q6.shape == (64, 2 * 210)
+    assert np.array_equal(np.asarray(dequantize(q6, Q.Q6_K)).view(np.uint32), expected.view(np.uint32))
+    packed = torch.from_numpy(pack(q6, Q.Q6_K, (64, 512)))
+    rows = ops.quant_rows(packed, int(Q.Q6_K), torch.arange(64), 512, torch.float32)
+    assert torch.equal(rows, torch.from_numpy(expected))
 
 
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
@@ -87,6 +100,21 @@ def test_products_equal_linear_rows_on_the_dequantized_weight(ops, qtype, dtype,
         assert bool(((y.double() - exact).abs() <= tolerance).all()), f"{rows} rows off the float64 product"
         for i in range(min(rows, 8)):
             assert torch.equal(y[i : i + 1], alone[i]), f"row {i} alone differs from row {i} of {rows}"
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
+def test_the_csrc_packer_writes_the_numpy_specifications_bytes(ops, qtype) -> None:  # type: ignore[no-untyped-def]
+    """csrc pack_gguf (a worker's start) against worker/quant/gguf_pack.py's numpy pack, byte for byte: every
+    integer and scale pattern (random_blocks), several groups of 16 rows and blocks."""
+    n, k = (48, 768) if GGML_QUANT_SIZES[qtype][0] == 256 else (48, 224)
+    raw = random_blocks(qtype, n, k, seed=4)
+    expected = pack(raw, qtype, (n, k))
+    got = ops.pack_gguf(torch.from_numpy(raw), int(qtype), n, k)
+    assert got.dtype == torch.uint8 and np.array_equal(got.numpy(), expected)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.pack_gguf(torch.from_numpy(raw[:40]), int(qtype), 40, k)
+    with pytest.raises(RuntimeError, match="not one of ours"):
+        ops.pack_gguf(torch.from_numpy(raw), int(Q.IQ4_NL), n, k)
 
 
 def test_a_packing_that_does_not_match_is_refused(ops) -> None:  # type: ignore[no-untyped-def]

@@ -97,7 +97,6 @@ def edit_config(folder: str, **fields: object) -> None:
 @pytest.mark.parametrize(
     ("method", "fields", "named"),
     [
-        ("gptq", {"desc_act": True}, "desc_act"),
         ("gptq", {"bits": 3}, "bits: 3"),
         ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format"),
         ("awq", {"version": "gemv"}, "version"),
@@ -111,6 +110,27 @@ def test_a_quantization_config_field_not_served_is_refused_by_name(tmp_path, met
     edit_config(str(tmp_path), **fields)
     with pytest.raises(UnsupportedModelError, match=named):
         resolve_quantization(None, str(tmp_path))
+
+
+@pytest.mark.parametrize("method", ["gptq", "ct-pack"])
+def test_an_act_order_checkpoint_is_served_dequantized_as_hf_runs_it(tmp_path, method, caplog) -> None:  # type: ignore[no-untyped-def]
+    """GPTQ's desc_act / compressed-tensors' actorder "group": each group's input dims scattered (g_idx,
+    weight_g_idx). Read back into the input dims' order and served dequantized (with a warning that says
+    so): the dequantized HF model's tokens and logprobs, batched with chunked prefill and prefix caching."""
+    folder = str(tmp_path)
+    oracle_model = write(
+        tiny_llama(), folder, method, group=32, symmetric=method == "ct-pack", act_order=True
+    )
+    rng = random.Random(9)
+    prompts = [[rng.randrange(511) for _ in range(n)] for n in (5, 23)]
+    with caplog.at_level("WARNING", logger="engine.worker"):
+        tokens, logprobs, core = greedy_with_logprobs(folder, prompts, max_num_batched_tokens=16,
+                                                      enable_prefix_caching=True)  # fmt: skip
+    assert "14 act-order products" in caplog.text  # q, k, v, o, gate, up and down of two layers
+    model = core.executor.runner.model  # type: ignore[attr-defined]
+    assert not [m for m in model.modules() if getattr(m, "quant", None) is not None]
+    for ours, values, prompt in zip(tokens, logprobs, prompts, strict=True):
+        check(ours, values, hf_greedy(oracle_model, prompt, MAX_NEW_TOKENS, None))
 
 
 def test_w8a8_refuses_quantization_none_and_a_contradicting_flag(tmp_path) -> None:  # type: ignore[no-untyped-def]

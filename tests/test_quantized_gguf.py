@@ -153,13 +153,9 @@ def experts_too(name: str, data: np.ndarray):  # type: ignore[no-untyped-def]
     return mixed_types(name, data)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "qwen3moe"])
-def test_experts_kept_packed_equal_their_dequantized_selves(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Each expert's gate, up and down products keep their blocks (Experts.packed_experts): in float32 the
-    tokens of the same file dequantized, batched with chunked prefill, and its logprobs to float32 rounding
-    (the products are the same bits; the weighted sum of the experts rounds each term where fused_experts
-    fuses it)."""
-    path = tiny_gguf(tmp_path, name, experts_too)
+def assert_packed_equals_dequantized(path: str) -> None:
+    """The same tokens packed and dequantized, and logprobs to float32 rounding (the weighted sum of the
+    experts rounds each term where fused_experts fuses it)."""
     packed, dense = tokens_and_logprobs(path, "gguf"), tokens_and_logprobs(path, "none")
     for key in packed:
         assert packed[key][0] == dense[key][0]
@@ -168,6 +164,48 @@ def test_experts_kept_packed_equal_their_dequantized_selves(name: str, tmp_path)
             torch.testing.assert_close(
                 torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs), atol=1e-5, rtol=0
             )
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "qwen3moe", "deepseek_v3"])
+def test_experts_kept_packed_equal_their_dequantized_selves(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each expert's gate, up and down products keep their blocks (Experts.packed_experts): in float32 the
+    tokens of the same file dequantized, batched with chunked prefill, and its logprobs to float32 rounding
+    (the products are the same bits; the weighted sum of the experts rounds each term where fused_experts
+    fuses it)."""
+    path = tiny_gguf(tmp_path, name, experts_too)
+    assert_packed_equals_dequantized(path)
+
+
+def test_gpt_oss_mxfp4_experts_kept_packed_equal_their_dequantized_selves(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """gpt-oss's GGUF experts in MXFP4 (llama.cpp's 17-byte blocks): kept as each expert's MXFP4 blocks
+    (its nibbles put back in the checkpoints' order), the same tokens as the file dequantized by the gguf
+    package, and logprobs to float32 rounding."""
+    path = tiny_gguf(
+        tmp_path, "gpt_oss", lambda name, data: Q.MXFP4 if data.ndim == 3 else mixed_types(name, data)
+    )
+    assert_packed_equals_dequantized(path)
+
+
+def test_q3_k_is_served_packed_as_the_q6_k_blocks_of_its_values(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A Q3_K file's products (here the MLP's gate and up, 256 dims in) kept packed as Q6_K tiles of the same
+    values: the tokens and logprobs of the file dequantized by the gguf package, exactly."""
+    from tests.family_models import _model
+    from tests.test_kernels_quant import random_blocks
+
+    torch.manual_seed(1)
+    folder = tmp_path / "llama"
+    _model("LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=False, hidden_size=256).save_pretrained(
+        folder
+    )
+    path = str(tmp_path / "q3_k.gguf")
+
+    def q3_k(name: str, data: np.ndarray):  # type: ignore[no-untyped-def]
+        if ".ffn_" in name and data.ndim == 2 and data.shape[1] % 256 == 0:
+            return Q.Q3_K, random_blocks(Q.Q3_K, *data.shape, seed=sum(name.encode()))
+        return mixed_types(name, data)
+
+    write_gguf(str(folder), "llama", path, q3_k)
+    assert tokens_and_logprobs(path, "gguf") == tokens_and_logprobs(path, "none")
 
 
 def test_a_type_not_served_packed_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -141,6 +141,8 @@ def _keep_packed(
 ) -> bool:
     """Give a Linear or an Embedding a quantized weight as its tiles (QuantPart); False where the weight goes
     elsewhere (a router, stacked experts) or the family converts it otherwise than by moving whole rows."""
+    if getattr(blocks, "order", None) is not None:
+        return False  # act-order: served dequantized (IntBlocks.order)
     path, _, kind = target.rpartition(".")
     module = model.get_submodule(path) if kind == "weight" else None
     if not isinstance(module, (Linear, Embedding)) or blocks.shape[1] != module.weight.shape[1]:

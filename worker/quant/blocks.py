@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker.csrc_ops import loaded_cpu_ops
 from worker.quant import int_pack
-from worker.quant.gguf_pack import Q, pack
 
 
 class QuantWeight:
@@ -64,27 +64,40 @@ class GgufBlocks(QuantWeight):
 
     @property
     def type_name(self) -> str:
-        return Q(self.qtype).name
+        from gguf.constants import GGMLQuantizationType  # (not at import: the gguf package costs 0.1 s)
+
+        return GGMLQuantizationType(self.qtype).name
 
     def with_rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> GgufBlocks:
         """The weight with its rows rearranged (llama.cpp's rotary permutation undone): whole rows move."""
         return GgufBlocks(self.qtype, np.ascontiguousarray(reorder(self.rows)), self.shape)
 
     def dequantize(self) -> torch.Tensor:
+        from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        values = np.asarray(dequantize(self.rows, Q(self.qtype)), dtype=np.float32).reshape(self.shape)
+        values = np.asarray(dequantize(self.rows, GGMLQuantizationType(self.qtype)), dtype=np.float32)
+        values = values.reshape(self.shape)
         return torch.from_numpy(values)
 
     def packed(self) -> torch.Tensor:
-        return torch.from_numpy(pack(self.rows, self.qtype, self.shape))
+        # the csrc packer where the kernels are loaded (a worker loads them before its weights; the tiles
+        # serve only with them): the same bytes as the numpy specification, 5-20x sooner (0.3 s of a
+        # worker's start with SmolLM2's file)
+        ops = loaded_cpu_ops()
+        if ops is None:
+            from worker.quant.gguf_pack import pack
+
+            return torch.from_numpy(pack(self.rows, self.qtype, self.shape))
+        raw = torch.from_numpy(np.ascontiguousarray(self.rows, dtype=np.uint8))
+        return ops.pack_gguf(raw, self.qtype, *self.shape)
 
     def narrow(self, dim: int, start: int, length: int) -> GgufBlocks:
         if dim == 0:
             return GgufBlocks(self.qtype, self.rows[start : start + length], (length, self.shape[1]))
-        from gguf.constants import GGML_QUANT_SIZES
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        block, nbytes = GGML_QUANT_SIZES[Q(self.qtype)]
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.qtype)]
         _whole(self.type_name, start, length, block)
         columns = self.rows[:, start // block * nbytes : (start + length) // block * nbytes]
         return GgufBlocks(self.qtype, np.ascontiguousarray(columns), (self.shape[0], length))
@@ -97,13 +110,17 @@ class GgufBlocks(QuantWeight):
 @dataclass
 class IntBlocks(QuantWeight):
     """A [N, K] weight of `bits`-bit integers q (4-bit: uint8 0-15; 8-bit: int8) with a float32 scale and
-    offset per (row, group of K / groups dims): weight = fma(scale, q, offset) (worker/quant/int_pack.py)."""
+    offset per (row, group of K / groups dims): weight = fma(scale, q, offset) (worker/quant/int_pack.py).
+    order: act-order checkpoints (GPTQ's desc_act, compressed-tensors' actorder "group") group input dims
+    that are not side by side; q's columns are then held in group order, column j being input dim
+    order[j], and only the dequantized weight (in the input dims' order) is served."""
 
     bits: int
     q: np.ndarray
     scale: np.ndarray  # float32 [N, groups]
     offset: np.ndarray
     activations: str | None = None
+    order: np.ndarray | None = None  # int64 [K]
 
     @property
     def shape(self) -> tuple[int, int]:  # type: ignore[override]
@@ -124,13 +141,18 @@ class IntBlocks(QuantWeight):
 
     def with_rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> IntBlocks:
         q, scale, offset = (np.ascontiguousarray(reorder(a)) for a in (self.q, self.scale, self.offset))
-        return IntBlocks(self.bits, q, scale, offset, self.activations)
+        return IntBlocks(self.bits, q, scale, offset, self.activations, self.order)
 
     def dequantize(self) -> torch.Tensor:
         """The weight in float32: scale * q + offset, rounded once (float64 holds scale * q exactly)."""
         scale = np.repeat(self.scale.astype(np.float64), self.group, axis=1)
         offset = np.repeat(self.offset.astype(np.float64), self.group, axis=1)
-        return torch.from_numpy((scale * self.q.astype(np.float64) + offset).astype(np.float32))
+        weight = (scale * self.q.astype(np.float64) + offset).astype(np.float32)
+        if self.order is not None:  # back to the input dims' order
+            unordered = np.empty_like(weight)
+            unordered[:, self.order] = weight
+            weight = unordered
+        return torch.from_numpy(weight)
 
     def packed(self) -> torch.Tensor:
         qtype = int_pack.IntType(self.qtype)
@@ -139,7 +161,11 @@ class IntBlocks(QuantWeight):
     def narrow(self, dim: int, start: int, length: int) -> IntBlocks:
         if dim == 0:
             rows = slice(start, start + length)
-            return IntBlocks(self.bits, self.q[rows], self.scale[rows], self.offset[rows], self.activations)
+            return IntBlocks(
+                self.bits, self.q[rows], self.scale[rows], self.offset[rows], self.activations, self.order
+            )
+        if self.order is not None:
+            raise ValueError("an act-order weight's input dims are not sliced for tensor parallel yet")
         groups = int(self.scale.shape[1])
         if groups == 1:  # one scale a row (channel-wise): any run of dims keeps it
             return IntBlocks(self.bits, np.ascontiguousarray(self.q[:, start : start + length]), self.scale,
@@ -154,7 +180,7 @@ class IntBlocks(QuantWeight):
         extra = rows - self.shape[0]
         pad = [np.zeros((extra, *a.shape[1:]), dtype=a.dtype) for a in (self.q, self.scale, self.offset)]
         return IntBlocks(self.bits, np.concatenate([self.q, pad[0]]), np.concatenate([self.scale, pad[1]]),
-                         np.concatenate([self.offset, pad[2]]), self.activations)  # fmt: skip
+                         np.concatenate([self.offset, pad[2]]), self.activations, self.order)  # fmt: skip
 
 
 @dataclass

@@ -7,7 +7,8 @@ never a model that runs and answers otherwise. The layouts, from each format's w
         qzeros int32 [K / g, N / 8] the same way; scales f16 [K / g, N]; weight = (q - zero) * scale.
   GPTQ  qweight int32 [K * bits / 32, N]: input dims packed along the rows, dim 8r + i (4-bit) in nibble i
         of row r; qzeros int32 [K / g, N * bits / 32] along the columns, stored less one (v1; gptq_v2 as
-        they are); scales f16 [K / g, N]; g_idx [K] the group of each input dim (only in order here).
+        they are); scales f16 [K / g, N]; g_idx [K] the group of each input dim (in order, or with
+        desc_act any order, g dims a group: act-order, served dequantized).
   compressed-tensors pack-quantized: weight_packed int32 [N, K * bits / 32] along the input dims, lowest
         bits first, each value stored plus 2^(bits - 1); weight_scale [N, K / g]; weight_zero_point (when
         asymmetric) packed along the output rows; int-quantized: weight int8 [N, K] as it is.
@@ -15,6 +16,7 @@ never a model that runs and answers otherwise. The layouts, from each format's w
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ import torch
 from worker.model_config import UnsupportedModelError
 from worker.quant.blocks import IntBlocks
 from worker.quant.int_pack import int_type
+
+logger = logging.getLogger("engine.worker")
 
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 lies in nibble AWQ_ORDER[j]
 INT8_TOKEN = "int8-token"
@@ -93,8 +97,6 @@ def read_format(config: dict[str, Any]) -> Format:
             "awq", ((("Linear",), Scheme(_bits(config, (4,)), int(config.get("group_size", 128)))),)
         )
     if method == "gptq":
-        if config.get("desc_act"):
-            raise UnsupportedModelError("quantization_config desc_act: true (act-order GPTQ) is not served")
         _require(config, "checkpoint_format", "gptq", ("gptq", "gptq_v2"))
         shift = 1 if config.get("checkpoint_format", "gptq") == "gptq" else 0
         scheme = Scheme(_bits(config, (4, 8)), int(config.get("group_size", 128)))
@@ -134,8 +136,8 @@ def _compressed_tensors(config: dict[str, Any]) -> Format:
         weights = group.get("weights") or {}
         if weights.get("type", "int") != "int" or weights.get("dynamic", False):
             raise UnsupportedModelError(f"{where}.weights: only static integer weights are served")
-        if weights.get("actorder") == "group":
-            raise UnsupportedModelError(f"{where}.weights.actorder 'group' is not served")
+        if weights.get("actorder") not in (None, "group"):  # "group": weight_g_idx (act-order)
+            raise UnsupportedModelError(f"{where}.weights.actorder {weights.get('actorder')!r} is not served")
         strategy = weights.get("strategy", "tensor")
         if strategy not in ("channel", "group", "tensor"):
             raise UnsupportedModelError(f"{where}.weights.strategy {strategy!r} is not served")
@@ -171,6 +173,7 @@ def quantized_weights(
     a module's tensors are all in)."""
     modules = {name.rpartition(".")[0] for name in names if name.rpartition(".")[2] == fmt.marker}
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    act_order = 0
     for name, tensor in weights:
         module, _, part = name.rpartition(".")
         if module not in modules or part not in fmt.parts:
@@ -179,9 +182,17 @@ def quantized_weights(
         tensors = pending.setdefault(module, {})
         tensors[part] = tensor
         if all(f"{module}.{p}" not in names or p in tensors for p in fmt.parts):
-            yield f"{module}.weight", _read(module, pending.pop(module), fmt)
+            blocks = _read(module, pending.pop(module), fmt)
+            act_order += blocks.order is not None
+            yield f"{module}.weight", blocks
     if pending:
         raise UnsupportedModelError(f"quantized modules with tensors missing: {sorted(pending)[:3]}")
+    if act_order:
+        logger.warning(
+            "%d act-order products (their groups not in input order) are served dequantized: the packed "
+            "products do not permute their inputs yet",
+            act_order,
+        )
 
 
 def _words(packed: torch.Tensor) -> np.ndarray:
@@ -220,7 +231,12 @@ def _read(module: str, tensors: dict[str, torch.Tensor], fmt: Format) -> IntBloc
 
 
 def _blocks(
-    bits: int, u: np.ndarray, scale: torch.Tensor, zero: np.ndarray, act: str | None = None
+    bits: int,
+    u: np.ndarray,
+    scale: torch.Tensor,
+    zero: np.ndarray,
+    act: str | None = None,
+    order: np.ndarray | None = None,
 ) -> IntBlocks:
     """u [N, K] the unsigned stored values, scale [N, G], zero [N, G] in the same offset: weight = (u - zero) *
     scale. 8-bit values are kept signed (u - 128)."""
@@ -235,7 +251,7 @@ def _blocks(
         bits, u.shape[1] // s.shape[1], u.shape[1]
     )  # a group the kernels take, or a ValueError naming it
     return IntBlocks(
-        bits, np.ascontiguousarray(q), np.ascontiguousarray(s), np.ascontiguousarray(offset), act
+        bits, np.ascontiguousarray(q), np.ascontiguousarray(s), np.ascontiguousarray(offset), act, order
     )
 
 
@@ -252,15 +268,26 @@ def _gptq(t: dict[str, torch.Tensor], scheme: Scheme, shift: int) -> IntBlocks:
     k = u.shape[0]
     zero = _unpack(t["qzeros"], bits, axis=1)[:, : u.shape[1]].astype(np.int32) + shift  # [K / g, N]
     group = k // t["scales"].shape[0]
-    if "g_idx" in t and not np.array_equal(t["g_idx"].numpy(), np.arange(k) // group):
-        raise ValueError("g_idx is not in order (act-order): not served")
-    return _blocks(bits, np.ascontiguousarray(u.T), t["scales"].T, zero.T)
+    order = _act_order(t["g_idx"].numpy(), group) if "g_idx" in t else None
+    if order is not None:
+        u = u[order]  # the input dims in group order
+    return _blocks(bits, np.ascontiguousarray(u.T), t["scales"].T, zero.T, order=order)
+
+
+def _act_order(g_idx: np.ndarray, group: int) -> np.ndarray | None:
+    """g_idx [K] the group of each input dim -> None where the groups are runs of `group` dims in order,
+    else the input dims in group order (act-order), each group `group` dims."""
+    k = g_idx.shape[0]
+    if np.array_equal(g_idx, np.arange(k) // group):
+        return None
+    order = np.argsort(g_idx, kind="stable")
+    if not np.array_equal(g_idx[order], np.arange(k) // group):
+        raise ValueError(f"g_idx does not give each of the {k // group} groups {group} input dims")
+    return order
 
 
 def _compressed(t: dict[str, torch.Tensor], scheme: Scheme, layout: str) -> IntBlocks:
     bits, half = scheme.bits, 1 << (scheme.bits - 1)
-    if "weight_g_idx" in t:
-        raise ValueError("weight_g_idx (activation order) is not served")
     if layout == "pack-quantized":
         n, k = (int(v) for v in t["weight_shape"].tolist())
         u = _unpack(t["weight_packed"], bits, axis=1)[:, :k]  # stored plus 2^(bits - 1)
@@ -278,4 +305,9 @@ def _compressed(t: dict[str, torch.Tensor], scheme: Scheme, layout: str) -> IntB
         zero = np.broadcast_to(zero.reshape(n if zero.size > 1 else 1, -1), scale.shape)
     else:
         zero = np.full(scale.shape, half)
-    return _blocks(bits, np.ascontiguousarray(u), scale, np.asarray(zero), scheme.activations)
+    order = None
+    if "weight_g_idx" in t:  # actorder "group"
+        order = _act_order(t["weight_g_idx"].numpy(), k // scale.shape[1])
+        if order is not None:
+            u = u[:, order]
+    return _blocks(bits, np.ascontiguousarray(u), scale, np.asarray(zero), scheme.activations, order)

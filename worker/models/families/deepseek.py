@@ -76,6 +76,7 @@ DEEPSEEK_NAMES = (
 DEEPSEEK = Family(
     "deepseek",
     ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+    gguf_architectures=("deepseek2",),  # worker/models/families/gguf_deepseek.py
     options=deepseek_options,
     renames=DEEPSEEK_NAMES,
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -21,8 +21,16 @@ from tqdm import tqdm
 from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.models.families import BY_GGUF, BY_NAME
 from worker.models.families.base import embedding_scale
-from worker.quant.blocks import GgufBlocks
-from worker.quant.gguf_pack import PACKED_TYPES, Q, can_pack
+from worker.models.families.gguf_deepseek import DEEPSEEK2_NAMES, deepseek2_options, join_kv_b
+from worker.models.families.gguf_gpt_oss import (
+    GPT_OSS_NAMES,
+    MXFP4,
+    gpt_oss_options,
+    join_gate_up_bias,
+    mxfp4_experts,
+)
+from worker.quant.blocks import GgufBlocks, QuantWeight
+from worker.quant.gguf_pack import PACKED_TYPES, Q, can_pack, q3_k_as_q6_k
 
 # llama.cpp's per-layer tensor names -> the HF checkpoint's (after "model.layers.N.")
 LAYER_NAMES = {
@@ -61,7 +69,27 @@ ARCH_NAMES: dict[str, dict[str, str]] = {
     "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     "gptneox": {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
                 "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
+    "deepseek2": DEEPSEEK2_NAMES,
+    "gpt-oss": GPT_OSS_NAMES,
 }  # fmt: skip
+NAMES_WHOLE = ("exp_probs_b", "attn_sinks")  # a `.bias` or `.weight` in the file, neither in the checkpoint
+NAMES_BY_KIND = {
+    ("gpt-oss", "ffn_down_exps", "bias"): "mlp.experts.down_proj_bias"
+}  # [experts, hidden] whole
+# tensors the converter split, joined back: the two parts, then (layer, first, second) -> (HF name, tensor)
+JOINS: dict[str, tuple[tuple[str, str], Callable[[str, np.ndarray, np.ndarray], tuple[str, np.ndarray]]]] = {
+    "deepseek2": (
+        ("attn_k_b.weight", "attn_v_b.weight"),
+        lambda layer, k_b, v_b: (f"model.layers.{layer}.self_attn.kv_b_proj.weight", join_kv_b(k_b, v_b)),
+    ),
+    "gpt-oss": (
+        ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
+        lambda layer, gate, up: (
+            f"model.layers.{layer}.mlp.experts.gate_up_proj_bias",
+            join_gate_up_bias(gate, up),
+        ),
+    ),
+}
 ARCH_GLOBALS = {"gptneox": {"token_embd": "gpt_neox.embed_in", "output_norm": "gpt_neox.final_layer_norm",
                             "output": "embed_out"}}  # fmt: skip
 ARCH_PREFIX = {"gptneox": "gpt_neox.layers."}
@@ -132,7 +160,10 @@ def gguf_config(reader: Any) -> ModelConfig:
         architecture=meta.arch,
     )
     fields.update(ARCH_OPTIONS.get(meta.arch, _none)(meta, fields))
-    if meta.arch_get("expert_count"):
+    if meta.arch_get("expert_count") and meta.arch not in (
+        "deepseek2",
+        "gpt-oss",
+    ):  # (their options have them)
         fields.update(_experts(meta, fields))
     return ModelConfig(**fields)
 
@@ -281,16 +312,16 @@ def _stablelm(meta: Metadata, fields: dict[str, Any]) -> dict[str, Any]:
             "qk_norm": "head_each" if fields["qk_norm"] else ""}  # fmt: skip
 
 
-ARCH_OPTIONS = {
+ARCH_OPTIONS: dict[str, Callable[[Metadata, dict[str, Any]], dict[str, Any]]] = {
     "gemma": _gemma, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite, "olmo2": _olmo2,
     "smollm3": _smollm3, "glm4": _glm4, "command-r": _command_r, "starcoder2": _starcoder2, "gptneox": _gptneox,
-    "stablelm": _stablelm,
+    "stablelm": _stablelm, "deepseek2": deepseek2_options, "gpt-oss": gpt_oss_options,
 }  # fmt: skip
 
 
 def gguf_tensors(
     reader: Any, config: ModelConfig, progress: bool = True, packed: bool = False
-) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """(HF checkpoint name, float32 tensor in the HF layout) of every tensor of the file; packed: a quantized
     [N, K] weight stays the file's blocks (GgufBlocks, its rows in the HF order), and a type the products do
     not take packed is an error naming it and the tensor."""
@@ -298,20 +329,36 @@ def gguf_tensors(
 
     arch = Metadata(reader).arch
     desc = "Reading GGUF tensors" if packed else "Dequantizing GGUF tensors"
+    parts, join = JOINS[arch] if arch in JOINS else (("", ""), None)
+    halves: dict[str, dict[str, np.ndarray]] = {}  # a layer's split tensor until both parts came
     for tensor in tqdm(reader.tensors, desc=desc, disable=not progress):
         if tensor.name in GLOBAL_TENSORS_READ_AS_CONFIG:
             continue  # read into the config's rope_scaling
+        _, layer, part = tensor.name.split(".", 2) if tensor.name.startswith("blk.") else ("", "", "")
+        if join is not None and part in parts:
+            half = halves.setdefault(layer, {})
+            half[part] = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            if len(half) == 2:
+                name, joined = join(layer, half.pop(parts[0]), half.pop(parts[1]))
+                yield name, torch.from_numpy(joined)
+            continue
         name = hf_name(arch, tensor.name)
         qtype = int(tensor.tensor_type)
         if packed and qtype not in FLOAT_TYPES:
             shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the dims innermost first
+            if qtype == MXFP4 and len(shape) == 3 and ".experts." in name:  # gpt-oss's experts
+                yield from mxfp4_experts(name, np.asarray(tensor.data), shape)
+                continue
+            raw = np.asarray(tensor.data)
+            if qtype == int(Q.Q3_K):  # served as the Q6_K blocks of the same values (q3_k_as_q6_k)
+                raw, qtype = q3_k_as_q6_k(raw), int(Q.Q6_K)
             if int(qtype) not in PACKED_TYPES:
                 raise UnsupportedModelError(
                     f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, which is not served packed "
-                    f"(packed: {', '.join(Q(t).name for t in PACKED_TYPES)}); --quantization none dequantizes it"
+                    f"(packed: {', '.join(Q(t).name for t in PACKED_TYPES)}, Q3_K as Q6_K); --quantization none dequantizes it"
                 )
             if len(shape) == 2 and can_pack(qtype, shape) and name.endswith(".weight"):
-                rows = np.asarray(tensor.data).reshape(shape[0], -1)
+                rows = raw.reshape(shape[0], -1)
                 yield from _as_hf(arch, name, GgufBlocks(qtype, rows, (shape[0], shape[1])), config)
                 continue
             if (
@@ -322,13 +369,17 @@ def gguf_tensors(
             ):
                 # stacked experts [experts, out, in]: each expert's blocks, as HF checkpoints name them
                 stem, _, part = name.rpartition(".experts.")
-                stacked = np.asarray(tensor.data).reshape(shape[0], shape[1], -1)
+                stacked = raw.reshape(shape[0], shape[1], -1)
                 for expert in range(shape[0]):
                     blocks = GgufBlocks(qtype, stacked[expert], (shape[1], shape[2]))
                     yield f"{stem}.experts.{expert}.{part}", blocks
                 continue
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # [out, in]
         yield from _as_hf(arch, name, weights, config)
+    if any(halves.values()):
+        raise UnsupportedModelError(
+            f"GGUF {arch}: {' or '.join(parts)} without the other in layers {sorted(halves)}"
+        )
 
 
 def hf_name(arch: str, name: str) -> str:
@@ -336,7 +387,10 @@ def hf_name(arch: str, name: str) -> str:
         layer, part, kind = match.groups()
         hf = ARCH_NAMES.get(arch, {}).get(part) or LAYER_NAMES.get(part)
         if hf is not None:
-            return f"{ARCH_PREFIX.get(arch, 'model.layers.')}{layer}.{hf}.{kind}"
+            if (arch, part, kind) in NAMES_BY_KIND:
+                hf = NAMES_BY_KIND[arch, part, kind]
+            suffix = "" if part in NAMES_WHOLE or (arch, part, kind) in NAMES_BY_KIND else f".{kind}"
+            return f"{ARCH_PREFIX.get(arch, 'model.layers.')}{layer}.{hf}{suffix}"
     elif match := re.fullmatch(r"(\w+)\.(weight|bias)", name):
         part, kind = match.groups()
         hf = ARCH_GLOBALS.get(arch, {}).get(part) or GLOBAL_NAMES.get(part)
@@ -362,7 +416,7 @@ def _as_hf(
         weights = weights - 1.0  # the converter stores 1 + w
     if arch == "gptneox" and ".query_key_value." in name:  # [q | k | v] of all heads -> per head
         weights = _regroup_neox(weights, config.num_heads)
-    if ".experts." in name:  # [experts, out, in] -> one tensor per expert, as HF checkpoints hold them
+    if ".experts." in name and not name.endswith("_bias"):  # [experts, out, in] -> one tensor per expert
         stem, _, part = name.rpartition(".experts.")
         for expert, rows in enumerate(weights):
             yield f"{stem}.experts.{expert}.{part}", torch.from_numpy(np.array(rows, dtype=np.float32))

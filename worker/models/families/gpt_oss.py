@@ -108,6 +108,7 @@ def _expert_blocks(base: str, blocks: np.ndarray, scales: np.ndarray) -> Iterato
 GPT_OSS = Family(
     "gpt_oss",
     ("GptOssForCausalLM",),
+    gguf_architectures=("gpt-oss",),  # worker/models/families/gguf_gpt_oss.py
     options=gpt_oss_options,
     default_rope_theta=150000.0,
     renames=((r"\.mlp\.router\.", ".mlp.gate."),),
