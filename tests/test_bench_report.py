@@ -9,6 +9,7 @@ import sys
 
 import psutil
 
+from benchmarks import performance_page
 from benchmarks.peers import PeakRss, bench_args, combine_rounds, plot, table, turn_order, workloads
 from tests.serve_helpers import wait_until
 
@@ -162,3 +163,32 @@ def test_side_by_side_keeps_going_when_a_server_fails(monkeypatch) -> None:  # t
     assert all(process.poll() is not None for process in started)  # every server stopped
     combined = combine_rounds(rounds["vllm"])
     assert combined["runs"]["random c=16"]["output_throughput"] == 100.0
+
+
+def test_the_performance_page_keeps_one_table_per_cpu_kind(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert performance_page.cpu_kind("Intel(R) Xeon(R) Processor", {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == (
+        "amx", "Intel Xeon Processor (AVX-512 BF16 and AMX)",
+    )  # fmt: skip
+    assert performance_page.cpu_kind("AMD EPYC 9R14", {"avx2", "avx512f", "avx512_bf16"})[0] == "avx512-bf16"
+    assert performance_page.cpu_kind("AMD EPYC 7R13", {"avx2", "fma"})[0] == "avx2"
+    page = tmp_path / "performance.md"
+    page.write_text("# Performance\n\n## Where we stand\n\ntext\n\n## What runs on the CPU\n\nmore\n")
+    text = table(report())
+
+    def put(key: str, title: str, date: str) -> str:
+        run = report() | {"date": date}
+        section = performance_page.section(key, title, run, text, "python -m benchmarks.peers")
+        page.write_text(performance_page.update(page.read_text(), key, section))
+        return page.read_text()
+
+    first = put("amx", "Xeon (AMX)", "2026-12-05")
+    assert first.index(performance_page.HEADING) < first.index("### Xeon (AMX): 2026-12-05")
+    assert first.index("### Xeon (AMX)") < first.index("## What runs on the CPU")  # before the next part
+    both = put("avx2", "EPYC (AVX2)", "2026-12-06")
+    again = put("amx", "Xeon (AMX)", "2026-12-07")  # the kind's table replaced, the other kind's kept
+    assert (
+        again.count("<!-- bench-peers:amx -->") == 1 and "2026-12-05" not in again and "2026-12-07" in again
+    )
+    assert again.count("### EPYC (AVX2): 2026-12-06") == 1 and again.count(performance_page.HEADING) == 1
+    assert again.count("| random c=16 | output tok/s | 200.0 | 100.0 | n/a | 2.00x | n/a |") == 2
+    assert again.endswith("more\n") and both.startswith("# Performance")
