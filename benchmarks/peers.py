@@ -225,20 +225,32 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
 
 def workloads(args: argparse.Namespace, round_index: int = 0) -> list[dict[str, Any]]:
     """The runs, each with its own prompt seed, new every round: no run is helped by an earlier run's
-    prefix cache (side by side, a server keeps its cache from round to round)."""
-    runs: list[dict[str, Any]] = [
-        {"name": f"random c={c}", "dataset": "random", "max_concurrency": c, "input_len": args.input_len,
-         "output_len": args.output_len, "num_prompts": getattr(args, "prompts_at", {}).get(c, args.num_prompts)}
-        for c in args.concurrency
-    ]  # fmt: skip
+    prefix cache (side by side, a server keeps its cache from round to round). A run is named by the
+    concurrency it reaches: 32 prompts at --concurrency 64 never hold more than 32 open, so that run is
+    "random c=32" (and one already asked for at 32 is not run twice)."""
+    runs: list[dict[str, Any]] = []
+    for c in args.concurrency:
+        prompts = getattr(args, "prompts_at", {}).get(c, args.num_prompts)
+        held = held_concurrency(c, prompts)
+        if all(run["max_concurrency"] != held for run in runs):
+            runs.append(
+                {"name": f"random c={held}", "dataset": "random", "max_concurrency": held,
+                 "input_len": args.input_len, "output_len": args.output_len, "num_prompts": prompts}
+            )  # fmt: skip
     if args.prefix_len:  # (0: benchmarks/family_peers.py, random prompts only)
+        held = held_concurrency(16, args.num_prompts)
         runs.append(
-            {"name": "shared-prefix c=16", "dataset": "shared-prefix", "max_concurrency": 16, "input_len": 64,
-             "prefix_len": args.prefix_len, "output_len": 32, "num_prompts": args.num_prompts}
+            {"name": f"shared-prefix c={held}", "dataset": "shared-prefix", "max_concurrency": held,
+             "input_len": 64, "prefix_len": args.prefix_len, "output_len": 32, "num_prompts": args.num_prompts}
         )  # fmt: skip
     for index, workload in enumerate(runs):
         workload["seed"] = args.seed + 1000 * index + 100_003 * round_index
     return runs
+
+
+def held_concurrency(concurrency: int, num_prompts: int) -> int:
+    """The most requests a run of num_prompts at --max-concurrency concurrency ever holds open."""
+    return max(1, min(concurrency, num_prompts))
 
 
 def turn_order(servers: list[str], round_index: int) -> list[str]:

@@ -99,6 +99,18 @@ def test_every_run_has_its_own_prompt_seed() -> None:
     assert len(set(seeds)) == len(seeds) == 16
 
 
+def test_a_run_is_named_by_the_concurrency_its_prompts_reach() -> None:
+    # 32 prompts at c=64 never hold 64 open: the table must not call that run c=64 (run Y's c=64 row did).
+    args = argparse.Namespace(
+        concurrency=[1, 16, 32, 64], input_len=100, output_len=128, num_prompts=32, prefix_len=512, seed=7
+    )
+    runs = workloads(args)
+    assert [w["name"] for w in runs] == ["random c=1", "random c=16", "random c=32", "shared-prefix c=16"]
+    assert [w["max_concurrency"] for w in runs] == [1, 16, 32, 16]
+    args.num_prompts, args.concurrency = 8, [1, 64]  # --quick-sized
+    assert [w["name"] for w in workloads(args)] == ["random c=1", "random c=8", "shared-prefix c=8"]
+
+
 def test_side_by_side_turns_alternate_who_goes_first() -> None:
     servers = ["ours", "vllm", "llamacpp"]
     assert [turn_order(servers, index)[0] for index in range(4)] == ["ours", "llamacpp", "ours", "llamacpp"]
