@@ -90,6 +90,7 @@ JOINS: dict[str, tuple[tuple[str, str], Callable[[str, np.ndarray, np.ndarray], 
         ),
     ),
 }
+ARCH_OWN_EXPERTS = ("deepseek2", "gpt-oss")  # their ARCH_OPTIONS read the experts' fields themselves
 ARCH_GLOBALS = {"gptneox": {"token_embd": "gpt_neox.embed_in", "output_norm": "gpt_neox.final_layer_norm",
                             "output": "embed_out"}}  # fmt: skip
 ARCH_PREFIX = {"gptneox": "gpt_neox.layers."}
@@ -160,10 +161,7 @@ def gguf_config(reader: Any) -> ModelConfig:
         architecture=meta.arch,
     )
     fields.update(ARCH_OPTIONS.get(meta.arch, _none)(meta, fields))
-    if meta.arch_get("expert_count") and meta.arch not in (
-        "deepseek2",
-        "gpt-oss",
-    ):  # (their options have them)
+    if meta.arch_get("expert_count") and meta.arch not in ARCH_OWN_EXPERTS:
         fields.update(_experts(meta, fields))
     return ModelConfig(**fields)
 
