@@ -74,6 +74,7 @@ class Supervisor:
         self.state_dir: str | None = None  # ours to remove at exit: the responses store
         self.shutdown_timeout_s = shutdown_timeout_s
         self.control: ScaleControl | None = None  # elastic data parallel: the API servers' scale requests
+        self.exited: set[int] = set()  # API servers seen exited (pids), each said once
 
     def start_api_server(self, sock: socket.socket | None, config: ServerConfig) -> None:
         """sock: the HTTP servers' listening socket; None for a gRPC server, which binds its port itself."""
@@ -123,6 +124,11 @@ class Supervisor:
             if engine_died_at is not None and time.monotonic() - engine_died_at > grace:
                 self.shutdown()
                 return 1
+            for index, process in enumerate(self.api_servers):
+                if process.poll() is not None and process.pid not in self.exited:
+                    # the others serve on: the kernel hands it no more connections
+                    self.exited.add(process.pid)
+                    logger.error("API server %d exited (code %s)", index, process.returncode)
             if self.api_servers and all(p.poll() is not None for p in self.api_servers):
                 logger.error("every API server exited; stopping")
                 self.shutdown()

@@ -7,6 +7,7 @@ both API servers, cancel, and each door's errors in its own shape (counted in th
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import threading
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.serve_helpers import wait_until
@@ -294,8 +296,14 @@ def test_previous_response_id_across_api_servers(server: str) -> None:
         )
         if second.headers["x-engine-server"] != owner:
             break
-    else:
-        pytest.fail("every request landed on one API server")
+    else:  # (what the launcher runs now, and where fresh connections land, for whoever reads the failure)
+        children = psutil.Process(os.getpid()).children(recursive=True)
+        tree = [" ".join(p.cmdline()[1:4]) for p in children if p.is_running()]
+        landed = [
+            openai_client(server).models.with_raw_response.list().headers["x-engine-server"]
+            for _ in range(10)
+        ]
+        pytest.fail(f"every request landed on API server {owner}; processes {tree}; /v1/models on {landed}")
     chat = openai_client(server).chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": parsed.output_text},

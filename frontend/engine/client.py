@@ -57,10 +57,6 @@ def connect_dealers(
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
-        # The engine binds once its worker has loaded; until then a connect is retried, every 100 ms by
-        # default. From the engine's ready line to the API server's: 0.10-0.18 s with that, 0.046-0.063 s
-        # with 10 ms (six starts each, 2026-12-06, Zen 4). A retry costs a syscall.
-        sock.setsockopt(zmq.RECONNECT_IVL, 10)
     # Output first, so the engine can route the Ready reply as soon as it sees the Register.
     output_socket.connect(output_address)
     input_socket.connect(input_address)
