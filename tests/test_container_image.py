@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -27,11 +28,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RUNTIME_SCRIPT = REPO / "tests" / "podman_sandbox_runtime.sh"
 SANDBOX_REFUSALS = ("setrlimit", "cgroups in hybrid mode")  # what such a sandbox answers podman's runtime
-# what this machine's pip reads, mounted into the build where present (tests/test_container_image.py's pip)
+LOCAL_WHEELS = "/opt/wheels"  # where these machines keep the CPU torch build
+# what this machine's pip reads, mounted into the build where present
 PIP_PATHS = (
-    "/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more",
+    "/etc/pip.conf", "/etc/xdg/pip", LOCAL_WHEELS, "/opt/pypi", "/opt/pypi-more",
     "/etc/ssl/certs/ca-certificates.crt",
 )  # fmt: skip
+
+
+class Runtime(NamedTuple):
+    """podman's global flags (the OCI runtime) and the flags each `podman run` adds."""
+
+    flags: list[str]
+    run_flags: list[str]
 
 
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -76,29 +85,30 @@ def system_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
 
 
 @pytest.fixture(scope="module")
-def runtime(system_image: tuple[str, bool], tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """podman's flags for an OCI runtime that runs here: none, or the sandbox's (RUNTIME_SCRIPT)."""
+def runtime(system_image: tuple[str, bool], tmp_path_factory: pytest.TempPathFactory) -> Runtime:
+    """An OCI runtime that runs here: podman's own, or the sandbox's (RUNTIME_SCRIPT)."""
     probe = ("run", "--rm", "--network", "host")
     command = (system_image[0], "python3", "-c", "pass")
     run = podman(*probe, *command, check=False)
     if run.returncode == 0:
-        return []
+        return Runtime([], [])
     if not any(refusal in run.stderr for refusal in SANDBOX_REFUSALS):
         pytest.skip(f"podman cannot run a container here: {run.stderr.strip()[-300:]}")
     folder = tmp_path_factory.mktemp("runtime")
     shutil.copy(RUNTIME_SCRIPT, folder / "crun")  # (podman knows crun's abilities by its name)
     flags = ["--runtime", str(folder / "crun"), "--cgroup-manager", "cgroupfs"]
-    run = podman(*flags, *probe, "--cgroups", "disabled", *command, check=False)
+    sandbox = Runtime(flags, ["--cgroups", "disabled"])
+    run = podman(*sandbox.flags, *probe, *sandbox.run_flags, *command, check=False)
     if run.returncode != 0:
         pytest.skip(
             f"podman cannot run a container here, even without rlimits and cgroups: {run.stderr[-300:]}"
         )
-    return flags
+    return sandbox
 
 
 @pytest.fixture(scope="module")
 def base_image(
-    system_image: tuple[str, bool], runtime: list[str], tmp_path_factory: pytest.TempPathFactory
+    system_image: tuple[str, bool], runtime: Runtime, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """An image with Python 3.11 and pip on PATH: the system image, or it with a venv."""
     system, needs_venv = system_image
@@ -111,22 +121,22 @@ def base_image(
         f"FROM {system}\nRUN python3 -m venv /opt/venv\nENV PATH=/opt/venv/bin:$PATH\n"
     )
     try:
-        podman(*runtime, "build", "-q", "--network", "host", "-t", tag, str(recipe), timeout=600)
+        podman(*runtime.flags, "build", "-q", "--network", "host", "-t", tag, str(recipe), timeout=600)
         yield tag
     finally:
         podman("rmi", "-f", tag, check=False)
 
 
 @pytest.fixture(scope="module")
-def image(runtime: list[str], base_image: str) -> Iterator[str]:
+def image(runtime: Runtime, base_image: str) -> Iterator[str]:
     tag = f"localhost/engine-cpu:{uuid.uuid4().hex[:8]}"
     mounts = [
         flag for path in PIP_PATHS if pathlib.Path(path).exists() for flag in ("-v", f"{path}:{path}:ro")
     ]
-    local_torch = any(pathlib.Path("/opt/wheels").glob("torch-2.13.0*.whl"))
+    local_torch = any(pathlib.Path(LOCAL_WHEELS).glob("torch-2.13.0*.whl"))
     build = podman(
-        *runtime, "build", "--network", "host", *mounts, "--build-arg", f"BASE={base_image}",
-        *(["--build-arg", "TORCH_PIP_ARGS=--find-links /opt/wheels"] if local_torch else []),
+        *runtime.flags, "build", "--network", "host", *mounts, "--build-arg", f"BASE={base_image}",
+        *(["--build-arg", f"TORCH_PIP_ARGS=--find-links {LOCAL_WHEELS}"] if local_torch else []),
         "-f", str(REPO / "deploy" / "Dockerfile.cpu"), "-t", tag, str(REPO),
         timeout=1800, check=False,
     )  # fmt: skip
@@ -137,21 +147,31 @@ def image(runtime: list[str], base_image: str) -> Iterator[str]:
         podman("rmi", "-f", tag, check=False)
 
 
-def test_the_cpu_image_holds_the_cpu_torch_and_our_kernels(runtime: list[str], image: str) -> None:
+def test_the_cpu_image_holds_the_cpu_torch_and_our_kernels(runtime: Runtime, image: str) -> None:
     """Not a CUDA build of torch (2.7 GB of NVIDIA libraries in a CPU image), and the csrc kernels built."""
-    cgroups = ["--cgroups", "disabled"] if runtime else []
     check = (
         "import torch; from worker.csrc_ops import load_cpu_ops; "
         "print(torch.version.cuda, load_cpu_ops() is not None)"
     )
-    run = podman(*runtime, "run", "--rm", *cgroups, "--entrypoint", "python", image, "-c", check, timeout=600)
+    run = podman(
+        *runtime.flags,
+        "run",
+        "--rm",
+        *runtime.run_flags,
+        "--entrypoint",
+        "python",
+        image,
+        "-c",
+        check,
+        timeout=600,
+    )
     assert run.stdout.split()[-2:] == ["None", "True"], run.stdout[-2000:] + run.stderr[-2000:]
 
 
-def test_the_cpu_image_serves_the_default_model(runtime: list[str], image: str) -> None:
+def test_the_cpu_image_serves_the_default_model(runtime: Runtime, image: str) -> None:
     port, name = free_port(), f"engine-test-{uuid.uuid4().hex[:8]}"
-    cgroups = ["--cgroups", "disabled"] if runtime else []
-    podman(*runtime, "run", "-d", "--name", name, "--network", "host", *cgroups, image, "--port", str(port))
+    podman(*runtime.flags, "run", "-d", "--name", name, "--network", "host", *runtime.run_flags, image,
+           "--port", str(port))  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
 
