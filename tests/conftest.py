@@ -33,6 +33,15 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """SmolLM2's tokenizer, converted from its GGUF file once per run (a conversion takes about 3 s) into a
+    folder of the run's own, so that no test depends on what ~/.cache holds. Shared: read it, never change it."""
+    from frontend.model_files import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf, str(tmp_path_factory.mktemp("smollm2-tokenizer")))
+
+
+@pytest.fixture(scope="session")
 def smollm2_server(smollm2_gguf: str) -> Iterator[Served]:
     """One `engine serve` of SmolLM2 for the whole run, shared by the modules whose flags agree
     (serve_helpers.SHARED_FLAGS): started by the first test that asks, stopped at the end of the run."""

@@ -24,6 +24,10 @@ COMMON = dict(
     pad_token_id=None,
 )
 SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+# The KV pool of an in-process engine on a tiny checkpoint, in tokens (num_kv_blocks = this // block_size):
+# room for every test's prompts at once. The default 1 GiB would be ~130,000 blocks of a tiny model, each a
+# Python object that check_invariants() walks after every step (most of such a test's time, 7x the rest).
+TINY_KV_TOKENS = 4096
 
 
 def _llama(**extra: Any) -> Any:

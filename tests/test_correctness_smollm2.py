@@ -29,11 +29,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
-    from frontend.model_files import load_tokenizer
-
-    cache = str(tmp_path_factory.mktemp("tokenizers"))
-    tokenizer = load_tokenizer(smollm2_gguf, cache)
+def oracle(smollm2_gguf: str, smollm2_tokenizer):  # type: ignore[no-untyped-def]
+    tokenizer = smollm2_tokenizer
     model = hf_model_of_gguf(smollm2_gguf)  # transformers' own dequantization, kept across runs
     prompts = []
     for question in QUESTIONS:

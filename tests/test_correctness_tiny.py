@@ -16,7 +16,7 @@ from engine_core.engine_core import EngineCore
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
-from tests.family_models import COMMON
+from tests.family_models import COMMON, TINY_KV_TOKENS
 from tests.hf_oracle import compare_greedy, hf_greedy
 from worker.executor import InprocExecutor
 
@@ -71,9 +71,10 @@ def tiny_model(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def run_engine(folder: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[list[int]], EngineCore]:  # type: ignore[no-untyped-def]
-    worker_kwargs = {
-        k: engine_kwargs.pop(k) for k in ("num_kv_blocks", "max_model_len") if k in engine_kwargs
-    }
+    worker_kwargs = {"num_kv_blocks": TINY_KV_TOKENS // 16}
+    worker_kwargs.update(
+        {k: engine_kwargs.pop(k) for k in ("num_kv_blocks", "max_model_len") if k in engine_kwargs}
+    )
     worker = WorkerConfig(model=folder, dtype="float32", block_size=16, **worker_kwargs)
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
@@ -156,7 +157,7 @@ def test_the_last_layer_runs_on_the_scored_rows_only(tiny_model, native: bool, m
 
 def test_shared_prefix_hits_cache_and_still_matches(tiny_model) -> None:  # type: ignore[no-untyped-def]
     folder, prompts, oracle = tiny_model
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=16)
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, num_kv_blocks=TINY_KV_TOKENS // 16)
     core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     cached = {}
@@ -178,7 +179,7 @@ def test_shared_prefix_hits_cache_and_still_matches(tiny_model) -> None:  # type
 def sampled_tokens(folder: str, prompts: list[list[int]], async_scheduling: bool) -> dict[str, tuple]:
     """Seeded sampling with penalties, logprobs and stop tokens; chunks of 16 and late arrivals, so steps
     mix decode rows and prefill chunks and requests stop while the next step is already scheduled."""
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=16)
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, num_kv_blocks=TINY_KV_TOKENS // 16)
     config = EngineConfig(worker=worker, max_num_batched_tokens=16, async_scheduling=async_scheduling)
     core = EngineCore(config, InprocExecutor(worker))
     results: dict[str, tuple] = {}
@@ -236,6 +237,7 @@ def prompt_logprobs(
         block_size=16,
         attention_backend=backend,
         batch_invariant=batch_invariant,
+        num_kv_blocks=TINY_KV_TOKENS // 16,
     )
     # 16-token chunks: later chunks attend to their cached context; one token of output also decodes.
     core = EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=16), InprocExecutor(worker))
@@ -298,7 +300,7 @@ def greedy_tokens(
 ) -> tuple[list[list[int]], int, int]:
     """Greedy tokens with the decoder stack in one native call (or the Python layers); the late prompts
     arrive while the first ones decode, so steps mix decode rows and prefill chunks."""
-    worker = WorkerConfig(model=folder, dtype=dtype, block_size=16)
+    worker = WorkerConfig(model=folder, dtype=dtype, block_size=16, num_kv_blocks=TINY_KV_TOKENS // 16)
     core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
     model = core.executor.runner.model  # type: ignore[attr-defined]
     assert model.native_layers is not None, "the csrc build has the decoder stack"

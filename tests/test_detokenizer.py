@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 
 from frontend.engine.detokenizer import IncrementalDetokenizer
-from frontend.model_files import load_tokenizer
 from protocol.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
-    return load_tokenizer(smollm2_gguf, str(tmp_path_factory.mktemp("tok")))
+def tokenizer(smollm2_tokenizer):  # type: ignore[no-untyped-def]
+    return smollm2_tokenizer
 
 
 @pytest.mark.parametrize(

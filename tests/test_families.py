@@ -17,7 +17,7 @@ from engine_core.hybrid_kv_cache import HybridKVCacheManager
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
-from tests.family_models import BUILDERS, VOCAB, build_family
+from tests.family_models import BUILDERS, TINY_KV_TOKENS, VOCAB, build_family
 from tests.hf_oracle import OracleRun, compare_greedy, hf_greedy
 from worker.executor import InprocExecutor
 from worker.kv_groups import window_pool_blocks
@@ -50,7 +50,8 @@ def greedy_with_logprobs(
     native: bool = True,  # False: the Python layers, not the csrc decoder stack
     **engine_kwargs: object,
 ) -> tuple[list[list[int]], list[list[float]], EngineCore]:
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, max_model_len=max_model_len)
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, max_model_len=max_model_len,
+                          num_kv_blocks=TINY_KV_TOKENS // 16)  # fmt: skip
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))  # type: ignore[arg-type]
     if not native:
         core.executor.runner.model.native_layers = None  # type: ignore[attr-defined]
@@ -176,7 +177,7 @@ def test_lora_on_a_family_equals_peft(name: str, native: bool, targets: Any, tmp
     rng = random.Random(2)
     prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (12, 30)]
     worker = WorkerConfig(model=str(tmp_path / "base"), dtype="float32", block_size=16, max_model_len=128,
-                          lora=LoraConfig(max_loras=2, max_lora_rank=8))  # fmt: skip
+                          num_kv_blocks=TINY_KV_TOKENS // 16, lora=LoraConfig(max_loras=2, max_lora_rank=8))  # fmt: skip
     core = EngineCore(
         EngineConfig(worker=worker, lora_modules=[LoraAdapter(name="all", path=str(tmp_path / "all"))]),
         InprocExecutor(worker),

@@ -15,7 +15,6 @@ from protocol.config import WorkerConfig
 from protocol.errors import InvalidParameterError
 from protocol.structured_outputs import StructuredOutputsParams
 from structured_outputs import backend_class, resolve_backend_name
-from structured_outputs.tokenizer import load_tokenizer
 from worker.grammar import GrammarManager
 
 EOS = 2
@@ -23,9 +22,8 @@ PADDED_VOCAB = 49152 + 64  # a model whose logits are wider than its tokenizer's
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "engine")
-    return load_tokenizer(smollm2_gguf, cache)
+def tokenizer(smollm2_tokenizer):  # type: ignore[no-untyped-def]
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

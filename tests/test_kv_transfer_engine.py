@@ -22,6 +22,7 @@ from protocol.errors import InvalidParameterError
 from protocol.kv_transfer import KVTransferConfig, entry_path, parse_kv_transfer_config
 from protocol.messages import AddRequest, RequestOutput
 from protocol.sampling import SamplingParams
+from tests.family_models import TINY_KV_TOKENS
 from tests.hf_oracle import compare_greedy, hf_greedy
 from tests.serve_helpers import wait_until
 from tests.test_correctness_tiny import build_tiny
@@ -56,9 +57,8 @@ def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
 def engine(folder: str, role: str, storage: Path, policy: str = "fail", **kwargs: Any) -> EngineCore:
     config = KVTransferConfig(kv_connector="SharedStorageConnector", kv_role=role, kv_load_failure_policy=policy,
                               kv_connector_extra_config={"shared_storage_path": str(storage)})  # fmt: skip
-    worker = WorkerConfig(
-        model=folder, dtype=kwargs.pop("dtype", "float32"), block_size=16, kv_transfer=config
-    )
+    worker = WorkerConfig(model=folder, dtype=kwargs.pop("dtype", "float32"), block_size=16, kv_transfer=config,
+                          num_kv_blocks=TINY_KV_TOKENS // 16)  # fmt: skip
     return EngineCore(EngineConfig(worker=worker, **kwargs), InprocExecutor(worker))
 
 
@@ -222,7 +222,8 @@ def free_tcp_port() -> int:
 def nixl_engine(folder: str, role: str, port: int, policy: str = "fail", **extra: Any) -> EngineCore:
     config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_load_failure_policy=policy,
                               kv_buffer_size=8 << 20, kv_connector_extra_config={"side_channel_port": port, **extra})  # fmt: skip
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, kv_transfer=config)
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, kv_transfer=config,
+                          num_kv_blocks=TINY_KV_TOKENS // 16)  # fmt: skip
     return EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
 
 

@@ -17,6 +17,7 @@ from protocol.config import EngineConfig, WorkerConfig
 from protocol.errors import InvalidParameterError
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
+from tests.family_models import TINY_KV_TOKENS
 from tests.vlm_models import NUM_IMAGE_TOKENS, build_tiny_llava, image_input, pixels
 from worker.executor import InprocExecutor
 
@@ -61,7 +62,8 @@ def tiny_llava(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def run_engine(folder: str, cases, **engine_kwargs):  # type: ignore[no-untyped-def]
     worker_keys = ("num_kv_blocks", "max_model_len", "attention_backend")
-    worker_kwargs = {k: engine_kwargs.pop(k) for k in worker_keys if k in engine_kwargs}
+    worker_kwargs = {"num_kv_blocks": TINY_KV_TOKENS // 4}
+    worker_kwargs.update({k: engine_kwargs.pop(k) for k in worker_keys if k in engine_kwargs})
     worker = WorkerConfig(model=folder, dtype="float32", block_size=4, **worker_kwargs)
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
@@ -138,7 +140,7 @@ def test_bad_spans_are_refused(tiny_llava, async_scheduling: bool) -> None:  # t
     """And an image the tower cannot take ends its request with an error: with async scheduling too, where
     the step after the failed one was planned before the failure came back (its second image's tower in it)."""
     folder, cases, _ = tiny_llava
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=4)
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=4, num_kv_blocks=TINY_KV_TOKENS // 4)
     config = EngineConfig(worker=worker, async_scheduling=async_scheduling, max_num_batched_tokens=N + 2)
     core = EngineCore(config, InprocExecutor(worker))
     assert core.model_info.image_token_id == IMAGE and core.model_info.max_image_tokens == N

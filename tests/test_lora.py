@@ -21,6 +21,7 @@ from protocol.errors import InvalidParameterError
 from protocol.lora import LoraAdapter, LoraConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
+from tests.family_models import TINY_KV_TOKENS
 from tests.hf_oracle import compare_greedy, hf_greedy
 from tests.lora_helpers import make_adapter, peft_model
 from tests.test_correctness_tiny import build_tiny
@@ -60,7 +61,8 @@ def tiny_loras(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def make_engine(root, max_loras: int = 4, max_cpu_loras: int | None = None, **engine_kwargs) -> EngineCore:  # type: ignore[no-untyped-def]
     lora = LoraConfig(max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_cpu_loras)
-    worker = WorkerConfig(model=str(root / "base"), dtype="float32", block_size=16, lora=lora)
+    worker = WorkerConfig(model=str(root / "base"), dtype="float32", block_size=16, lora=lora,
+                          num_kv_blocks=TINY_KV_TOKENS // 16)  # fmt: skip
     modules = [LoraAdapter(name=name, path=str(root / name)) for name in ADAPTERS]
     return EngineCore(
         EngineConfig(worker=worker, lora_modules=modules, **engine_kwargs), InprocExecutor(worker)
@@ -281,7 +283,9 @@ def test_unloading_while_requests_run(tiny_loras) -> None:  # type: ignore[no-un
 
 def test_lora_off_refuses_adapter_names(tiny_loras) -> None:  # type: ignore[no-untyped-def]
     root, prompts, _ = tiny_loras
-    worker = WorkerConfig(model=str(root / "base"), dtype="float32", block_size=16)
+    worker = WorkerConfig(
+        model=str(root / "base"), dtype="float32", block_size=16, num_kv_blocks=TINY_KV_TOKENS // 16
+    )
     core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
     with pytest.raises(InvalidParameterError, match="does not exist"):
         run(core, [(prompts[0], "qv8")])
@@ -294,7 +298,8 @@ def test_an_adapter_read_again_from_a_changed_folder_fails_its_requests_only(tin
     removed. A request on A ends with an error naming it; the engine serves on (B, the base model)."""
     root, prompts, oracle = tiny_loras
     lora = LoraConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1)
-    worker = WorkerConfig(model=str(root / "base"), dtype="float32", block_size=16, lora=lora)
+    worker = WorkerConfig(model=str(root / "base"), dtype="float32", block_size=16, lora=lora,
+                          num_kv_blocks=TINY_KV_TOKENS // 16)  # fmt: skip
     core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
     copy = tmp_path / "qv8-copy"
     shutil.copytree(root / "qv8", copy)

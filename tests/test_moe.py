@@ -15,7 +15,7 @@ from engine_core.engine_core import EngineCore
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
-from tests.family_models import VOCAB, build_family
+from tests.family_models import TINY_KV_TOKENS, VOCAB, build_family
 from tests.hf_oracle import compare_greedy, hf_greedy
 from worker.executor import InprocExecutor
 
@@ -26,7 +26,8 @@ def greedy(
     folder: str, prompts: list[list[int]], dtype: str, batch: int, **worker: object
 ) -> dict[int, list]:
     """(token, logprob) per step of each prompt, `batch` prompts at a time arriving a step apart."""
-    config = WorkerConfig(model=folder, dtype=dtype, block_size=16, max_model_len=256, **worker)  # type: ignore[arg-type]
+    config = WorkerConfig(model=folder, dtype=dtype, block_size=16, max_model_len=256,  # type: ignore[arg-type]
+                          num_kv_blocks=TINY_KV_TOKENS // 16, **worker)  # fmt: skip
     core = EngineCore(EngineConfig(worker=config, max_num_batched_tokens=48), InprocExecutor(config))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     out: dict[int, list] = {i: [] for i in range(len(prompts))}

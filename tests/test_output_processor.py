@@ -9,15 +9,14 @@ import pytest
 
 from frontend.engine.async_llm import AsyncLLM, final_state
 from frontend.engine.output_processor import SHUTDOWN_REASON, OutputProcessor
-from frontend.model_files import load_tokenizer
 from protocol.errors import EngineDeadError, InvalidParameterError
 from protocol.messages import AddRequest, Logprobs, RequestError, RequestOutput
 from protocol.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
-    return load_tokenizer(smollm2_gguf, str(tmp_path_factory.mktemp("tok")))
+def tokenizer(smollm2_tokenizer):  # type: ignore[no-untyped-def]
+    return smollm2_tokenizer
 
 
 def ids_of(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]

@@ -12,7 +12,6 @@ import pytest
 
 from frontend.engine.output_processor import OutputProcessor
 from frontend.engine.pieces import ChoicePieces
-from frontend.model_files import load_tokenizer
 from frontend.openai.tools import ChatPlan
 from frontend.parsers.hermes import HermesToolParser
 from frontend.parsers.reasoning import DeepSeekR1ReasoningParser
@@ -89,8 +88,8 @@ def test_a_choice_read_once_at_its_end_gives_the_streamed_answer() -> None:
     assert once.result.content == plan().parse(text, final=True).content
 
 
-def test_the_output_processor_hands_each_delta_its_pieces(smollm2_gguf: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    tokenizer = load_tokenizer(smollm2_gguf, str(tmp_path))
+def test_the_output_processor_hands_each_delta_its_pieces(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = smollm2_tokenizer
     processor = OutputProcessor(tokenizer)
     state, _ = processor.add_request("r", [1], SamplingParams(max_tokens=200), parser=plan())
     token_ids = list(tokenizer(f"\n{CALL}", add_special_tokens=False)["input_ids"])

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from tests.family_models import TINY_KV_TOKENS
 from tests.hf_oracle import OracleRun, compare_greedy, hf_greedy
 from tests.quant_writers import tiny_llama, write
 from tests.test_families import LOGPROB_TOLERANCE, greedy_with_logprobs
@@ -227,7 +228,7 @@ def test_lora_on_an_awq_base_equals_peft_on_the_dequantized_model(tmp_path) -> N
         str(tmp_path / "dequantized"), str(tmp_path / "adapter"), 8, 16, "all-linear", seed=3, scale=0.3
     )
     worker = WorkerConfig(model=str(tmp_path), dtype="float32", block_size=16, max_model_len=128,
-                          lora=LoraConfig(max_loras=1, max_lora_rank=8))  # fmt: skip
+                          num_kv_blocks=TINY_KV_TOKENS // 16, lora=LoraConfig(max_loras=1, max_lora_rank=8))  # fmt: skip
     core = EngineCore(
         EngineConfig(worker=worker, lora_modules=[LoraAdapter(name="a", path=str(tmp_path / "adapter"))]),
         InprocExecutor(worker),

@@ -14,6 +14,7 @@ from protocol.config import EngineConfig, WorkerConfig
 from protocol.errors import InvalidParameterError
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
+from tests.family_models import TINY_KV_TOKENS
 from tests.test_correctness_tiny import build_tiny
 from worker.executor import InprocExecutor
 
@@ -29,7 +30,7 @@ def folder(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
 
 
 def engine(folder: str, **kwargs) -> EngineCore:  # type: ignore[no-untyped-def]
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=16)
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, num_kv_blocks=TINY_KV_TOKENS // 16)
     return EngineCore(EngineConfig(worker=worker, **kwargs), InprocExecutor(worker))
 
 

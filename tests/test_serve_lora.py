@@ -19,7 +19,6 @@ import httpx
 import openai
 import pytest
 
-from structured_outputs.tokenizer import load_tokenizer
 from tests.hf_oracle import hf_folder_of_gguf, hf_greedy
 from tests.lora_helpers import make_adapter, peft_model
 from tests.serve_helpers import Served, attached_frontend, serving
@@ -59,11 +58,11 @@ def adapters(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_gguf: str, adapters: dict[str, pathlib.Path]) -> dict[str | None, str]:
+def oracle(smollm2_gguf: str, smollm2_tokenizer, adapters: dict[str, pathlib.Path]) -> dict[str | None, str]:  # type: ignore[no-untyped-def]
     """peft's greedy text of PROMPT per adapter (None: the base model)."""
     from tests.hf_oracle import hf_model_of_gguf
 
-    tokenizer = load_tokenizer(smollm2_gguf, str(pathlib.Path.home() / ".cache" / "engine"))
+    tokenizer = smollm2_tokenizer
     ids = tokenizer(PROMPT)["input_ids"]
     base = str(hf_folder_of_gguf(smollm2_gguf))
     models: dict[str | None, Any] = {None: hf_model_of_gguf(smollm2_gguf)}

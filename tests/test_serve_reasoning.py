@@ -7,14 +7,12 @@ leaves it out. The split at `</think>` on recorded outputs: tests/test_parsers.p
 
 from __future__ import annotations
 
-import os
 import pathlib
 from typing import Any
 
 import openai
 import pytest
 
-from structured_outputs.tokenizer import load_tokenizer
 from tests.serve_helpers import serving
 from tests.test_correctness_tiny import build_tiny
 
@@ -25,9 +23,9 @@ QWEN3_TOOLS = (pathlib.Path(__file__).parent / "templates" / "qwen3_tools.jinja"
 
 
 @pytest.fixture(scope="module")
-def clients(smollm2_gguf: str, tmp_path_factory):  # type: ignore[no-untyped-def]
+def clients(smollm2_tokenizer, tmp_path_factory):  # type: ignore[no-untyped-def]
     folder = str(tmp_path_factory.mktemp("tiny-qwen3-thinking"))
-    tokenizer = load_tokenizer(smollm2_gguf, os.path.join(os.path.expanduser("~"), ".cache", "engine"))
+    tokenizer = smollm2_tokenizer
     build_tiny("qwen3", folder, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(folder)
     common = ["--chat-template", str(TEMPLATE), "--served-model-name", "tiny"]

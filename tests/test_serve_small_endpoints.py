@@ -19,7 +19,6 @@ import httpx
 import openai
 import pytest
 
-from structured_outputs.tokenizer import load_tokenizer
 from tests.serve_helpers import start_serve, stop, wait_until
 from tests.small_helpers import MIDDLEWARE_HEADER, common_name_of, hub_cache, make_certificate
 from tests.test_correctness_tiny import build_tiny
@@ -38,9 +37,9 @@ CHAT: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def tiny(smollm2_gguf: str, tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+def tiny(smollm2_tokenizer, tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
     folder = str(tmp_path_factory.mktemp("tiny-llama-tokenizer"))
-    tokenizer = load_tokenizer(smollm2_gguf, os.path.join(os.path.expanduser("~"), ".cache", "engine"))
+    tokenizer = smollm2_tokenizer
     build_tiny("llama", folder, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(folder)
     return folder

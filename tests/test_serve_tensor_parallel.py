@@ -38,12 +38,10 @@ ENGINE_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def tiny_chat(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+def tiny_chat(smollm2_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> str:  # type: ignore[no-untyped-def]
     """A tiny random llama (8 heads, 4 KV heads) with SmolLM2's tokenizer, so the chat door can render."""
-    from frontend.model_files import load_tokenizer
-
     folder = tmp_path_factory.mktemp("tiny-chat")
-    tokenizer = load_tokenizer(smollm2_gguf, str(tmp_path_factory.mktemp("tokenizer")))
+    tokenizer = smollm2_tokenizer
     build(str(folder), "llama", 8, 4, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(str(folder))
     return str(folder)

@@ -14,6 +14,7 @@ from frontend.vision.processing import VisionModel
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.messages import AddRequest
 from protocol.sampling import SamplingParams
+from tests.family_models import TINY_KV_TOKENS
 from tests.vlm_models import png_bytes
 from worker.executor import InprocExecutor
 
@@ -57,7 +58,8 @@ def run_engine(folder: str, cases: list[Any], **engine_kwargs: Any) -> tuple[lis
     """Greedy tokens of each case, all queued at once; the scheduler's invariants checked every step, and
     every KV block free at the end."""
     worker_keys = ("num_kv_blocks", "max_model_len", "attention_backend")
-    worker_kwargs = {k: engine_kwargs.pop(k) for k in worker_keys if k in engine_kwargs}
+    worker_kwargs = {"num_kv_blocks": TINY_KV_TOKENS // 4}
+    worker_kwargs.update({k: engine_kwargs.pop(k) for k in worker_keys if k in engine_kwargs})
     worker = WorkerConfig(model=folder, dtype="float32", block_size=4, **worker_kwargs)
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
