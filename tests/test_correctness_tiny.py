@@ -70,14 +70,17 @@ def tiny_model(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     return folder, prompts, oracle
 
 
-def run_engine(folder: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[list[int]], EngineCore]:  # type: ignore[no-untyped-def]
-    worker_kwargs = {"num_kv_blocks": TINY_KV_TOKENS // 16}
-    worker_kwargs.update(
-        {k: engine_kwargs.pop(k) for k in ("num_kv_blocks", "max_model_len") if k in engine_kwargs}
-    )
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, **worker_kwargs)
+def run_engine(  # type: ignore[no-untyped-def]
+    folder: str, prompts: list[list[int]], params: SamplingParams | None = None, **engine_kwargs
+) -> tuple[list[list[int]], EngineCore]:
+    """Greedy tokens of each prompt (params: MAX_NEW_TOKENS past EOS unless given), all queued at once in a
+    float32 in-process engine; the invariants checked every step and every block free at the end."""
+    worker_kwargs = {"block_size": 16, "num_kv_blocks": TINY_KV_TOKENS // 16}
+    worker_keys = ("block_size", "num_kv_blocks", "max_model_len")
+    worker_kwargs.update({k: engine_kwargs.pop(k) for k in worker_keys if k in engine_kwargs})
+    worker = WorkerConfig(model=folder, dtype="float32", **worker_kwargs)
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add_request(
             AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, arrival_time=i)

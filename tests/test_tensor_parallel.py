@@ -85,26 +85,13 @@ def greedy_tp1(
 ) -> list[list[int]]:
     """TP=1 as `greedy` runs it, in this process: the same worker code as a rank's, without a second engine
     and worker start (each TP test used to pay one for its reference)."""
-    from engine_core.engine_core import EngineCore
-    from protocol.config import EngineConfig, WorkerConfig
-    from protocol.messages import AddRequest
+    from protocol.config import DEFAULT_BLOCK_SIZE
     from protocol.sampling import SamplingParams as EngineParams
-    from worker.executor import InprocExecutor
+    from tests.test_correctness_tiny import run_engine
 
-    worker = WorkerConfig(model=folder, dtype="float32", num_kv_blocks=64, max_model_len=max_model_len)
-    core = EngineCore(
-        EngineConfig(worker=worker, max_num_batched_tokens=max_num_batched_tokens), InprocExecutor(worker)
-    )
     params = EngineParams(temperature=0.0, max_tokens=GREEDY.max_tokens)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
-    for i, prompt in enumerate(ids):
-        core.add_request(
-            AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params, arrival_time=i)
-        )
-    while core.has_unfinished_requests():
-        for _, output in core.step():
-            tokens[output.request_id].extend(output.new_token_ids)
-    return [tokens[str(i)] for i in range(len(ids))]
+    return run_engine(folder, ids, params, block_size=DEFAULT_BLOCK_SIZE, num_kv_blocks=64,
+                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)[0]  # fmt: skip
 
 
 @pytest.mark.parametrize(
