@@ -67,7 +67,8 @@ class EngineCoreProc:
         self.config = config
         self.engine = engine
         self.context = zmq.Context()
-        self.input_queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        # SimpleQueue: its put is reentrant, so a signal handler may wake the busy loop through it
+        self.input_queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.output_queue: queue.Queue[tuple[str, msgspec.Struct] | None] = queue.Queue()
         self.clients: set[str] = set()
         self.stop_event = threading.Event()
@@ -268,8 +269,8 @@ class EngineCoreProc:
             self.output_queue.put(None)
             self.output_thread.join(timeout=5)
             self.stop_event.set()
+            self.engine.shutdown()  # the workers leave while the input thread sees the stop
             self.input_thread.join(timeout=1)  # it polls the input socket: close that only once it is out
-            self.engine.shutdown()
             self.input_socket.close()
             self.output_socket.close()
             if self.announcer is not None:
@@ -391,10 +392,15 @@ class EngineCoreProc:
 
     def request_stop(self, *_: Any) -> None:
         self.stop_event.set()
+        self.input_queue.put(("", _Wake()))  # an idle busy loop stops waiting for input now
 
 
 class _ClientGone:
     """Internal marker queued by the output thread when a frontend cannot be reached."""
+
+
+class _Wake:
+    """Internal marker queued by a stop: it ends the idle busy loop's wait for input, and does nothing."""
 
 
 def install_signal_handlers(proc: EngineCoreProc) -> None:

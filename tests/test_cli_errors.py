@@ -91,6 +91,7 @@ SERVE_CASES = [
     (["--batch-invariant", "--attention-backend", "torch"], "--batch-invariant", "needs the csrc kernels"),
     (["--tool-server", "localhost"], "--tool-server", "host:port or an http(s) URL"),
     (["--mcp-timeout", "0"], "--mcp-timeout", "must be more than 0"),
+    (["--engine-heartbeat-timeout", "1"], "--engine-heartbeat-timeout", "must be 2 or more"),
     (
         ["--weight-transfer-config", '{"backend": "ucx"}'],
         "--weight-transfer-config",

@@ -605,10 +605,27 @@ def started_long_stream(client: openai.OpenAI):  # type: ignore[no-untyped-def]
     return stream
 
 
-def test_a_silent_engine_is_judged_dead_then_taken_back(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def doomed(smollm2_gguf: str):  # type: ignore[no-untyped-def]
+    """A server of its own, two API servers that judge a silent engine gone after 2 s: the silent engine's
+    test stops its engine and lets it go on, then the engine death's test kills it."""
+    process, base = start_server(smollm2_gguf, "--api-server-count", "2", "--engine-heartbeat-timeout", "2")
+    try:
+        yield {"base": base, "process": process}
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def doomed_client(doomed) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=f"{doomed['base']}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_a_silent_engine_is_judged_dead_then_taken_back(doomed, doomed_client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     """SIGSTOP the engine past the heartbeat timeout: open requests fail and /health turns 503; once it
     runs again the API servers take requests again and abort the failed request (its blocks are freed
     long before its 900 tokens could have been generated)."""
+    server, client = doomed, doomed_client
     engine = engine_process(server)
     stream = started_long_stream(client)
     engine.suspend()
@@ -640,16 +657,9 @@ def test_a_silent_engine_is_judged_dead_then_taken_back(server, client: openai.O
     assert answer.choices[0].finish_reason == "length"
 
 
-def test_engine_death_fails_requests_and_health(smollm2_gguf: str) -> None:
-    """On a server of its own: it kills the engine."""
-    process, base = start_server(smollm2_gguf)
-    try:
-        engine_death_fails_requests_and_health(
-            {"base": base, "process": process},
-            openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120),
-        )
-    finally:
-        stop(process)
+def test_engine_death_fails_requests_and_health(doomed, doomed_client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    """It kills the engine: the last test of the doomed server."""
+    engine_death_fails_requests_and_health(doomed, doomed_client)
 
 
 def engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]

@@ -53,7 +53,7 @@ TIME = {
 @pytest.fixture(scope="module")
 def base(smollm2_gguf: str):  # type: ignore[no-untyped-def]
     flags = [
-        "--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks", "160", "--served-model-name", MODEL,
+        "--max-model-len", "2048", "--num-kv-blocks", "160", "--served-model-name", MODEL,
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
     with serving(smollm2_gguf, *flags) as served:

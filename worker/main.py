@@ -165,5 +165,15 @@ def _follow_rank_0(config: WorkerConfig, phases: StartupPhases, parent: int) -> 
         runner.tp.destroy()
 
 
+def exit_now() -> None:
+    """After a clean end (the engine's shutdown, everything closed): leave without the interpreter's
+    teardown, which frees torch's and the model's objects one by one (0.1-0.2 s of every stop)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -80,6 +80,12 @@ class ServerArgs:
         "/health is 503 when requests are open and the engine made no step for this long",
         flag="--engine-stall-timeout",
     )
+    engine_heartbeat_timeout_s: float = option(
+        10.0,
+        "an API server judges the engine gone after this many seconds without a word from it (it speaks "
+        "every second): open requests fail and /health is 503 until it speaks again",
+        flag="--engine-heartbeat-timeout",
+    )
     engine_connect_timeout_s: float = option(
         600.0,
         "seconds an API server waits for the engine to answer (model loading included)",
@@ -240,6 +246,11 @@ class ServerArgs:
                 raise ConfigError("--mcp-allowed-urls", f"takes http(s) URLs, got {url!r}")
         if self.mcp_timeout_s <= 0:
             raise ConfigError("--mcp-timeout", f"must be more than 0, got {self.mcp_timeout_s}")
+        if self.engine_heartbeat_timeout_s < 2:
+            raise ConfigError(
+                "--engine-heartbeat-timeout",
+                f"must be 2 or more (the engine speaks once a second), got {self.engine_heartbeat_timeout_s}",
+            )
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError("--max-log-len", f"must be 0 or more, got {self.max_log_len}")
 

@@ -42,7 +42,7 @@ from protocol.messages import (
 
 logger = logging.getLogger("engine.frontend")
 
-HEARTBEAT_TIMEOUT_S = 10.0  # the engine speaks every second; ten missed beats mean it is gone
+HEARTBEAT_TIMEOUT_S = 10.0  # the engine speaks every second; ten missed beats mean it is gone (default)
 
 
 def connect_dealers(
@@ -64,8 +64,15 @@ def connect_dealers(
 
 
 class AsyncEngineClient:
-    def __init__(self, input_address: str, output_address: str, client_id: str | None = None) -> None:
+    def __init__(
+        self,
+        input_address: str,
+        output_address: str,
+        client_id: str | None = None,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+    ) -> None:
         self.client_id = client_id or f"api-{uuid.uuid4().hex[:12]}"
+        self.heartbeat_timeout_s = heartbeat_timeout_s  # silence this long: the engine is judged gone
         self.addresses = [input_address, output_address]
         self._codec = frontend_codec()
         self._decoder = engine_codec()
@@ -126,7 +133,8 @@ class AsyncEngineClient:
     async def _watch_heartbeat(self) -> None:
         """The engine speaks at least once a second (outputs or stats); silence means it is gone."""
         loop = asyncio.get_running_loop()
-        interval = HEARTBEAT_TIMEOUT_S / 4
+        timeout_s = self.heartbeat_timeout_s
+        interval = min(timeout_s / 4, 1.0)
         while True:
             slept_from = loop.time()
             await asyncio.sleep(interval)
@@ -142,9 +150,9 @@ class AsyncEngineClient:
                     return  # a final death (DEAD frame, the launcher's word): nothing left to watch
                 continue  # silent: the reader revives us if the engine speaks again
             # NOTE: a message already waiting in the socket means our own loop was slow, not the engine.
-            if loop.time() - self.last_message_at > HEARTBEAT_TIMEOUT_S and not await self._output.poll(0):
+            if loop.time() - self.last_message_at > timeout_s and not await self._output.poll(0):
                 silent_since = self.last_message_at
-                self.mark_dead(f"no message from the engine for {HEARTBEAT_TIMEOUT_S:.0f} s")
+                self.mark_dead(f"no message from the engine for {timeout_s:g} s")
                 self._silent_since = silent_since
 
     async def add_request(

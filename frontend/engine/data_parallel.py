@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from frontend.engine.client import AsyncEngineClient
+from frontend.engine.client import HEARTBEAT_TIMEOUT_S, AsyncEngineClient
 from frontend.engine.router import Router, load_score
 from protocol.errors import EngineDeadError, InvalidParameterError
 from protocol.messages import AddRequest, EngineSet, ModelInfo, RequestOutput, SchedulerStats
@@ -62,10 +62,12 @@ async def connect_engines(
     client_id: str | None,
     timeout_s: float,
     is_alive: Callable[[], bool] | None = None,
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
 ) -> AsyncEngineClient | DataParallelClient:
     """Register with the engine at these addresses and, when it is one of several data-parallel engines
-    (its ModelInfo lists them), with every other one too."""
-    first = AsyncEngineClient(input_address, output_address, client_id)
+    (its ModelInfo lists them), with every other one too (each judged gone after heartbeat_timeout_s of
+    silence)."""
+    first = AsyncEngineClient(input_address, output_address, client_id, heartbeat_timeout_s)
     try:
         info = await first.register(timeout_s, is_alive)
     except BaseException:
@@ -116,7 +118,7 @@ class DataParallelClient:
         self.client_id = first.client_id
         rank = first.model_info.data_parallel_rank
         self.engines = [
-            first if index == rank else AsyncEngineClient(i, o, first.client_id)
+            first if index == rank else AsyncEngineClient(i, o, first.client_id, first.heartbeat_timeout_s)
             for index, (i, o) in enumerate(addresses)
         ]
         self.model_info: ModelInfo | None = None
@@ -191,7 +193,8 @@ class DataParallelClient:
             keep = 0
             while keep < min(len(wanted), len(self.engines)) and self.engines[keep].addresses == wanted[keep]:
                 keep += 1
-            added = [AsyncEngineClient(i, o, self.client_id) for i, o in wanted[keep:]]
+            timeout_s = self.engines[0].heartbeat_timeout_s
+            added = [AsyncEngineClient(i, o, self.client_id, timeout_s) for i, o in wanted[keep:]]
             try:
                 await asyncio.gather(*(engine.register(self.timeout_s) for engine in added))
             except Exception as error:  # noqa: BLE001 (logged; the set stays as it was)

@@ -28,6 +28,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_inflight_requests: int = 0
     shutdown_timeout_s: float = 30.0  # SIGTERM: open requests may finish this long, then are aborted
     engine_stall_timeout_s: float = 120.0  # open requests and no engine step this long: /health 503
+    engine_heartbeat_timeout_s: float = 10.0  # no message from the engine this long: judged gone
     enable_docs: bool = True  # /docs, /redoc and /openapi.json
     metrics_prefix: str = "engine"  # or "vllm", for dashboards made for vLLM
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with a tool_call_parser)

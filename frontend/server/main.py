@@ -8,6 +8,7 @@ gRPC front door (config.grpc: frontend/grpc_door/server.py), which binds its por
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -45,11 +46,29 @@ class DrainingServer(uvicorn.Server):
         self.timeout_s = timeout_s
         self.drain_requested = False
         self.drain_task: asyncio.Task[None] | None = None
+        self.tick: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # set by main_loop
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.drain_requested:
             super().handle_exit(sig, frame)
         self.drain_requested = True  # acted on by on_tick, inside the event loop
+        self.tick_now()
+
+    def tick_now(self) -> None:
+        """End main_loop's wait for its next tick (safe in a signal handler: call_soon_threadsafe)."""
+        if self.tick is not None:
+            self.tick[0].call_soon_threadsafe(self.tick[1].set)
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop of ticks every 0.1 s, where a signal or the drain's end ticks at once: a stop
+        takes no tick's wait."""
+        self.tick = (asyncio.get_running_loop(), asyncio.Event())
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.tick[1].wait(), 0.1)
+            self.tick[1].clear()
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_requested and self.drain_task is None:
@@ -68,6 +87,7 @@ class DrainingServer(uvicorn.Server):
         if aborted:
             logger.warning("drain timeout: aborted %d open requests", aborted)
         self.should_exit = True
+        self.tick_now()
 
 
 async def serve(config: ServerConfig, sock: socket.socket | None, phases: StartupPhases) -> None:
@@ -85,6 +105,7 @@ async def serve(config: ServerConfig, sock: socket.socket | None, phases: Startu
             config.output_address,
             f"api{config.server_index}-{os.getpid()}",
             config.register_timeout_s,
+            heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
         )
     except TimeoutError as error:
         raise SystemExit(
