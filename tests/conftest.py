@@ -33,6 +33,15 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf: str):  # type: ignore[no-untyped-def]
+    """transformers' SmolLM2 of the GGUF in float32 (tests/hf_oracle.py), loaded once per run: the oracle
+    of several modules. Read-only: no test may change its weights or config."""
+    from tests.hf_oracle import hf_model_of_gguf
+
+    return hf_model_of_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """SmolLM2's tokenizer, converted from its GGUF file once per run (a conversion takes about 3 s) into a
     folder of the run's own, so that no test depends on what ~/.cache holds. Shared: read it, never change it."""
@@ -68,6 +77,33 @@ def hf_whisper(whisper_base: str):  # type: ignore[no-untyped-def]
 
     model = WhisperForConditionalGeneration.from_pretrained(whisper_base, dtype=torch.float32).eval()
     return WhisperProcessor.from_pretrained(whisper_base), model
+
+
+@pytest.fixture(scope="session")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """espeak-ng's FOX and PARAGRAPH (tests/speech.py) as 16 kHz wavs, spoken once per run."""
+    from tests.speech import FOX, PARAGRAPH, espeak_available, speak
+
+    if not espeak_available():
+        pytest.skip("espeak-ng is not installed")
+    folder = tmp_path_factory.mktemp("speech")
+    return {"fox": speak(FOX, folder / "fox.wav"), "paragraph": speak(PARAGRAPH, folder / "paragraph.wav")}
+
+
+@pytest.fixture(scope="session")
+def hf_transcripts(hf_whisper):  # type: ignore[no-untyped-def]
+    """transformers' transcript of a clip (tests/speech.py: hf_transcript), computed once per file per
+    run: several audio modules check the same clips against it."""
+    from tests.speech import hf_transcript
+
+    done: dict[pathlib.Path, str] = {}
+
+    def transcript(path: pathlib.Path) -> str:
+        if path not in done:
+            done[path] = hf_transcript(hf_whisper, path)
+        return done[path]
+
+    return transcript
 
 
 @pytest.fixture(scope="session")

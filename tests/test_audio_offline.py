@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.speech import espeak_available, speak
-from tests.test_serve_audio import FOX, PARAGRAPH, hf_transcript
+from tests.speech import espeak_available
 
 pytestmark = [
     pytest.mark.slow,
@@ -22,18 +21,17 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    folder = tmp_path_factory.mktemp("speech")
-    return {"fox": speak(FOX, folder / "fox.wav"), "paragraph": speak(PARAGRAPH, folder / "paragraph.wav")}
+def clips(speech: dict[str, pathlib.Path]) -> dict[str, pathlib.Path]:
+    return speech  # the run's fox and paragraph (conftest.py)
 
 
 def test_llm_transcribes_a_list_of_files(
-    whisper_base: str, hf_whisper: Any, clips: dict[str, pathlib.Path]
+    whisper_base: str, hf_transcripts: Any, clips: dict[str, pathlib.Path]
 ) -> None:
     from frontend.offline.llm import LLM
     from protocol.errors import InvalidParameterError
 
-    expected = {name: hf_transcript(hf_whisper, path) for name, path in clips.items()}
+    expected = {name: hf_transcripts(path) for name, path in clips.items()}
     with LLM(whisper_base, dtype="float32") as llm:
         fox, paragraph = llm.transcribe([clips["fox"].read_bytes(), str(clips["paragraph"])])  # bytes, a path
         assert (fox.text, paragraph.text) == (expected["fox"], expected["paragraph"])
@@ -47,7 +45,7 @@ def test_llm_transcribes_a_list_of_files(
 
 
 def test_run_batch_answers_audio_lines(
-    whisper_base: str, hf_whisper: Any, clips: dict[str, pathlib.Path], tmp_path: pathlib.Path
+    whisper_base: str, hf_transcripts: Any, clips: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
     data_url = "data:audio/wav;base64," + base64.b64encode(clips["fox"].read_bytes()).decode()
     bodies: list[tuple[str, str, dict[str, Any]]] = [
@@ -68,7 +66,7 @@ def test_run_batch_answers_audio_lines(
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     records = {r["custom_id"]: r for r in map(json.loads, target.read_text().splitlines())}
-    assert records["path"]["response"]["body"]["text"] == hf_transcript(hf_whisper, clips["paragraph"])
+    assert records["path"]["response"]["body"]["text"] == hf_transcripts(clips["paragraph"])
     verbose = records["data-url"]["response"]["body"]
     assert verbose["segments"] and "quick brown fox" in verbose["text"].lower()
     assert "lazy dog" in records["translate"]["response"]["body"]["text"].lower()

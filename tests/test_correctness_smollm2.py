@@ -9,7 +9,7 @@ import torch
 
 from frontend import LLM, SamplingParams
 from protocol.config import DEFAULT_BLOCK_SIZE
-from tests.hf_oracle import compare_greedy, hf_greedy, hf_model_of_gguf
+from tests.hf_oracle import compare_greedy, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +29,9 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_gguf: str, smollm2_tokenizer):  # type: ignore[no-untyped-def]
+def oracle(smollm2_tokenizer, hf_smollm2):  # type: ignore[no-untyped-def]
     tokenizer = smollm2_tokenizer
-    model = hf_model_of_gguf(smollm2_gguf)  # transformers' own dequantization, kept across runs
+    model = hf_smollm2  # transformers' own dequantization, kept across runs
     prompts = []
     for question in QUESTIONS:
         text = tokenizer.apply_chat_template(

@@ -40,10 +40,8 @@ def test_minilm_in_bf16_against_sentence_transformers(minilm: str) -> None:
     assert float(cut @ oracle) / np.linalg.norm(cut) / np.linalg.norm(oracle) >= 0.999
 
 
-def test_smollm2_as_an_embedder_against_transformers(smollm2_gguf: str) -> None:
-    from tests.hf_oracle import hf_model_of_gguf
-
-    hf = hf_model_of_gguf(smollm2_gguf)
+def test_smollm2_as_an_embedder_against_transformers(smollm2_gguf: str, hf_smollm2) -> None:  # type: ignore[no-untyped-def]
+    hf = hf_smollm2
     with LLM(smollm2_gguf, convert="embed", dtype="float32") as llm:
         assert llm.model_info.pooling_tasks == ["embed", "score"] and llm.model_info.enable_prefix_caching
         results = llm.embed(TEXTS)

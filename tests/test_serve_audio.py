@@ -19,7 +19,7 @@ import pytest
 import soundfile
 
 from tests.serve_helpers import SHARED_API_KEY, Served, serving, wait_until
-from tests.speech import espeak_available, speak
+from tests.speech import espeak_available
 from tests.test_serve_e2e import scrape
 
 pytestmark = [
@@ -27,13 +27,8 @@ pytestmark = [
     pytest.mark.skipif(not espeak_available(), reason="espeak-ng is not installed"),
 ]
 
-FOX = "The quick brown fox jumps over the lazy dog."
 KEY = "audio-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-PARAGRAPH = (
-    "Every morning the baker opens his shop at six. He sells fresh bread, small cakes and hot coffee. "
-    "The children stop there on their way to school."
-)
 
 
 def words(text: str) -> str:
@@ -41,10 +36,12 @@ def words(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+def clips(
+    speech: dict[str, pathlib.Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, pathlib.Path]:
+    """The run's fox and paragraph (conftest.py), and a long clip of the paragraph over and over."""
     folder = tmp_path_factory.mktemp("speech")
-    fox = speak(FOX, folder / "fox.wav")
-    paragraph = speak(PARAGRAPH, folder / "paragraph.wav")
+    fox, paragraph = speech["fox"], speech["paragraph"]
     samples, rate = soundfile.read(paragraph, dtype="float32")
     pause = np.zeros(rate // 2, dtype=np.float32)
     repeats = -(-120 * rate // (len(samples) + len(pause)))  # at least 2 minutes
@@ -67,32 +64,19 @@ def client(served: Served) -> Any:
     return openai.OpenAI(base_url=f"{served.base}/v1", api_key=KEY, max_retries=0)
 
 
-def hf_transcript(hf_whisper: Any, path: pathlib.Path) -> str:
-    """transformers' own: its processor's features, generate() detecting the language, float32."""
-    import torch
-
-    processor, model = hf_whisper
-    samples, rate = soundfile.read(path, dtype="float32")
-    assert rate == 16000
-    features = processor(samples, sampling_rate=rate, return_tensors="pt").input_features
-    with torch.inference_mode():
-        ids = model.generate(features, task="transcribe")
-    return str(processor.batch_decode(ids, skip_special_tokens=True)[0])
-
-
 def metric_total(server: Served, name: str) -> float:
     lines = httpx.get(f"{server.base}/metrics", timeout=10).text.splitlines()
     return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
 
 
-def test_the_transcript_equals_transformers(server: Served, hf_whisper: Any, clips: dict) -> None:  # type: ignore[type-arg]
+def test_the_transcript_equals_transformers(server: Served, hf_transcripts: Any, clips: dict) -> None:  # type: ignore[type-arg]
     sdk = client(server)
     inputs, seconds = (
         metric_total(server, "engine:encoder_inputs_total"),
         metric_total(server, "engine:encoder_seconds_total"),
     )
     for name in ("fox", "paragraph"):
-        expected = hf_transcript(hf_whisper, clips[name])
+        expected = hf_transcripts(clips[name])
         with open(clips[name], "rb") as f:
             answer = sdk.audio.transcriptions.create(model="whisper", file=f)
         assert answer.text == expected, name
@@ -260,14 +244,14 @@ def pcm_events(path: pathlib.Path, seconds: float) -> list[dict[str, Any]]:
     return [*events, {"type": "input_audio_buffer.commit", "final": True}]
 
 
-def test_realtime_transcribes_a_growing_buffer(server: Served, hf_whisper: Any, clips: dict) -> None:  # type: ignore[type-arg]
+def test_realtime_transcribes_a_growing_buffer(server: Served, hf_transcripts: Any, clips: dict) -> None:  # type: ignore[type-arg]
     update = {"type": "session.update", "model": "whisper"}
     events = asyncio.run(
         realtime_session(server, [update, *pcm_events(clips["fox"], 1.0)], "transcription.done")
     )
     assert events[0]["type"] == "session.created" and events[0]["id"].startswith("sess-")
     done = events[-1]
-    assert done["text"] == hf_transcript(hf_whisper, clips["fox"])
+    assert done["text"] == hf_transcripts(clips["fox"])
     assert done["usage"]["completion_tokens"] > 5
     deltas = "".join(e["delta"] for e in events if e["type"] == "transcription.delta")
     assert done["text"].startswith(deltas)  # partials are never taken back (they may lag the final text)

@@ -58,14 +58,14 @@ def adapters(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_gguf: str, smollm2_tokenizer, adapters: dict[str, pathlib.Path]) -> dict[str | None, str]:  # type: ignore[no-untyped-def]
+def oracle(
+    smollm2_gguf: str, smollm2_tokenizer, hf_smollm2, adapters: dict[str, pathlib.Path]
+) -> dict[str | None, str]:  # type: ignore[no-untyped-def]
     """peft's greedy text of PROMPT per adapter (None: the base model)."""
-    from tests.hf_oracle import hf_model_of_gguf
-
     tokenizer = smollm2_tokenizer
     ids = tokenizer(PROMPT)["input_ids"]
     base = str(hf_folder_of_gguf(smollm2_gguf))
-    models: dict[str | None, Any] = {None: hf_model_of_gguf(smollm2_gguf)}
+    models: dict[str | None, Any] = {None: hf_smollm2}
     models.update({name: peft_model(base, str(path)) for name, path in adapters.items()})
     eos = tokenizer.eos_token_id  # generation stops there, as ours does
     runs = {name: hf_greedy(m, ids, MAX_TOKENS, eos).token_ids for name, m in models.items()}

@@ -139,12 +139,12 @@ def test_run_batch_answers_pooling_lines(minilm: str, tmp_path: pathlib.Path) ->
     )
 
 
-def test_mean_pooling_over_prefill_chunks_and_a_matryoshka_size(smollm2_gguf: str, minilm: str) -> None:
+def test_mean_pooling_over_prefill_chunks_and_a_matryoshka_size(
+    smollm2_gguf: str, minilm: str, hf_smollm2
+) -> None:  # type: ignore[no-untyped-def]
     from sentence_transformers import SentenceTransformer
 
-    from tests.hf_oracle import hf_model_of_gguf
-
-    hf = hf_model_of_gguf(smollm2_gguf)
+    hf = hf_smollm2
     mean = {"pooling_type": "MEAN", "normalize": True}
     # 16-token chunks: every text of over 16 tokens is pooled across chunks
     with LLM(

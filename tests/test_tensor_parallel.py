@@ -16,7 +16,7 @@ import torch
 
 from frontend import LLM, SamplingParams
 from frontend.engine.process import EngineRefusedError
-from tests.hf_oracle import compare_greedy, hf_greedy, hf_model_of_gguf
+from tests.hf_oracle import compare_greedy, hf_greedy
 from worker.model_config import ModelConfig
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
 
@@ -133,7 +133,9 @@ def test_tp_is_batch_invariant(tmp_path, tp: int) -> None:  # type: ignore[no-un
 
 @pytest.mark.long  # make test-long
 def test_smollm2_tp3_equals_hf_and_tp2_is_refused(
-    smollm2_gguf: str, capfd: pytest.CaptureFixture[str]
+    smollm2_gguf: str,
+    hf_smollm2,
+    capfd: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
 ) -> None:
     from frontend.model_files import load_tokenizer
 
@@ -150,7 +152,7 @@ def test_smollm2_tp3_equals_hf_and_tp2_is_refused(
         results = llm.generate(
             [{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=24)
         )
-    model = hf_model_of_gguf(smollm2_gguf)
+    model = hf_smollm2
     for prompt, result in zip(ids, results, strict=True):
         compare_greedy(result.outputs[0].token_ids, hf_greedy(model, prompt, 24, eos_token_id=2))
     # each rank serves its slice of the Q4_1 blocks as they are (o and down: whole blocks of 32 input dims)
