@@ -21,7 +21,6 @@ from frontend.audio import (
     decode_audio,
     split_audio,
 )
-from frontend.audio import decode as decode_module
 from frontend.config.flags import ConfigError
 
 RATE = 16_000
@@ -126,14 +125,16 @@ def test_lossless_input_keeps_its_level_and_channels_are_averaged() -> None:
 
 def test_wav_flac_ogg_go_to_libsndfile_and_the_rest_to_ffmpeg(monkeypatch: pytest.MonkeyPatch) -> None:
     used: list[str] = []
-    read_with_soundfile = decode_module._read_with_soundfile
+    from frontend.audio import codecs
 
-    def spy(data: bytes, resampler: decode_module._Resampler) -> bool:
+    read_with_soundfile = codecs.read_with_soundfile
+
+    def spy(data: bytes, resampler: codecs.Resampler) -> bool:
         took = read_with_soundfile(data, resampler)
         used.append("soundfile" if took else "pyav")
         return took
 
-    monkeypatch.setattr(decode_module, "_read_with_soundfile", spy)
+    monkeypatch.setattr(codecs, "read_with_soundfile", spy)
     for name in ENCODERS:
         decode_audio(ENCODERS[name](tone(48_000, 1), 48_000), LIMITS)
     assert used == ["soundfile"] * 3 + ["pyav"] * 3

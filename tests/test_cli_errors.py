@@ -226,6 +226,9 @@ def test_a_model_we_do_not_run_is_one_line_and_exit_status_2(
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     last = [line for line in result.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("engine serve: error: ") and named in last, last
+    if "supported: " in last:  # each architecture once
+        names = last.split("supported: ", 1)[1].split(", ")
+        assert len(names) == len(set(names)) > 30, names
     result = run_cli("generate", str(tmp_path), "--prompt", "hi")
     last = [line for line in result.stderr.splitlines() if line.strip()][-1]
     assert result.returncode == 2 and last.startswith("engine generate: error: ") and named in last, last

@@ -23,8 +23,9 @@ VISION_LANGUAGE_ARCHITECTURES = (
 def supported_architectures() -> list[str]:
     from worker.models.families import BY_ARCHITECTURE
 
-    return sorted([*BY_ARCHITECTURE, *ENCODER_ARCHITECTURES, *ENCODER_DECODER_ARCHITECTURES,
-                   *VISION_LANGUAGE_ARCHITECTURES])  # fmt: skip
+    # a set: an architecture may be in two (Gemma 3's multimodal checkpoints serve text alone too)
+    return sorted({*BY_ARCHITECTURE, *ENCODER_ARCHITECTURES, *ENCODER_DECODER_ARCHITECTURES,
+                   *VISION_LANGUAGE_ARCHITECTURES})  # fmt: skip
 
 
 def load_model_config(model: str, gguf_reader: Any = None) -> ModelConfig:
