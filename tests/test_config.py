@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from frontend.cli.main import build_parser
-from frontend.config.engine_args import EngineArgs, lora_module
-from frontend.config.flags import default_of, flag_name, from_namespace, human_bytes
+from frontend.config.engine_args import EngineArgs
+from frontend.config.engine_values import lora_module
+from frontend.config.flags import ConfigError, default_of, flag_name, from_namespace, human_bytes
 from frontend.config.server_args import (
     SERVE_DECODE_PREFILL_TOKEN_BUDGET,
     SERVE_MAX_NUM_BATCHED_TOKENS,
@@ -66,7 +67,13 @@ def test_engine_args_defaults_agree_with_the_engine_config() -> None:
             continue  # EngineArgs resolves (the bundled model, the home folder), or JSON it parses
         for config in (engine, worker):
             if field.name in config.__struct_fields__:
-                assert getattr(args, field.name) == getattr(config, field.name), field.name
+                # the KV cache's size: None until resolved (the flag, else the environment, else 1 GiB)
+                ours = (
+                    args.kv_cache_bytes({})
+                    if field.name == "kv_cache_memory_bytes"
+                    else getattr(args, field.name)
+                )
+                assert ours == getattr(config, field.name), field.name
                 shared += 1
     assert shared >= 15
     assert args.engine_config().async_scheduling is EngineConfig(worker=worker).async_scheduling is True
@@ -88,6 +95,20 @@ def test_flags_reach_the_configs() -> None:
         from_namespace(EngineArgs, parse("serve", "--kv-cache-memory-bytes", "512M")).kv_cache_memory_bytes
         == 512 << 20
     )
+
+
+def test_the_kv_cache_size_comes_from_vllm_s_cpu_variable_unless_a_flag_gives_it() -> None:
+    default = EngineArgs()
+    assert default.kv_cache_bytes({}) == 1 << 30
+    assert default.kv_cache_bytes({"VLLM_CPU_KVCACHE_SPACE": "2"}) == 2 << 30
+    assert default.kv_cache_bytes({"VLLM_CPU_KVCACHE_SPACE": "0"}) == 1 << 30  # vLLM's 0: the default
+    both = {"ENGINE_CPU_KVCACHE_SPACE": "0.25", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    assert default.kv_cache_bytes(both) == 1 << 28  # ours first
+    given = from_namespace(EngineArgs, parse("serve", "--kv-cache-memory-bytes", "512M"))
+    assert given.kv_cache_bytes(both) == 512 << 20  # the flag wins
+    for raw in ("lots", "-1", "nan"):
+        with pytest.raises(ConfigError, match=f"VLLM_CPU_KVCACHE_SPACE.*{raw}"):
+            default.kv_cache_bytes({"VLLM_CPU_KVCACHE_SPACE": raw})
 
 
 def test_sizes_and_origins_parse_as_vllm_writes_them() -> None:

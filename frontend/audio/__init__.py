@@ -4,12 +4,8 @@ of at most 30 s cut at quiet moments (`chunks.py`). Synchronous and socket-free;
 in a thread, off the event loop."""
 
 from frontend.audio.chunks import chunk_bounds, split_audio
-from frontend.audio.decode import (
-    AudioLimits,
-    AudioTooLargeError,
-    InvalidAudioError,
-    decode_audio,
-)
+from frontend.audio.decode import decode_audio
+from frontend.audio.limits import AudioLimits, AudioTooLargeError, InvalidAudioError
 
 __all__ = [
     "AudioLimits",

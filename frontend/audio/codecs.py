@@ -11,7 +11,7 @@ import av
 import numpy as np
 import soundfile as sf  # type: ignore[import-untyped]
 
-from frontend.audio.decode import (
+from frontend.audio.limits import (
     FLOAT32_BYTES,
     MIB,
     AudioLimits,

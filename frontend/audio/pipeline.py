@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from frontend.audio.chunks import chunk_bounds
-from frontend.audio.decode import AudioLimits, AudioTooLargeError, InvalidAudioError, decode_audio
+from frontend.audio.decode import decode_audio
 from frontend.audio.form import AudioRequest, invalid
+from frontend.audio.limits import AudioLimits, AudioTooLargeError, InvalidAudioError
 from frontend.audio.speech_model import SAMPLE_RATE, TIME_PRECISION_S, SpeechModel
 from frontend.engine.async_llm import AsyncLLM, final_state, gather_all, merged
 from frontend.engine.output_processor import Delta, RequestState

@@ -4,12 +4,20 @@ frontend.config.flags), and become the EngineConfig the engine process reads."""
 
 from __future__ import annotations
 
-import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from frontend.config.engine_values import (
+    DEFAULT_KV_CACHE_BYTES,
+    gib,
+    json_object,
+    kv_cache_space_from_env,
+    lora_module,
+)
 from frontend.config.flags import ConfigError, human_bytes, naming, option
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
 from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, ParallelConfig, WorkerConfig
@@ -21,33 +29,8 @@ from structured_outputs import resolve_backend_name
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
-
 # --structured-outputs-config keys (vLLM's flag; grammar_compile_timeout_s is ours)
 STRUCTURED_OUTPUTS_KEYS = ("backend", "grammar_compile_timeout_s")
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError("expected a JSON object")
-    return value
-
-
-def lora_module(text: str) -> LoraAdapter:
-    """One --lora-modules entry, vLLM's two spellings: name=path, or {"name", "path", "base_model_name"}."""
-    if text.lstrip().startswith("{"):
-        try:
-            return msgspec.json.decode(text, type=LoraAdapter, strict=True)
-        except (msgspec.ValidationError, msgspec.DecodeError) as error:
-            raise ValueError(f"{error} (its keys: name, path, base_model_name)") from None
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"expected name=path or a JSON object, got {text!r}")
-    return LoraAdapter(name=name, path=path)
-
-
-def _gib(text: str) -> int:
-    return int(float(text) * (1 << 30))
 
 
 @dataclass(frozen=True)
@@ -76,11 +59,12 @@ class EngineArgs:
     )
     max_model_len: int | None = option(None, "prompt + output tokens per request (default: the model's)")
     block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block", choices=BLOCK_SIZES)
-    kv_cache_memory_bytes: int = option(
-        1 << 30,
-        "KV cache size, e.g. 2G or 512M",
+    kv_cache_memory_bytes: int | None = option(
+        None,
+        "KV cache size, e.g. 2G or 512M (default: ENGINE_CPU_KVCACHE_SPACE or VLLM_CPU_KVCACHE_SPACE GiB "
+        "when set, else 1G)",
         parse=human_bytes,
-        aliases=[("--kv-cache-memory-gb", _gib, "KV cache size in GiB (the same knob)")],
+        aliases=[("--kv-cache-memory-gb", gib, "KV cache size in GiB (the same knob)")],
     )
     num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides the above)")
     max_num_seqs: int = option(128, "requests running at once")
@@ -132,7 +116,7 @@ class EngineArgs:
     structured_outputs_config: dict[str, Any] = option(
         default_factory=dict,
         help='JSON: {"backend": "auto" | "guidance", "grammar_compile_timeout_s": 30}',
-        parse=_json_object,
+        parse=json_object,
     )
     runner: str = option(
         "auto",
@@ -150,7 +134,7 @@ class EngineArgs:
         default_factory=dict,
         help='JSON: {"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL", "normalize": true, "dimensions": N, '
         '"activation": true} (default: the model folder\'s sentence-transformers files, else by --convert)',
-        parse=_json_object,
+        parse=json_object,
     )
     enable_lora: bool = option(False, "serve LoRA adapters: a request names one as its `model`")
     lora_modules: list[LoraAdapter] = option(
@@ -170,7 +154,7 @@ class EngineArgs:
     profiler_config: dict[str, Any] = option(
         default_factory=dict,
         help='vLLM\'s spelling of --profiler-dir: JSON {"profiler": "torch", "torch_profiler_dir": DIR}',
-        parse=_json_object,
+        parse=json_object,
     )
     tensor_parallel_size: int = option(
         1,
@@ -235,13 +219,13 @@ class EngineArgs:
         'disaggregated prefill and decode, vLLM\'s JSON: {"kv_connector": "SharedStorageConnector", "kv_role": '
         '"kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {"shared_storage_path": DIR}, '
         '"kv_load_failure_policy": "fail" | "recompute"} (docs/scale-out.md)',
-        parse=_json_object,
+        parse=json_object,
     )
     weight_transfer_config: dict[str, Any] | None = option(
         None,
         'weight updates from a trainer (RL loops), vLLM\'s JSON: {"backend": "gloo" | "nccl", "timeout_s": 300}; '
         "the routes need ENGINE_SERVER_DEV_MODE=1 (docs/rl-weight-updates.md)",
-        parse=_json_object,
+        parse=json_object,
     )
     log_level: str = option(
         "info", "log level of every process", choices=["debug", "info", "warning", "error"]
@@ -261,7 +245,7 @@ class EngineArgs:
         for flag, value in (
             ("--max-num-seqs", self.max_num_seqs),
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
-            ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
+            ("--kv-cache-memory-bytes", self.kv_cache_bytes()),
         ):
             if value < 1:
                 raise ConfigError(flag, f"must be positive, got {value}")
@@ -431,6 +415,14 @@ class EngineArgs:
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
         )
 
+    def kv_cache_bytes(self, environ: Mapping[str, str] | None = None) -> int:
+        """--kv-cache-memory-bytes, else KV_CACHE_SPACE_ENV's GiB, else 1 GiB (--num-kv-blocks, when given,
+        overrides all three in the worker)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        space = kv_cache_space_from_env(os.environ if environ is None else environ)
+        return DEFAULT_KV_CACHE_BYTES if space is None else space
+
     def resolved_tokenizer(self) -> str | None:
         """The local path of --tokenizer (None: the model's own)."""
         if self.tokenizer is None:
@@ -446,7 +438,7 @@ class EngineArgs:
             quantization=self.quantization,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=self.kv_cache_bytes(),
             num_kv_blocks=self.num_kv_blocks,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.audio.decode import AudioLimits
 from frontend.audio.form import AudioRequest
 from frontend.audio.formats import all_segments
+from frontend.audio.limits import AudioLimits
 from frontend.audio.pipeline import AudioRun, prepare, run_all
 from frontend.audio.speech_model import SpeechModel
 from frontend.engine.async_llm import gather_all

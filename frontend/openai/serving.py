@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.audio.decode import AudioLimits
+from frontend.audio.limits import AudioLimits
 from frontend.audio.speech_model import SpeechModel
 from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.data_parallel import EngineClient

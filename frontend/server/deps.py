@@ -7,7 +7,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from frontend.audio.decode import AudioLimits
+from frontend.audio.limits import AudioLimits
 from frontend.audio.speech_model import SpeechModel
 from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.data_parallel import DataParallelClient, EngineClient
