@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from frontend.config.flags import ConfigError
+from frontend.config.flags import ConfigError, env_number
 
 MIB = 1024**2
 WHISPER_SAMPLE_RATE = 16_000
@@ -97,26 +97,11 @@ class AudioLimits:
         """Each limit from its ENGINE_ variable, else vLLM's, else the default. A limit cannot be turned
         off (vLLM's loaders take 0 as no limit): an unbounded decode is the denial of service these guard;
         set a large number instead."""
-        file_mb = _positive_number(environ, FILE_SIZE_ENV)
-        duration_s = _positive_number(environ, DURATION_ENV)
-        decoded_bytes = _positive_number(environ, DECODED_BYTES_ENV)
+        file_mb = env_number(environ, FILE_SIZE_ENV)
+        duration_s = env_number(environ, DURATION_ENV)
+        decoded_bytes = env_number(environ, DECODED_BYTES_ENV)
         return cls(
             max_file_bytes=cls.max_file_bytes if file_mb is None else int(file_mb * MIB),
             max_duration_s=cls.max_duration_s if duration_s is None else duration_s,
             max_decoded_bytes=None if decoded_bytes is None else int(decoded_bytes),
         )
-
-
-def _positive_number(environ: Mapping[str, str], names: tuple[str, ...]) -> float | None:
-    for name in names:
-        raw = environ.get(name, "").strip()
-        if not raw:
-            continue
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ConfigError(name, f"must be a number, got {raw!r}") from None
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(name, f"must be positive, got {raw!r}")
-        return value
-    return None

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from frontend.config.flags import ConfigError
+from frontend.config.flags import env_number
 from protocol.lora import LoraAdapter
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -45,15 +44,5 @@ def gib(text: str) -> int:
 
 def kv_cache_space_from_env(environ: Mapping[str, str]) -> int | None:
     """Bytes from the first of KV_CACHE_SPACE_ENV that is set (GiB), or None (unset or 0: the default)."""
-    for name in KV_CACHE_SPACE_ENV:
-        raw = environ.get(name, "").strip()
-        if not raw:
-            continue
-        try:
-            gib = float(raw)
-        except ValueError:
-            raise ConfigError(name, f"takes GiB of KV cache, got {raw!r}") from None
-        if not math.isfinite(gib) or gib < 0:
-            raise ConfigError(name, f"takes GiB of KV cache (0: the default), got {raw!r}")
-        return int(gib * (1 << 30)) or None
-    return None
+    space = env_number(environ, KV_CACHE_SPACE_ENV, zero_is_unset=True)
+    return None if space is None else max(int(space * (1 << 30)), 1)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -175,3 +176,25 @@ def human_bytes(text: str) -> int:
         return int(float(number) * scale)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512M, 2G)") from None
+
+
+def env_number(
+    environ: Mapping[str, str], names: tuple[str, ...], *, zero_is_unset: bool = False
+) -> float | None:
+    """The first of `names` set in environ (ours, then vLLM's spelling), as a positive number; None when none
+    is set (or, with zero_is_unset, when it is 0, as vLLM reads its sizes). Anything else is a ConfigError
+    naming the variable."""
+    for name in names:
+        raw = environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(name, f"must be a number, got {raw!r}") from None
+        if zero_is_unset and value == 0:
+            return None
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(name, f"must be {'0 or ' if zero_is_unset else ''}positive, got {raw!r}")
+        return value
+    return None
