@@ -22,7 +22,7 @@ import zmq
 from protocol.codec import worker_input_codec, worker_output_codec
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo
-from protocol.startup import parent_pid_arg
+from protocol.startup import RUN_DIR_ENV, parent_pid_arg
 from protocol.worker_messages import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -112,7 +112,7 @@ class MultiprocExecutor:
 
     def _bind(self) -> str:
         """The engine's end of rank 0's socket: an ipc path (the workers run on this machine)."""
-        self._ipc_dir = tempfile.mkdtemp(prefix="engine-worker-")
+        self._ipc_dir = tempfile.mkdtemp(prefix="engine-worker-", dir=os.environ.get(RUN_DIR_ENV) or None)
         address = f"ipc://{self._ipc_dir}/{uuid.uuid4().hex[:8]}"
         self._socket.bind(address)
         return address

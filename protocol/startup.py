@@ -57,6 +57,9 @@ class StartupPhases:
 
 
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+# the folder an engine's spawner made for it and removes at the end, even after a SIGKILL: the engine's
+# workers' sockets go there (without it, a temporary folder of their own)
+RUN_DIR_ENV = "ENGINE_RUN_DIR"
 
 
 def parent_pid_arg() -> str:

@@ -664,6 +664,8 @@ def test_engine_death_fails_requests_and_health(doomed, doomed_client: openai.Op
 
 def engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     engine = engine_process(server)
+    run_dir = engine.environ()["ENGINE_RUN_DIR"]
+    assert any(name.startswith("engine-worker-") for name in os.listdir(run_dir))  # the workers' socket
     stream = started_long_stream(client)
     os.kill(engine.pid, signal.SIGKILL)
     with pytest.raises(openai.APIError):
@@ -675,3 +677,4 @@ def engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> Non
     assert error.value.status_code == 503
     # Then the launcher stops everything and exits non-zero, so a supervisor restarts it.
     assert server["process"].wait(timeout=60) != 0
+    assert not os.path.exists(run_dir), "the killed engine's folder (its workers' sockets) was left behind"

@@ -14,7 +14,7 @@ import tempfile
 import msgspec
 
 from protocol.config import EngineConfig
-from protocol.startup import parent_pid_arg
+from protocol.startup import RUN_DIR_ENV, parent_pid_arg
 
 
 class EngineRefusedError(ValueError):
@@ -25,9 +25,10 @@ class EngineProcess:
     """Owns the engine process; the engine in turn owns its workers."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self._ipc_dir: str | None = None
+        # the engine's own folder: its default sockets and its workers' (RUN_DIR_ENV), removed at shutdown
+        # even when the engine was killed
+        self._ipc_dir: str | None = tempfile.mkdtemp(prefix="engine-")
         if not config.input_address or not config.output_address:
-            self._ipc_dir = tempfile.mkdtemp(prefix="engine-")
             config.input_address = config.input_address or f"ipc://{self._ipc_dir}/input"
             config.output_address = config.output_address or f"ipc://{self._ipc_dir}/output"
         # where the engine writes why it refused to start (the model or settings: exit code 2)
@@ -35,7 +36,9 @@ class EngineProcess:
         os.close(handle)
         self.config = config
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine_core.main", parent_pid_arg()], stdin=subprocess.PIPE
+            [sys.executable, "-m", "engine_core.main", parent_pid_arg()],
+            stdin=subprocess.PIPE,
+            env={**os.environ, RUN_DIR_ENV: self._ipc_dir},
         )
         assert self.process.stdin is not None
         self.process.stdin.write(msgspec.json.encode(config))
