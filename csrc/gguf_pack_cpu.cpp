@@ -13,7 +13,7 @@ namespace {
 
 // GGML's type numbers (csrc/quant_blocks.h's QType, whose header defines functions of quant_cpu.cpp)
 namespace QType {
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+constexpr int64_t Q2_K = 10, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
 }
 
 struct Layout {
@@ -22,6 +22,7 @@ struct Layout {
 
 Layout layout_of(int64_t qtype) {
   switch (qtype) {
+    case QType::Q2_K: return {256, 84, 2624};
     case QType::Q4_0: return {32, 18, 288};
     case QType::Q4_1: return {32, 20, 320};
     case QType::Q5_0: return {32, 22, 352};
@@ -94,6 +95,13 @@ void block_values(int64_t qtype, const uint8_t* b, uint8_t* q, Fields& f, uint8_
         }
       return;
     }
+    case QType::Q2_K: {  // 16 bytes of (min << 4 | scale), 64 of 2-bit values, d, dmin
+      f.add(b + 80, 2), f.add(b + 82, 2);
+      for (int j = 0; j < 16; ++j) scratch[j] = b[j] & 15, scratch[16 + j] = b[j] >> 4;
+      f.add(scratch, 16), f.add(scratch + 16, 16);
+      for (int i = 0; i < 256; ++i) q[i] = (b[16 + (i / 128) * 32 + i % 32] >> (((i % 128) / 32) * 2)) & 3;
+      return;
+    }
     case QType::Q6_K: {
       f.add(b + 208, 2), f.add(b + 192, 16);
       for (int i = 0; i < 256; ++i) {
@@ -124,7 +132,7 @@ torch::Tensor pack_gguf(torch::Tensor raw, int64_t qtype, int64_t n, int64_t k) 
                         : qtype == QType::Q6_K                                                  ? 2
                                                                                                 : 0;
   at::parallel_for(0, (n / 16) * nb, 16, [&](int64_t begin, int64_t end) {
-    uint8_t q[16][256], scratch[16][16];
+    uint8_t q[16][256], scratch[16][32];
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t g = unit / nb, blk = unit % nb;
       uint8_t* rec = dst + unit * lay.record;

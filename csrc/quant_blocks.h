@@ -19,7 +19,7 @@ constexpr int FUSED_ROWS = 8;  // rows that dequantize in registers (AVX-512: 32
 constexpr int FUSED_ROWS = 4;
 #endif
 
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+enum QType : int64_t { Q2_K = 10, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
                        // integer weights of safetensors checkpoints (AWQ, GPTQ, compressed-tensors; worker/quant/
                        // int_pack.py): 4-bit groups of 32, 64 or 128 dims, 8-bit blocks of 64, each with a float32
                        // scale and offset per (row, group)
@@ -35,13 +35,15 @@ constexpr uint8_t MXFP4_Q[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 
 constexpr bool float_scales(int64_t t) { return t >= I4_G32 && t != MXFP4; }
 // Signed 8-bit values stored a dim pair per 16-bit word (Q8_0's layout); the other types store nibbles.
 constexpr bool eight_bit(int64_t t) { return t == Q8_0 || t == I8_G64; }
+// A scale and a min per sub-block (d * sc[j], -(dmin * m[j])): Q4_K, Q5_K, and Q2_K (4-bit ones, stored a byte each).
+constexpr bool sub_mins(int64_t t) { return t == Q2_K || t == Q4_K || t == Q5_K; }
 
 // Where a type's fields lie in a record: f16 d[16] at 0, then (per type) dmin/m f16[16], scale bytes
 // [subs][16], the low nibbles [B / 2][16] (Q8_0: int8 [B / 2][16][2]), and the high bits [B][2 or 4].
 struct Traits {
   int64_t block, sub, record;
-  int64_t second;  // f16 [16] after d: Q4_1/Q5_1's m, Q4_K/Q5_K's dmin; -1 if none
-  int64_t scales;  // u8 (Q6_K int8) [subs][16] scales, Q4_K/Q5_K's mins after them; -1 if none
+  int64_t second;  // f16 [16] after d: Q4_1/Q5_1's m, Q2_K/Q4_K/Q5_K's dmin; -1 if none
+  int64_t scales;  // u8 (Q6_K int8) [subs][16] scales, Q2_K/Q4_K/Q5_K's mins after them; -1 if none
   int64_t low;     // the 4-bit (or Q8_0's 8-bit) values
   int64_t high;    // the high bits; -1 if none
   int high_bits;   // 0, 1 or 2
@@ -54,6 +56,7 @@ Traits traits_of(int64_t qtype) {
     case Q5_0: return {32, 32, 352, -1, -1, 32, 288, 1};
     case Q5_1: return {32, 32, 384, 32, -1, 64, 320, 1};
     case Q8_0: return {32, 32, 544, -1, -1, 32, -1, 0};
+    case Q2_K: return {256, 16, 2624, 32, 64, 576, -1, 0};  // its 2-bit values kept as nibbles
     case Q4_K: return {256, 32, 2368, 32, 64, 320, -1, 0};
     case Q5_K: return {256, 32, 2880, 32, 64, 320, 2368, 1};
     case Q6_K: return {256, 16, 3360, -1, 32, 288, 2336, 2};
@@ -97,7 +100,7 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m512& s,
     o = _mm512_setzero_ps();
   } else if constexpr (T == Q4_1 || T == Q5_1) {
     o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.second)));
-  } else if constexpr (T == Q4_K || T == Q5_K) {
+  } else if constexpr (sub_mins(T)) {
     const int64_t subs = t.block / t.sub;
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + j * 16));
     const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + (subs + j) * 16));
@@ -246,7 +249,7 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, __m256& s0
   } else if constexpr (T == Q4_1 || T == Q5_1) {
     o0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.second)));
     o1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.second + 16)));
-  } else if constexpr (T == Q4_K || T == Q5_K) {
+  } else if constexpr (sub_mins(T)) {
     const int64_t subs = t.block / t.sub;
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + j * 16));
     const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.scales + (subs + j) * 16));
@@ -374,7 +377,7 @@ inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, float* sca
     } else if constexpr (T == Q4_1 || T == Q5_1) {
       scale[c] = d;
       offset[c] = f16_to_float(rec + t.second + 2 * c);
-    } else if constexpr (T == Q4_K || T == Q5_K) {
+    } else if constexpr (sub_mins(T)) {
       const int64_t subs = t.block / t.sub;
       scale[c] = d * static_cast<float>(rec[t.scales + j * 16 + c]);
       offset[c] = -(f16_to_float(rec + t.second + 2 * c) * static_cast<float>(rec[t.scales + (subs + j) * 16 + c]));

@@ -7,14 +7,15 @@
 // fields). Per pair of input dims (k, k + 1), the 16 rows' low 4 bits are 16 bytes (byte c: row c's dim k in
 // the low nibble, dim k + 1 in the high one); per dim, 5-bit types add 2 bytes of fifth bits (bit c: row c),
 // Q6_K 4 bytes of top 2 bits (bits 2c, 2c + 1); Q8_0 holds 16 int8 a dim instead. Scales per (row, sub-block of S dims) are kept as the file has
-// them (f16 d, dmin, m; Q4_K/Q5_K's 6-bit scales and mins unpacked to bytes; Q6_K's int8 scales).
+// them (f16 d, dmin, m; Q4_K/Q5_K's 6-bit and Q2_K's 4-bit scales and mins unpacked to bytes; Q6_K's int8
+// scales; Q2_K's 2-bit values are stored as nibbles).
 //
 // quant_rows(packed, qtype, ids [T] int64, K, dtype) -> [T, K]: rows `ids` of the weight, dequantized.
 // linear_quant(x [M, K] float32 or bf16, packed, qtype, bias [N] or empty, N, amx=True) -> [M, N] in x's dtype;
 //   amx=False keeps bf16 rows off the AMX form (the tests' way to check both forms on a CPU with AMX).
 //
 // Every weight is fma(scale, q, offset) in float32 with q the stored unsigned (Q8_0: signed) integer:
-//   Q4_0 d, -8d; Q5_0 d, -16d; Q8_0 d, 0; Q4_1 and Q5_1 d, m; Q4_K and Q5_K d * sc[j], -(dmin * m[j]);
+//   Q4_0 d, -8d; Q5_0 d, -16d; Q8_0 d, 0; Q4_1 and Q5_1 d, m; Q2_K, Q4_K and Q5_K d * sc[j], -(dmin * m[j]);
 //   Q6_K d * sc[j], -32 (d * sc[j]); the integer types (I4_G*, I8_G64) their float32 s and o as stored;
 //   MXFP4 2^(e - 128), -12 of it, on its code's value twice plus 12 (csrc/quant_blocks.h).
 // Each scale and offset is an exact product and scale * q is exact, so this is the one rounding of the
@@ -115,6 +116,7 @@ void run(const float* xs, int64_t rows, int64_t k, const uint8_t* w, const Trait
 template <typename F>
 void dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
+    case Q2_K: f(std::integral_constant<int64_t, Q2_K>{}); break;
     case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
     case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
     case Q5_0: f(std::integral_constant<int64_t, Q5_0>{}); break;
@@ -143,7 +145,7 @@ void check_packing(const torch::Tensor& packed, const Traits& t, int64_t k) {
 
 bool quant_type_supported(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K:
+    case Q2_K: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K:
     case I4_G32: case I4_G64: case I4_G128: case I8_G64: case MXFP4: return true;
     default: return false;
   }

@@ -186,9 +186,11 @@ def test_gpt_oss_mxfp4_experts_kept_packed_equal_their_dequantized_selves(tmp_pa
     assert_packed_equals_dequantized(path)
 
 
-def test_q3_k_is_served_packed_as_the_q6_k_blocks_of_its_values(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A Q3_K file's products (here the MLP's gate and up, 256 dims in) kept packed as Q6_K tiles of the same
-    values: the tokens and logprobs of the file dequantized by the gguf package, exactly."""
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K], ids=lambda q: q.name)
+def test_the_2_and_3_bit_k_quants_are_served_packed(tmp_path, qtype) -> None:  # type: ignore[no-untyped-def]
+    """A Q2_K or Q3_K file's products (here the MLP's gate and up, 256 dims in) kept packed: Q2_K in its own
+    tiles (its 2-bit values as nibbles), Q3_K as Q6_K tiles of the same values. The tokens and logprobs of the
+    file dequantized by the gguf package, exactly."""
     from tests.family_models import _model
     from tests.test_kernels_quant import random_blocks
 
@@ -197,15 +199,15 @@ def test_q3_k_is_served_packed_as_the_q6_k_blocks_of_its_values(tmp_path) -> Non
     _model("LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=False, hidden_size=256).save_pretrained(
         folder
     )
-    path = str(tmp_path / "q3_k.gguf")
+    path = str(tmp_path / f"{qtype.name}.gguf")
 
-    def q3_k(name: str, data: np.ndarray):  # type: ignore[no-untyped-def]
+    def k_quant(name: str, data: np.ndarray):  # type: ignore[no-untyped-def]
         if ".ffn_" in name and data.ndim == 2 and data.shape[1] % 256 == 0:
-            return Q.Q3_K, random_blocks(Q.Q3_K, *data.shape, seed=sum(name.encode()))
+            return qtype, random_blocks(qtype, *data.shape, seed=sum(name.encode()))
         return mixed_types(name, data)
 
-    write_gguf(str(folder), "llama", path, q3_k)
-    assert tokens_and_logprobs(path, "gguf") == tokens_and_logprobs(path, "none")
+    write_gguf(str(folder), "llama", path, k_quant)
+    assert tokens_and_logprobs(path, "gguf") == tokens_and_logprobs(path, "none")  # (every product packed)
 
 
 def test_a_type_not_served_packed_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -4,13 +4,15 @@ rows' weights of one input dim in a few instructions.
 
 A record per (group of 16 rows, GGUF block of B input dims), its fields one after another:
     d        f16 [16]            every type
-    m / dmin f16 [16]            Q4_1, Q5_1 (m); Q4_K, Q5_K (dmin)
-    scales   u8 [subs][16]       Q4_K, Q5_K (6-bit scales, then the 6-bit mins); Q6_K (int8, subs = 16)
+    m / dmin f16 [16]            Q4_1, Q5_1 (m); Q2_K, Q4_K, Q5_K (dmin)
+    scales   u8 [subs][16]       Q4_K, Q5_K (6-bit scales, then the 6-bit mins); Q2_K (4-bit ones, subs = 16);
+                                 Q6_K (int8, subs = 16)
     low      u8 [B / 2][16]      the low 4 bits: byte c of a dim pair's 16 holds row c's first dim (low
-                                 nibble) and second dim (high nibble)
+                                 nibble) and second dim (high nibble); Q2_K's 2-bit values as nibbles
              i8 [B / 2][16][2]   Q8_0: a dim pair's values, row by row
     high     u16 [B] / u32 [B]   5-bit types: bit c is row c's fifth bit; Q6_K: bits 2c, 2c + 1 its top two
-Sizes per weight equal the file's but for Q4_K/Q5_K's scales, kept a byte each (2.8% and 2.3% more).
+Sizes per weight equal the file's but for Q4_K/Q5_K's scales, kept a byte each (2.8% and 2.3% more), and
+Q2_K, whose 2-bit values take a nibble (5.1 bits a weight for the file's 2.6; a third of bf16's 16).
 The integers and scales are read the way the `gguf` package's dequantize_blocks reads them (gguf.quants).
 """
 
@@ -22,8 +24,8 @@ from gguf.quants import Q4_K
 
 GROUP = 16
 Q = GGMLQuantizationType
-PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-RECORD_BYTES = {Q.Q4_0: 288, Q.Q4_1: 320, Q.Q5_0: 352, Q.Q5_1: 384, Q.Q8_0: 544,
+PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+RECORD_BYTES = {Q.Q2_K: 2624, Q.Q4_0: 288, Q.Q4_1: 320, Q.Q5_0: 352, Q.Q5_1: 384, Q.Q8_0: 544,
                 Q.Q4_K: 2368, Q.Q5_K: 2880, Q.Q6_K: 3360}  # fmt: skip
 
 
@@ -103,6 +105,12 @@ def _fields(blocks: np.ndarray, qtype: Q) -> tuple[list[np.ndarray], np.ndarray]
             qh = blocks[..., 16:48].reshape(n, nb, 1, 32)
             q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
         return [_f16(blocks, 0), _f16(blocks, 2), sc, mins], q.reshape(n, nb, 256)
+    if qtype == Q.Q2_K:  # scales[16] (min << 4 | scale), qs[64] (2-bit values), d, dmin
+        scales = blocks[..., :16]
+        qs = blocks[..., 16:80].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+            1, 1, 1, 4, 1
+        )
+        return [_f16(blocks, 80), _f16(blocks, 82), scales & 15, scales >> 4], (qs & 3).reshape(n, nb, 256)
     assert qtype == Q.Q6_K
     ql = (
         blocks[..., :128].reshape(n, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
