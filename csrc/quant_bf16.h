@@ -22,7 +22,7 @@ namespace quant_kernel {
 // mantissa bits, q < 128), so offset' = offset - 128 scale; the 8-bit types convert their int8 values.
 #define ENGINE_QUANT_BF16 1
 constexpr int BF16_ROWS = 8;  // rows a pass
-constexpr int64_t PAIR = 2;   // groups of 16 columns a pass takes where there are more rows than one pass
+constexpr int64_t PAIR = 2;
 
 // The 16 rows' stored integers at dims k and k + 1 (k even) as bf16 pairs: lane c holds (q[k][c], q[k + 1][c]).
 template <int64_t T>
@@ -84,6 +84,8 @@ void factored_pass(const uint32_t* xp, const float* xsum, int64_t k, const uint8
   alignas(64) float acc[ROWS][G][16] = {};
   for (int64_t si = 0; si < subs; ++si) {
     const int64_t record = (si / per_block) * t.record, first = (si % per_block) * t.sub;  // within the record
+    if constexpr (split_high(T))
+      for (int g = 0; g < G; ++g) prefetch_sub(group + g * group_bytes, t, T, si + PREFETCH_SUBS, subs);
     __m512 part[ROWS][G];
     for (int m = 0; m < ROWS; ++m)
       for (int g = 0; g < G; ++g) part[m][g] = _mm512_setzero_ps();
