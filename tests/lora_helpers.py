@@ -18,13 +18,22 @@ def make_adapter(
     rslora: bool = False,
     seed: int = 0,
     scale: float = 0.2,
+    parameters: list[str] | None = None,
 ) -> str:
-    """A PEFT LoRA folder for the model in base_folder; B drawn from N(0, scale) so the adapter matters."""
+    """A PEFT LoRA folder for the model in base_folder; B drawn from N(0, scale) so the adapter matters.
+    parameters: PEFT's target_parameters (a mixture of experts' stacked experts.gate_up_proj, down_proj)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets,
+        use_rslora=rslora,
+        lora_dropout=0.0,
+        target_parameters=parameters,
+    )
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

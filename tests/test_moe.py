@@ -183,7 +183,8 @@ def test_what_lora_and_tensor_parallel_do_not_serve_is_refused_by_name(tmp_path)
         torch.float32,
     )
     with pytest.raises(
-        InvalidParameterError, match=r"LoRA serves .* \(a mixture-of-experts model: its attention\)"
+        InvalidParameterError,
+        match=r"LoRA serves .* \(a mixture-of-experts model: its attention and its routed experts\)",
     ):
         manager.add(LoraRequest(lora_id=1, name="shared", path=adapter))
     build_family("deepseek_v3", str(tmp_path / "deepseek_v3"))

@@ -5,6 +5,9 @@ query_key_value our qkv_proj). An adapter on a fused checkpoint product (Phi-3's
 GPT-NeoX's query_key_value) is one A shared by the parts and a B split by their rows: it is kept as each
 part's (A, B rows), which adds the same products. A plain MLP (no gate) has up and down only.
 
+A mixture-of-experts model's routed experts take adapters too (worker/lora/experts.py reads both forms PEFT
+writes); their factors are kept per expert.
+
 Every check runs before anything is kept, so a folder that fails leaves the worker as it was; each
 failure is an InvalidParameterError naming the problem (the HTTP edge answers 400 with it).
 """
@@ -15,12 +18,13 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 
 from protocol.errors import InvalidParameterError
+from worker.lora import experts as moe
 from worker.model_config import ModelConfig
 from worker.models.families import BY_NAME, our_name
 
@@ -58,14 +62,17 @@ def our_module(config: ModelConfig, path: str) -> tuple[int, str] | None:
 
 @dataclass
 class LoraWeights:
-    """One adapter's low-rank factors, scaled: module (layer, target) -> (A [rank, in], B [out, rank] x scale)."""
+    """One adapter's low-rank factors, scaled: module (layer, target) -> (A [rank, in], B [out, rank] x scale);
+    experts: (layer, expert product) -> (A [E, rank, in], B [E, out, rank] x scale), every expert's."""
 
     rank: int
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.factors.values())
+        pairs = [*self.factors.values(), *self.experts.values()]
+        return sum(a.nbytes + b.nbytes for a, b in pairs)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -87,8 +94,20 @@ def _refuse(message: str) -> InvalidParameterError:
     return InvalidParameterError("lora_path", message)
 
 
-def read_adapter_config(path: str, max_rank: int, model: ModelConfig) -> tuple[int, float, set[str]]:
-    """(rank, scale, targets by our names) from the folder's adapter_config.json, or an InvalidParameterError."""
+@dataclass(frozen=True)
+class AdapterTargets:
+    """What adapter_config.json names, by our names: the layers' products, the experts' products (target_modules
+    on a mixture of experts' per-expert modules), and the experts' stacked parameters (target_parameters)."""
+
+    rank: int
+    scale: float
+    products: set[str]
+    expert_products: set[str]
+    stacked: tuple[str, ...]
+
+
+def read_adapter_config(path: str, max_rank: int, model: ModelConfig) -> AdapterTargets:
+    """The targets of the folder's adapter_config.json, or an InvalidParameterError."""
     if not os.path.isdir(path):
         raise _refuse(f"no LoRA adapter folder at {path}")
     config_path = os.path.join(path, "adapter_config.json")
@@ -117,55 +136,80 @@ def read_adapter_config(path: str, max_rank: int, model: ModelConfig) -> tuple[i
     if rank > max_rank:
         raise _refuse(f"the adapter's rank {rank} is over --max-lora-rank {max_rank}")
     alpha = config.get("lora_alpha", rank)
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    scale = float(alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank)
+    stacked = moe.target_parameters(model, config.get("target_parameters"))
     targets = config.get("target_modules")
     allowed = targets_of(model)
+    expert_parts = set(moe.shapes(model)) if model.num_experts else set()
     if targets == "all-linear":
-        return rank, float(scale), set(allowed)
+        return AdapterTargets(rank, scale, set(allowed), expert_parts, stacked)
+    if stacked and not targets:  # the experts' parameters alone
+        return AdapterTargets(rank, scale, set(), set(), stacked)
     if not isinstance(targets, list) or not targets:
         raise _refuse(
             f"target_modules {targets!r}: name the modules as a list (or 'all-linear'); "
             "a regular expression is not supported"
         )
     # peft matches a name or a dotted path's end ("model.layers.0.self_attn.q_proj" is a q_proj)
-    wanted, unknown = set(), []
+    wanted, experts, unknown = set(), set(), []
     for target in targets:
         leaf = str(target).rsplit(".", 1)[-1]
         ours = {
             our_module(model, f"model.layers.0.{part}.{leaf}") for part in ("self_attn", "mlp", "attention")
         }
         found = sorted(module[1] for module in ours if module is not None and module[1] in allowed)
+        expert = moe.expert_module(our_name(model.family, f"model.layers.0.mlp.experts.0.{leaf}.weight"))
         if found:
             wanted.add(found[0])
+        elif expert is not None and expert[2] in expert_parts:
+            experts.add(expert[2])
         else:
             unknown.append(leaf)
     if unknown:
-        moe = " (a mixture-of-experts model: its attention)" if model.num_experts else ""
-        raise _refuse(f"target modules {sorted(unknown)} are not supported; LoRA serves {list(allowed)}{moe}")
-    return rank, float(scale), wanted
+        served = (
+            " (a mixture-of-experts model: its attention and its routed experts)" if model.num_experts else ""
+        )
+        names = [*allowed, *sorted(expert_parts)]
+        raise _refuse(f"target modules {sorted(unknown)} are not supported; LoRA serves {names}{served}")
+    return AdapterTargets(rank, scale, wanted, experts, stacked)
 
 
 def load_adapter(path: str, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraWeights:
     """The adapter's factors in `dtype`, B scaled by lora_alpha / r (or / sqrt(r) with rsLoRA)."""
-    rank, scale, targets = read_adapter_config(path, max_rank, config)
+    wanted = read_adapter_config(path, max_rank, config)
+    rank, scale = wanted.rank, wanted.scale
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights_path):
         raise _refuse(f"{path} has no adapter_model.safetensors (only the safetensors format is read)")
     shapes = module_shapes(config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    stacked: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # target_parameters pairs
+    per_expert: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}
     with safe_open(weights_path, framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             match = _TENSOR.fullmatch(name)
+            if match and (where := moe.stacked_part(match[1], wanted.stacked)) is not None:
+                _check_layer(config, name, where[0], experts=True)
+                stacked.setdefault(where, {})[match[2]] = f.get_tensor(name)
+                continue
+            expert = moe.expert_module(our_name(config.family, f"{match[1]}.weight")) if match else None
+            if match and expert is not None:
+                if expert[2] not in wanted.expert_products:
+                    raise _refuse(
+                        f"tensor {name!r} targets experts' {expert[2]}, which target_modules does not list"
+                    )
+                _check_layer(config, name, expert[0], experts=True)
+                per_expert.setdefault(expert, {})[match[2]] = f.get_tensor(name)
+                continue
             module = our_module(config, match[1]) if match else None
             if match is None or module is None:
                 raise _refuse(
                     f"unexpected tensor {name!r} in the adapter (LoRA A/B of the decoder layers only)"
                 )
             (layer, target), half = module, match[2]
-            if target not in targets:
+            if target not in wanted.products:
                 raise _refuse(f"tensor {name!r} targets {target}, which target_modules does not list")
-            if layer >= config.num_layers:
-                raise _refuse(f"tensor {name!r} is for layer {layer}; the base model has {config.num_layers}")
+            _check_layer(config, name, layer, experts=False)
             halves.setdefault((layer, target), {})[half] = f.get_tensor(name)
     factors = {}
     for (layer, target), pair in sorted(halves.items()):
@@ -183,9 +227,27 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int, dtype: torch.dty
         b = _checkpoint_rows(config, layer, target, b)
         for part, rows in zip(parts, torch.split(b, [shapes[part][1] for part in parts]), strict=True):
             factors[(layer, part)] = (a.to(dtype), (rows.float() * scale).to(dtype))
-    if not factors:
+    experts = moe.stack_modules(config, per_expert, rank)
+    for (layer, param), pair in sorted(stacked.items()):
+        if set(pair) != {"A", "B"}:
+            raise _refuse(f"layer {layer} experts.{param} has lora_{''.join(pair)} without its other half")
+        for expert_part, factor_pair in moe.split_stacked(
+            config, layer, param, pair["A"], pair["B"], rank
+        ).items():
+            if (layer, expert_part) in experts:
+                raise _refuse(f"layer {layer}: the experts' {expert_part} is in both of PEFT's forms")
+            experts[(layer, expert_part)] = factor_pair
+    experts = {key: (a.to(dtype), (b.float() * scale).to(dtype)) for key, (a, b) in experts.items()}
+    if not factors and not experts:
         raise _refuse(f"{weights_path} holds no LoRA weights")
-    return LoraWeights(rank, factors)
+    return LoraWeights(rank, factors, experts)
+
+
+def _check_layer(config: ModelConfig, name: str, layer: int, experts: bool) -> None:
+    if layer >= config.num_layers:
+        raise _refuse(f"tensor {name!r} is for layer {layer}; the base model has {config.num_layers}")
+    if experts and not config.is_moe_layer(layer):
+        raise _refuse(f"tensor {name!r} is for the experts of layer {layer}, whose MLP is dense")
 
 
 def _checkpoint_rows(config: ModelConfig, layer: int, target: str, b: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from worker.lora.adapter import LoraWeights, module_shapes, products, targets_of
+from worker.lora.expert_slots import ExpertSlots
 from worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class LoraSlots:
             fused_products, 0
         )  # slots whose adapter targets each product
         self.targets: dict[int, set[str]] = {}  # slot -> the fused products its adapter targets
+        self.experts = ExpertSlots(config, max_loras, max_rank, dtype) if config.num_experts else None
         # per layer [a, bt] of each fused product, in the products' order: decoder_layers' lora_layers
         self.native_layers = [
             [t for fused in fused_products for t in (self.a[(layer, fused)], self.bt[(layer, fused)])]
@@ -95,6 +97,8 @@ class LoraSlots:
         for fused in self.products:
             self.used[fused] += (fused in new) - (fused in old)
         self.targets[slot] = new
+        if self.experts is not None:
+            self.experts.write(slot, weights)
 
     def batch(self, slot_per_token: np.ndarray) -> LoraBatch:
         """slot_per_token: [T], each token row's slot (-1: the base model)."""
@@ -107,6 +111,18 @@ class LoraBatch:
     def __init__(self, slots: LoraSlots, row_slots: torch.Tensor) -> None:
         self.slots = slots
         self.row_slots = row_slots  # int64 [rows], -1 for the base model's
+        experts = slots.experts
+        holding = sorted(experts.holding) if experts is not None else []
+        # the rows whose adapter targets the routed experts (they leave fused_experts: Experts.adapted)
+        self.expert_rows = (
+            torch.nonzero(torch.isin(row_slots, torch.tensor(holding, dtype=torch.long))).flatten()
+            if holding
+            else NONE
+        )
+
+    def on_experts(self) -> bool:
+        """Whether a row's adapter targets the routed experts (the step then runs the Python layers)."""
+        return len(self.expert_rows) > 0
 
     def native(self) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
         """decoder_layers' lora_layers and lora_meta (csrc/decoder_cpu.cpp): the same products, in the stack."""
@@ -132,6 +148,21 @@ class LoraBatch:
             )
             return
         add_reference(x, y, a, bt, self.row_slots)
+
+    def add_expert(
+        self, layer: int, fused: str, expert: int, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """An expert's product (gate_up or down) for its rows of this batch: x [n, in], y [n, out] in place."""
+        experts = self.slots.experts
+        assert experts is not None and (layer, fused) in experts.a
+        a, bt = experts.a[(layer, fused)][expert], experts.bt[(layer, fused)][expert]
+        row_slots = self.row_slots.index_select(0, rows)
+        if self.slots.ops is not None:
+            self.slots.ops.lora_add(
+                x.contiguous(), y, a, bt, row_slots, experts.bounds[fused], experts.ranks[fused]
+            )
+            return
+        add_reference(x, y, a, bt, row_slots)
 
 
 def add_reference(

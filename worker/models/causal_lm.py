@@ -108,7 +108,9 @@ class CausalLM(nn.Module):
             for kind, rotary in self.rotaries.items()
         }
         window_group = metadata.window_group  # the windowed layers' pool, where they have one
-        if self.native_layers is not None and not metadata.image_runs:
+        # (a row whose adapter targets a mixture's experts runs the Python layers: Experts.adapted)
+        on_experts = lora is not None and lora.on_experts()
+        if self.native_layers is not None and not metadata.image_runs and not on_experts:
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
             pools = [metadata.slot_block_ids, metadata.slot_offsets, *rows] if rows is not None else None
             if pools is not None and window_group is not None:

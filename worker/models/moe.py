@@ -63,6 +63,7 @@ class Experts(nn.Module):
         self.ops = ops
         self.w13: torch.Tensor | None = None  # packed for fused_experts
         self.w2: torch.Tensor | None = None
+        self.pairs = False  # w13 and w2 in pack_pairs' layout (else pack_rows')
         # quantized experts kept packed (a GGUF file's blocks): each expert's gate_up and down as Linears
         # holding their parts (Linear.add_quant), run one expert at a time (forward)
         self.quantized: nn.ModuleList | None = None
@@ -120,6 +121,7 @@ class Experts(nn.Module):
             and inter % 2 == 0
         )
         pack = ops.pack_pairs if pairs else ops.pack_rows
+        self.pairs = pairs
         self.w13 = torch.stack([pack(w) for w in gate_up])
         self.w2 = torch.stack([pack(w) for w in down])
         empty = torch.empty(0, dtype=gate_up.dtype)
@@ -137,15 +139,7 @@ class Experts(nn.Module):
         """x [T, H]; ids [T, K] int64, each row's experts; weights [T, K] float32 -> [T, H]. shared: a
         shared expert's output [T, H], added times sigmoid(shared_gate [T, 1]) (or 1 without a gate)."""
         if self.quantized is not None:
-            out = self.packed_experts(x, ids, weights)
-            if shared is not None and shared_gate is not None:
-                # the sigmoid in float64, rounded once: torch's float32 sigmoid of a [T, 1] tensor takes its
-                # scalar or its vector loop by T (fused_experts computes it in C++ for that reason)
-                gate = torch.sigmoid(shared_gate.double()).to(shared.dtype)
-                out = out + gate * shared
-            elif shared is not None:
-                out = out + shared
-            return out
+            return self.with_shared(self.packed_experts(x, ids, weights), shared, shared_gate)
         if self.w13 is None:
             out = self.reference(x, ids, weights)
             if shared is not None:
@@ -160,6 +154,62 @@ class Experts(nn.Module):
             NO_BIAS if shared_gate is None else shared_gate.float().view(-1),
         )  # fmt: skip
 
+    @staticmethod
+    def with_shared(
+        out: torch.Tensor, shared: torch.Tensor | None, shared_gate: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The experts' sum plus a shared expert's output, gated (the loops' form of fused_experts' shared)."""
+        if shared is not None and shared_gate is not None:
+            # the sigmoid in float64, rounded once: torch's float32 sigmoid of a [T, 1] tensor takes its
+            # scalar or its vector loop by T (fused_experts computes it in C++ for that reason)
+            return out + torch.sigmoid(shared_gate.double()).to(shared.dtype) * shared
+        return out + shared if shared is not None else out
+
+    def product(self, expert: int, down: bool, x: torch.Tensor) -> torch.Tensor:
+        """One expert's gate_up (down False) or down product of x, as it is held: its blocks, packed for
+        fused_experts, or the float weight."""
+        if self.quantized is not None:
+            out: torch.Tensor = self.expert_products(expert)[1 if down else 0](x)
+            return out
+        bias = self.down_proj_bias if down else self.gate_up_proj_bias
+        packed = self.w2 if down else self.w13
+        if packed is None:
+            return F.linear(
+                x, (self.down_proj if down else self.gate_up_proj)[expert], self._bias(bias, expert)
+            )
+        assert self.ops is not None
+        b = bias[expert] if bias is not None else NO_BIAS
+        if self.pairs:
+            return self.ops.linear_pairs(x.contiguous(), packed[expert], b)
+        width = packed.shape[1] * packed.shape[3]  # pack_rows: [out / 16, in, 16]
+        return self.ops.linear_rows(x.contiguous(), packed[expert], b, width)
+
+    def adapted(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, lora: LoraBatch, layer: int
+    ) -> torch.Tensor:
+        """The reference's loop for rows whose adapter targets the experts: each expert hit, in ascending id,
+        adds its rows' B (A x) to its gate_up and down products (lora_add, each row alone) and their weighted
+        outputs to a zero sum. A row's result is its own whatever else the step holds."""
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for expert in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == expert)
+            xr = x[rows]
+            both = self.product(expert, False, xr)
+            lora.add_expert(layer, "gate_up", expert, xr, both, rows)
+            hidden = self.activate(both)
+            y = self.product(expert, True, hidden)
+            lora.add_expert(layer, "down", expert, hidden, y, rows)
+            out.index_add_(0, rows, y.float() * weights[rows, slot, None])
+        return out.to(x.dtype)
+
+    def activate(self, both: torch.Tensor) -> torch.Tensor:
+        """The gated activation of a gate_up product [rows, 2I]: the dense MLP's (and fused_experts') numbers."""
+        if self.act == "silu" and self.ops is not None:
+            return self.ops.silu_and_mul(both)
+        if self.act == "gelu_tanh" and self.ops is not None:
+            return self.ops.gelu_tanh_and_mul(both)
+        return self.gated(both)
+
     def packed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The reference's loop on experts kept packed: each expert hit, in ascending id, runs its rows through
         its two packed products (batch-invariant, csrc/quant_cpu.cpp) and adds them, weighted, into a zero
@@ -169,13 +219,7 @@ class Experts(nn.Module):
         for expert in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == expert)
             gate_up, down = self.expert_products(expert)
-            both = gate_up(x[rows])
-            if self.act == "silu" and self.ops is not None:  # the dense MLP's (and fused_experts') numbers
-                hidden = self.ops.silu_and_mul(both)
-            elif self.act == "gelu_tanh" and self.ops is not None:
-                hidden = self.ops.gelu_tanh_and_mul(both)
-            else:
-                hidden = self.gated(both)
+            hidden = self.activate(gate_up(x[rows]))
             out.index_add_(0, rows, down(hidden).float() * weights[rows, slot, None])
         return out.to(x.dtype)
 
@@ -216,6 +260,7 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp  # config holds this rank's slice of every expert's width; the sum is all-reduced
+        self.index = index  # the layer's (its adapters' slots)
         if config.moe_router not in ROUTERS:
             raise ValueError(f"unknown router {config.moe_router!r}; known: {', '.join(ROUTERS)}")
         self.top_k, self.router, self.ops = config.num_experts_per_tok, config.moe_router, ops
@@ -287,9 +332,38 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         ids, weights = self.route(x)
-        if self.shared_expert is None:
-            out = self.experts(x, ids, weights)
-        else:
+        shared = gate = None
+        if self.shared_expert is not None:
             gate = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
-            out = self.experts(x, ids, weights, self.shared_expert(x), gate)
+            shared = self.shared_expert(x)
+        if lora is not None and lora.on_experts():
+            out = self.with_adapters(x, ids, weights, shared, gate, lora)
+        else:
+            out = self.experts(x, ids, weights, shared, gate)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def with_adapters(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        shared: torch.Tensor | None,
+        gate: torch.Tensor | None,
+        lora: LoraBatch,
+    ) -> torch.Tensor:
+        """Rows whose adapter targets the experts take Experts.adapted; the others fused_experts, as without."""
+        rows = lora.expert_rows
+        others = torch.ones(len(x), dtype=torch.bool)
+        others[rows] = False
+        out = torch.empty_like(x)
+
+        def part(t: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor | None:
+            return t[at] if t is not None else None
+
+        if bool(others.any()):
+            out[others] = self.experts(
+                x[others], ids[others], weights[others], part(shared, others), part(gate, others)
+            )
+        adapted = self.experts.adapted(x[rows], ids[rows], weights[rows], lora.select(rows), self.index)
+        out[rows] = self.experts.with_shared(adapted, part(shared, rows), part(gate, rows))
+        return out
