@@ -114,24 +114,30 @@ def test_a_quantization_config_field_not_served_is_refused_by_name(tmp_path, met
 
 
 @pytest.mark.parametrize("method", ["gptq", "ct-pack"])
-def test_an_act_order_checkpoint_is_served_dequantized_as_hf_runs_it(tmp_path, method, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_an_act_order_checkpoint_is_served_packed_as_hf_runs_it(tmp_path, method, caplog) -> None:  # type: ignore[no-untyped-def]
     """GPTQ's desc_act / compressed-tensors' actorder "group": each group's input dims scattered (g_idx,
-    weight_g_idx). Read back into the input dims' order and served dequantized (with a warning that says
-    so): the dequantized HF model's tokens and logprobs, batched with chunked prefill and prefix caching."""
+    weight_g_idx). Kept as its integers in group order, each product taking its inputs permuted to match
+    (part by part: q, k and v each have their own order), on the Python layers: the dequantized HF model's
+    tokens and logprobs, batched with chunked prefill and prefix caching, and a prompt alone the same bits."""
     folder = str(tmp_path)
     oracle_model = write(
         tiny_llama(), folder, method, group=32, symmetric=method == "ct-pack", act_order=True
     )
     rng = random.Random(9)
     prompts = [[rng.randrange(511) for _ in range(n)] for n in (5, 23)]
-    with caplog.at_level("WARNING", logger="engine.worker"):
+    with caplog.at_level("INFO", logger="engine.worker"):
         tokens, logprobs, core = greedy_with_logprobs(folder, prompts, max_num_batched_tokens=16,
                                                       enable_prefix_caching=True)  # fmt: skip
     assert "14 act-order products" in caplog.text  # q, k, v, o, gate, up and down of two layers
     model = core.executor.runner.model  # type: ignore[attr-defined]
-    assert not [m for m in model.modules() if getattr(m, "quant", None) is not None]
+    quantized = [m for m in model.modules() if getattr(m, "quant", None) is not None]
+    assert len(quantized) == 2 * 4 and all(m.ordered for m in quantized)
+    assert sum(part.order is not None for m in quantized for part in m.quant) == 14
+    assert model.native_layers is None
     for ours, values, prompt in zip(tokens, logprobs, prompts, strict=True):
         check(ours, values, hf_greedy(oracle_model, prompt, MAX_NEW_TOKENS, None))
+    alone, alone_logprobs, _ = greedy_with_logprobs(folder, prompts[1:])
+    assert (alone[0], alone_logprobs[0]) == (tokens[1], logprobs[1])
 
 
 def test_w8a8_refuses_quantization_none_and_a_contradicting_flag(tmp_path) -> None:  # type: ignore[no-untyped-def]

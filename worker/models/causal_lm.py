@@ -224,7 +224,9 @@ class CausalLM(nn.Module):
             dtype_ok = not quantized or self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
             # (experts kept packed run one at a time in Python: Experts.packed_experts)
             packed_experts = any(isinstance(m, Experts) and m.quantized is not None for m in self.modules())
-            if native_stack_serves(self.config) and dtype_ok and not packed_experts:
+            # (act-order products take their inputs permuted, part by part: Linear.ordered)
+            ordered = any(isinstance(m, Linear) and m.ordered for m in self.modules())
+            if native_stack_serves(self.config) and dtype_ok and not packed_experts and not ordered:
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], packed: bool = False) -> None:

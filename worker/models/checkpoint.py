@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -80,7 +81,15 @@ def load_checkpoint(
             if isinstance(tensor, QuantWeight):  # kept packed, as that expert's product (Experts.add_quant)
                 experts = model.get_submodule(prefix)
                 if isinstance(experts, Experts) and tensor.shape == (size, param.shape[2]) and size % 16 == 0:
-                    experts.add_quant(index, part, QuantPart(start, tensor.qtype, tensor.packed(), size))
+                    order = getattr(tensor, "order", None)  # act-order: the product permutes its inputs
+                    inputs = (
+                        torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
+                        if order is not None
+                        else None
+                    )
+                    experts.add_quant(
+                        index, part, QuantPart(start, tensor.qtype, tensor.packed(), size, order=inputs)
+                    )
                     filled[target][index, start : start + size] += 1
                     continue
                 tensor = tensor.dequantize()
@@ -141,12 +150,13 @@ def _keep_packed(
 ) -> bool:
     """Give a Linear or an Embedding a quantized weight as its tiles (QuantPart); False where the weight goes
     elsewhere (a router, stacked experts) or the family converts it otherwise than by moving whole rows."""
-    if getattr(blocks, "order", None) is not None:
-        return False  # act-order: served dequantized (IntBlocks.order)
+    order = getattr(blocks, "order", None)  # act-order: the products permute their inputs (QuantPart.order)
     path, _, kind = target.rpartition(".")
     module = model.get_submodule(path) if kind == "weight" else None
     if not isinstance(module, (Linear, Embedding)) or blocks.shape[1] != module.weight.shape[1]:
         return False
+    if order is not None and (not isinstance(module, Linear) or blocks.activations is not None):
+        return False  # (an embedding's rows, or int8 activations, in the input dims' order: dequantized)
     if family is not None and family.convert is not None:
         probe = torch.arange(blocks.shape[0], dtype=torch.float64).unsqueeze(1)  # row i holds i
         moved = family.convert(target, probe, config)
@@ -159,7 +169,10 @@ def _keep_packed(
         return False  # (the tiles hold 16 rows side by side)
     if blocks.activations is not None and not isinstance(module, Linear):
         return False
-    module.add_quant(QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0], blocks.activations))
+    inputs = torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64)) if order is not None else None
+    module.add_quant(
+        QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0], blocks.activations, inputs)
+    )
     return True
 
 

@@ -167,6 +167,12 @@ class Linear(nn.Linear):
         self.quant_parts = torch.tensor([[part.qtype, 0, part.out_features, 0]], dtype=torch.int64)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    @property
+    def ordered(self) -> bool:
+        """Whether a part takes its inputs permuted (act-order, QuantPart.order): the csrc decoder stack,
+        which runs every part on the same rows, does not serve it."""
+        return any(part.order is not None for part in self.quant or [])
+
     def _quant_forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.quant_bytes is not None and self.quant_parts is not None and self.ops is not None
         dtype = x.dtype
@@ -174,6 +180,18 @@ class Linear(nn.Linear):
         if dtype not in (torch.float32, torch.bfloat16):  # float16: the products take float32 rows
             rows = rows.float()
         bias = self.bias if self.bias is not None else NO_BIAS
+        if self.ordered:  # part by part, each on its own order of x's columns
+            assert self.quant is not None
+            outputs = []
+            for part in self.quant:
+                inputs = rows if part.order is None else rows.index_select(1, part.order)
+                part_bias = (
+                    bias[part.start : part.start + part.out_features] if self.bias is not None else NO_BIAS
+                )
+                outputs.append(
+                    self.ops.linear_quant(inputs, part.packed, part.qtype, part_bias, part.out_features)
+                )
+            return torch.cat(outputs, dim=1).to(dtype).view(*x.shape[:-1], self.out_features)
         # W8A8: each row quantized to int8 per token, int32 sums (csrc/quant_w8a8.cpp)
         product = self.ops.linear_w8a8_parts if self.activations is not None else self.ops.linear_quant_parts
         y = product(rows, self.quant_bytes, self.quant_parts, bias, self.out_features)

@@ -113,7 +113,7 @@ class IntBlocks(QuantWeight):
     offset per (row, group of K / groups dims): weight = fma(scale, q, offset) (worker/quant/int_pack.py).
     order: act-order checkpoints (GPTQ's desc_act, compressed-tensors' actorder "group") group input dims
     that are not side by side; q's columns are then held in group order, column j being input dim
-    order[j], and only the dequantized weight (in the input dims' order) is served."""
+    order[j]: packed so, its products take x's columns in that order (QuantPart.order)."""
 
     bits: int
     q: np.ndarray
@@ -192,6 +192,9 @@ class QuantPart:
     packed: torch.Tensor  # uint8 [out_features / 16, K / B, record]
     out_features: int
     activations: str | None = None  # QuantWeight.activations
+    # act-order (IntBlocks.order): the packed weight's column j is input dim order[j], so the product takes
+    # x[:, order] (int64 [K]); None: the input dims' own order
+    order: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:

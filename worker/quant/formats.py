@@ -8,7 +8,7 @@ never a model that runs and answers otherwise. The layouts, from each format's w
   GPTQ  qweight int32 [K * bits / 32, N]: input dims packed along the rows, dim 8r + i (4-bit) in nibble i
         of row r; qzeros int32 [K / g, N * bits / 32] along the columns, stored less one (v1; gptq_v2 as
         they are); scales f16 [K / g, N]; g_idx [K] the group of each input dim (in order, or with
-        desc_act any order, g dims a group: act-order, served dequantized).
+        desc_act any order, g dims a group: act-order, whose products permute their inputs).
   compressed-tensors pack-quantized: weight_packed int32 [N, K * bits / 32] along the input dims, lowest
         bits first, each value stored plus 2^(bits - 1); weight_scale [N, K / g]; weight_zero_point (when
         asymmetric) packed along the output rows; int-quantized: weight int8 [N, K] as it is.
@@ -188,9 +188,9 @@ def quantized_weights(
     if pending:
         raise UnsupportedModelError(f"quantized modules with tensors missing: {sorted(pending)[:3]}")
     if act_order:
-        logger.warning(
-            "%d act-order products (their groups not in input order) are served dequantized: the packed "
-            "products do not permute their inputs yet",
+        logger.info(
+            "%d act-order products (their groups not in input order) take their inputs permuted, part by part; "
+            "the model runs the Python layers (the csrc decoder stack takes each product's inputs in order)",
             act_order,
         )
 
