@@ -28,12 +28,17 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def serve(
-    folder: str, adapters: dict[str, str], jobs: list[tuple[list[int], str | None]], backend: str = "auto"
+    folder: str,
+    adapters: dict[str, str],
+    jobs: list[tuple[list[int], str | None]],
+    backend: str = "auto",
+    quantization: str | None = None,
 ) -> list[tuple[list[int], list[float]]]:
     """Each job's (greedy tokens, their logprobs), all jobs in one engine's batches (float32; backend torch:
     without the csrc kernels)."""
     worker = WorkerConfig(model=folder, dtype="float32", block_size=16, max_model_len=128, attention_backend=backend,
-                          num_kv_blocks=TINY_KV_TOKENS // 16, lora=LoraConfig(max_loras=2, max_lora_rank=8))  # fmt: skip
+                          num_kv_blocks=TINY_KV_TOKENS // 16, lora=LoraConfig(max_loras=2, max_lora_rank=8),
+                          quantization=quantization)  # fmt: skip
     modules = [LoraAdapter(name=name, path=path) for name, path in adapters.items()]
     core = EngineCore(EngineConfig(worker=worker, lora_modules=modules), InprocExecutor(worker))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
@@ -131,6 +136,25 @@ def test_the_per_expert_form_gives_the_stacked_forms_bits(tmp_path) -> None:  # 
         base, {"stacked": stacked, "modules": str(modules)}, [(prompt, "stacked"), (prompt, "modules")]
     )
     assert a == b
+
+
+def test_an_adapter_on_experts_kept_packed_equals_it_on_the_file_dequantized(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A Qwen3-MoE GGUF file whose experts keep their blocks (Experts.product on each expert's packed Linears):
+    with an adapter on the experts, the tokens of the same file dequantized, and logprobs to float32
+    rounding (the products are the same bits; fused_experts fuses the weighted sum's terms)."""
+    from tests.test_quantized_gguf import experts_too, tiny_gguf
+
+    path = tiny_gguf(tmp_path, "qwen3moe", experts_too)
+    adapter = make_adapter(str(tmp_path / "qwen3moe"), str(tmp_path / "experts"), 4, 8, [], seed=6, scale=0.3,
+                           parameters=EXPERTS)  # fmt: skip
+    prompt = [random.Random(7).randrange(VOCAB - 1) for _ in range(20)]
+    jobs = [(prompt, "experts"), (prompt, None)]
+    packed = serve(path, {"experts": adapter}, jobs, quantization="gguf")
+    dense = serve(path, {"experts": adapter}, jobs, quantization="none")
+    assert packed[0] != packed[1], "the adapter changes the output"
+    for (tokens, logprobs), (expected, expected_logprobs) in zip(packed, dense, strict=True):
+        assert tokens == expected
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-5, rtol=0)
 
 
 def test_what_an_adapter_may_not_target_on_a_mixture_is_refused_by_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
