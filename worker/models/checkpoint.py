@@ -150,12 +150,14 @@ def _keep_packed(
 ) -> bool:
     """Give a Linear or an Embedding a quantized weight as its tiles (QuantPart); False where the weight goes
     elsewhere (a router, stacked experts) or the family converts it otherwise than by moving whole rows."""
-    order = getattr(blocks, "order", None)  # act-order: the products permute their inputs (QuantPart.order)
+    input_order = getattr(
+        blocks, "order", None
+    )  # act-order: the products permute their inputs (QuantPart.order)
     path, _, kind = target.rpartition(".")
     module = model.get_submodule(path) if kind == "weight" else None
     if not isinstance(module, (Linear, Embedding)) or blocks.shape[1] != module.weight.shape[1]:
         return False
-    if order is not None and (not isinstance(module, Linear) or blocks.activations is not None):
+    if input_order is not None and (not isinstance(module, Linear) or blocks.activations is not None):
         return False  # (an embedding's rows, or int8 activations, in the input dims' order: dequantized)
     if family is not None and family.convert is not None:
         probe = torch.arange(blocks.shape[0], dtype=torch.float64).unsqueeze(1)  # row i holds i
@@ -169,7 +171,9 @@ def _keep_packed(
         return False  # (the tiles hold 16 rows side by side)
     if blocks.activations is not None and not isinstance(module, Linear):
         return False
-    inputs = torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64)) if order is not None else None
+    inputs = (
+        None if input_order is None else torch.from_numpy(np.ascontiguousarray(input_order, dtype=np.int64))
+    )
     module.add_quant(
         QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0], blocks.activations, inputs)
     )
