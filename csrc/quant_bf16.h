@@ -24,6 +24,17 @@ namespace quant_kernel {
 constexpr int BF16_ROWS = 8;  // rows a pass
 constexpr int64_t PAIR = 2;
 
+#if defined(__AVX512VBMI__)
+// vpmultishiftqb's bit offsets for Q6_K's top bits: lane c (qword c / 2, bytes 4 (c % 2) on) byte 0 at 2c,
+// byte 2 at 32 + 2c (the other bytes are masked off after)
+inline __m512i q6_shifts() {
+  alignas(64) static constexpr uint8_t offsets[64] = {
+      0,  0, 32, 0, 2,  0, 34, 0, 4,  0, 36, 0, 6,  0, 38, 0, 8,  0, 40, 0, 10, 0, 42, 0, 12, 0, 44, 0, 14, 0, 46, 0,
+      16, 0, 48, 0, 18, 0, 50, 0, 20, 0, 52, 0, 22, 0, 54, 0, 24, 0, 56, 0, 26, 0, 58, 0, 28, 0, 60, 0, 30, 0, 62, 0};
+  return _mm512_load_si512(offsets);
+}
+#endif
+
 // The 16 rows' stored integers at dims k and k + 1 (k even) as bf16 pairs: lane c holds (q[k][c], q[k + 1][c]).
 template <int64_t T>
 inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
@@ -53,6 +64,14 @@ inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
       q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(bits), q, _mm512_set1_epi32(16));
       q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(bits >> 16), q, _mm512_set1_epi32(16 << 16));
     } else if constexpr (T == Q6_K) {
+#if defined(__AVX512VBMI__)
+      // dims k and k + 1's words (row c's top two bits at 2c, 2c + 1) in one qword, copied to every qword: each
+      // lane's byte 0 takes the 8 bits from 2c of dim k's word, its byte 2 from 32 + 2c (dim k + 1's)
+      uint64_t both;
+      std::memcpy(&both, rec + t.high + k * 4, 8);
+      const __m512i top = _mm512_multishift_epi64_epi8(q6_shifts(), _mm512_set1_epi64(static_cast<int64_t>(both)));
+      q = _mm512_ternarylogic_epi32(q, _mm512_slli_epi32(top, 4), _mm512_set1_epi32(0x00300030), 0xF8);
+#else
       uint32_t bits[2];  // dims k and k + 1: row c's top two bits at 2c, 2c + 1
       std::memcpy(bits, rec + t.high + k * 4, 8);
       q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(_pext_u32(bits[0], 0x55555555u)), q, _mm512_set1_epi32(16));
@@ -61,6 +80,7 @@ inline __m512i pair_ints(const uint8_t* rec, const Traits& t, int64_t k) {
                                _mm512_set1_epi32(16 << 16));
       q = _mm512_mask_or_epi32(q, static_cast<__mmask16>(_pext_u32(bits[1], 0xAAAAAAAAu)), q,
                                _mm512_set1_epi32(32 << 16));
+#endif
     }
     return _mm512_or_si512(q, _mm512_set1_epi32(0x43004300));
   }
