@@ -292,3 +292,59 @@ def test_a_group_size_the_tensors_contradict_is_refused_by_name(tmp_path) -> Non
         UnsupportedModelError, match="_proj: awq .* groups of 128 dims, the config's group_size is 64"
     ):
         list(iterate_weights(str(tmp_path), load_model_config(str(tmp_path)), progress=False, packed=True))
+
+
+def test_act_order_experts_keep_their_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A Qwen3-MoE GPTQ checkpoint as AutoGPTQ writes mixtures (each expert's gate_proj, up_proj and down_proj a
+    quantized module of its own), in act-order: each expert keeps its integers and its input order
+    (Experts.packed_experts on packed Linears): the tokens and logprobs of HF running the dequantized model."""
+    from safetensors.torch import save_file
+
+    from tests.family_models import BUILDERS
+    from tests.quant_writers import dequantized, pack_words, quantize
+
+    torch.manual_seed(0)
+    model = BUILDERS["qwen3_moe"]().eval()
+    tensors = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    rng = torch.Generator().manual_seed(4)
+    for i, layer in enumerate(model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:  # (a dense layer)
+            continue
+        inter = experts.down_proj.shape[2]
+        for e in range(experts.gate_up_proj.shape[0]):
+            weights = {"gate_proj": experts.gate_up_proj[e, :inter], "up_proj": experts.gate_up_proj[e, inter:],
+                       "down_proj": experts.down_proj[e]}  # fmt: skip
+            for name, w in weights.items():
+                k = w.shape[1]
+                order = torch.randperm(k, generator=rng)
+                q, scale, zero = quantize(w.detach()[:, order], 4, 32, True, torch.float16)
+                where = torch.empty_like(order)
+                where[order] = torch.arange(k)
+                with torch.no_grad():
+                    w.copy_(dequantized(q, scale, zero)[:, where])
+                prefix = f"model.layers.{i}.mlp.experts.{e}.{name}"
+                tensors[f"{prefix}.qweight"] = pack_words(q[:, where], 4).T.contiguous()
+                tensors[f"{prefix}.qzeros"] = pack_words(zero.T - 1, 4)
+                tensors[f"{prefix}.scales"] = scale.T.contiguous()
+                tensors[f"{prefix}.g_idx"] = (where // 32).to(torch.int32)
+        del (
+            tensors[f"model.layers.{i}.mlp.experts.gate_up_proj"],
+            tensors[f"model.layers.{i}.mlp.experts.down_proj"],
+        )
+    folder = str(tmp_path)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    model.config.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = [type(model).__name__]
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                                     "sym": True, "checkpoint_format": "gptq"}  # fmt: skip
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    prompts = [[random.Random(3).randrange(500) for _ in range(n)] for n in (6, 19)]
+    tokens, logprobs, core = greedy_with_logprobs(folder, prompts, max_num_batched_tokens=16)
+    packed = [m for m in core.executor.runner.model.modules() if getattr(m, "quantized", None) is not None]  # type: ignore[attr-defined]
+    assert packed, "the experts were not kept packed"
+    for ours, values, prompt in zip(tokens, logprobs, prompts, strict=True):
+        check(ours, values, hf_greedy(model, prompt, MAX_NEW_TOKENS, None))
