@@ -3,7 +3,8 @@
     python -m benchmarks.quant_formats [--steps 20] [--rounds 3]
 
 The bundled SmolLM2-135M (its GGUF file dequantized to float32 by transformers) is quantized here as AWQ
-(4-bit, groups of 64: 128 does not divide its 576 dims), GPTQ (4-bit, groups of 64), compressed-tensors
+(4-bit, groups of 64: 128 does not divide its 576 dims), GPTQ (4-bit, groups of 64; and in act-order, whose
+products permute their inputs on the Python layers), compressed-tensors
 W4A16 (groups of 64) and W8A8
 (int8 per channel, activations per token) by tests/quant_writers.py, and served in-process beside the same
 model in bf16 (a folder of its float weights) and the GGUF file's Q4_1 blocks: the median wall-clock time
@@ -26,6 +27,7 @@ from benchmarks.family_steps import compare, engine
 FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "awq g64": ("awq", {"group": 64}),
     "gptq g64": ("gptq", {"group": 64, "symmetric": True}),
+    "gptq g64 act-order": ("gptq", {"group": 64, "symmetric": True, "act_order": "input"}),
     "ct w4a16 g64": ("ct-pack", {"group": 64, "symmetric": True}),
     "ct w8a8": ("ct-int8", {"bits": 8, "group": -1}),
 }
@@ -50,6 +52,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/quant_formats.json")
+    parser.add_argument(
+        "--formats", nargs="+", default=None, help=f"a subset of: 'gguf q4_1' {' '.join(map(repr, FORMATS))}"
+    )
     args = parser.parse_args()
     from tests.conftest import smollm2_path
     from tests.hf_oracle import hf_model_of_gguf
@@ -62,10 +67,14 @@ def main() -> None:
         hf_model_of_gguf(gguf).save_pretrained(dense)
         variants = {"gguf q4_1": gguf}
         for label, (method, options) in FORMATS.items():
-            folder = f"{root}/{method}"
+            if args.formats is not None and label not in args.formats:
+                continue
+            folder = f"{root}/{label.replace(' ', '-')}"
             write(hf_model_of_gguf(gguf), folder, method, **options)
             variants[label] = folder
         for label, folder in variants.items():
+            if args.formats is not None and label not in args.formats:
+                continue
             row: dict[str, Any] = {"format": label}
             for batch in (1, 16):
                 core = engine(folder, "bfloat16", batch, args.steps)

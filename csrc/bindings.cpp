@@ -48,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GELU(gate, tanh form) * up (CPU)");
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax of float32 or bfloat16 logits (CPU)");
+  m.def("gather_columns", &gather_columns, "x[:, order] of a [M, K] tensor (CPU)");
   m.def("lora_add", &lora_add, "y += B_s A_s x for the rows that use LoRA slot s, in place (CPU)");
   m.def("parallel_threads", &parallel_threads, "Threads one parallel_for of these kernels runs on");
   m.def("decoder_layers", &decoder_layers, "The decoder layers of a step whose attention is all paged rows (CPU)");

@@ -63,6 +63,7 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor block_ids,
               torch::Tensor offsets);
 torch::Tensor argmax_rows(torch::Tensor logits);
+torch::Tensor gather_columns(torch::Tensor x, torch::Tensor order);
 // LoRA's products for the rows that use an adapter, added to a fused product's output (csrc/lora_cpu.cpp).
 void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt, torch::Tensor row_slots,
               torch::Tensor bounds, torch::Tensor ranks);

@@ -15,6 +15,7 @@ import torch
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i holds column AWQ_PACK_ORDER[i] of 8
 PRODUCTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # products of one input
 
 
 def tiny_llama(seed: int = 0, initializer_range: float = 0.3) -> Any:
@@ -85,14 +86,23 @@ def write(model: Any, folder: str, method: str, **options: Any) -> Any:
     scale_dtype = torch.bfloat16 if method.startswith("ct") else torch.float16
     act_order = options.get("act_order", False)
     rng = torch.Generator().manual_seed(3)
+    orders: dict[str, torch.Tensor] = {}  # act_order "input": one order per input the products share
     for name, module in model.named_modules():
         if name.rpartition(".")[2] not in PRODUCTS:
             continue
         w = module.weight.detach()
         # act-order (GPTQ's desc_act, compressed-tensors' actorder "group"): the groups are formed over the
-        # input dims in an order of their own; g_idx says each dim's group
+        # input dims in an order of their own; g_idx says each dim's group. GPTQ orders them by the input's
+        # statistics, so products of one input (q, k and v; gate and up) share it: act_order="input"; True
+        # gives each product an order of its own
         k = w.shape[1]
-        order = torch.randperm(k, generator=rng) if act_order else torch.arange(k)
+        stem, _, leaf = name.rpartition(".")
+        shared_input = f"{stem}.{SHARED_INPUT.get(leaf, leaf)}"
+        if act_order == "input" and shared_input in orders:
+            order = orders[shared_input]
+        else:
+            order = torch.randperm(k, generator=rng) if act_order else torch.arange(k)
+            orders[shared_input] = order
         q, scale, zero = quantize(w[:, order], bits, group, symmetric, scale_dtype)
         where = torch.empty_like(order)
         where[order] = torch.arange(k)  # where each input dim went

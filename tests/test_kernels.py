@@ -357,6 +357,17 @@ def test_argmax_rows_first_maximum(ops, dtype) -> None:  # type: ignore[no-untyp
     assert torch.equal(ops.argmax_rows(logits), ops.argmax_rows(logits.float()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_columns_is_index_select_on_the_columns(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(17, 1536, generator=torch.Generator().manual_seed(6)).to(dtype)
+    order = torch.randperm(576, generator=torch.Generator().manual_seed(7))
+    view = x[:, :576]  # rows 1536 apart
+    assert torch.equal(ops.gather_columns(view, order), view.index_select(1, order))
+    assert torch.equal(ops.gather_columns(x[:0, :576], order), x[:0, :576])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.gather_columns(view, torch.full((576,), 576))
+
+
 def prefill_metadata(chunks: list[PrefillChunk]) -> AttentionMetadata:
     """A step of prefill chunks only; their KV is already in the cache."""
     empty = torch.zeros(0, dtype=torch.long)

@@ -113,15 +113,18 @@ def test_a_quantization_config_field_not_served_is_refused_by_name(tmp_path, met
         resolve_quantization(None, str(tmp_path))
 
 
-@pytest.mark.parametrize("method", ["gptq", "ct-pack"])
-def test_an_act_order_checkpoint_is_served_packed_as_hf_runs_it(tmp_path, method, caplog) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("method", "orders"), [("gptq", "input"), ("ct-pack", True)], ids=["gptq-shared", "ct-pack-own"]
+)
+def test_an_act_order_checkpoint_is_served_packed_as_hf_runs_it(tmp_path, method, orders, caplog) -> None:  # type: ignore[no-untyped-def]
     """GPTQ's desc_act / compressed-tensors' actorder "group": each group's input dims scattered (g_idx,
     weight_g_idx). Kept as its integers in group order, each product taking its inputs permuted to match
-    (part by part: q, k and v each have their own order), on the Python layers: the dequantized HF model's
-    tokens and logprobs, batched with chunked prefill and prefix caching, and a prompt alone the same bits."""
+    (once, where its parts share an order as GPTQ's q, k and v do; else part by part), on the Python layers:
+    the dequantized HF model's tokens and logprobs, batched with chunked prefill and prefix caching, and a
+    prompt alone the same bits."""
     folder = str(tmp_path)
     oracle_model = write(
-        tiny_llama(), folder, method, group=32, symmetric=method == "ct-pack", act_order=True
+        tiny_llama(), folder, method, group=32, symmetric=method == "ct-pack", act_order=orders
     )
     rng = random.Random(9)
     prompts = [[rng.randrange(511) for _ in range(n)] for n in (5, 23)]
@@ -133,6 +136,8 @@ def test_an_act_order_checkpoint_is_served_packed_as_hf_runs_it(tmp_path, method
     quantized = [m for m in model.modules() if getattr(m, "quant", None) is not None]
     assert len(quantized) == 2 * 4 and all(m.ordered for m in quantized)
     assert sum(part.order is not None for m in quantized for part in m.quant) == 14
+    shared = [m.shared_order is not None for m in quantized]
+    assert shared == [True] * 8 if orders == "input" else shared == [False, True, False, True] * 2
     assert model.native_layers is None
     for ours, values, prompt in zip(tokens, logprobs, prompts, strict=True):
         check(ours, values, hf_greedy(oracle_model, prompt, MAX_NEW_TOKENS, None))

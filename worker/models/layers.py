@@ -127,6 +127,7 @@ class Linear(nn.Linear):
     quant: list[QuantPart] | None = None
     quant_bytes: torch.Tensor | None = None  # the parts back to back (finalize_quant)
     quant_parts: torch.Tensor | None = None
+    shared_order: torch.Tensor | None = None  # act-order: the input order all parts share (finalize_quant)
 
     def add_quant(self, part: QuantPart) -> None:
         if self.quant and any(p.activations != part.activations for p in self.quant):
@@ -153,6 +154,7 @@ class Linear(nn.Linear):
             part.packed = view.view(part.packed.shape)
             offset += size
         self.quant_bytes, self.quant_parts = flat, torch.tensor(rows, dtype=torch.int64)
+        self.shared_order = self._shared_order()
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -167,6 +169,15 @@ class Linear(nn.Linear):
         self.quant_parts = torch.tensor([[part.qtype, 0, part.out_features, 0]], dtype=torch.int64)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    def _shared_order(self) -> torch.Tensor | None:
+        """The one input order every part takes, where they share it (act-order GPTQ orders a module's input
+        dims by its input's statistics, so q, k and v, and gate and up, come in one order)."""
+        orders = [part.order for part in self.quant or []]
+        first = orders[0] if orders else None
+        if first is None or any(o is None or not torch.equal(o, first) for o in orders[1:]):
+            return None
+        return first
+
     @property
     def ordered(self) -> bool:
         """Whether a part takes its inputs permuted (act-order, QuantPart.order): the csrc decoder stack,
@@ -180,18 +191,24 @@ class Linear(nn.Linear):
         if dtype not in (torch.float32, torch.bfloat16):  # float16: the products take float32 rows
             rows = rows.float()
         bias = self.bias if self.bias is not None else NO_BIAS
-        if self.ordered:  # part by part, each on its own order of x's columns
+        if self.ordered:
             assert self.quant is not None
-            outputs = []
-            for part in self.quant:
-                inputs = rows if part.order is None else rows.index_select(1, part.order)
-                part_bias = (
-                    bias[part.start : part.start + part.out_features] if self.bias is not None else NO_BIAS
-                )
-                outputs.append(
-                    self.ops.linear_quant(inputs, part.packed, part.qtype, part_bias, part.out_features)
-                )
-            return torch.cat(outputs, dim=1).to(dtype).view(*x.shape[:-1], self.out_features)
+            shared = self.shared_order
+            if shared is not None:  # every part in one order (GPTQ's q, k and v share their input's)
+                rows = self.ops.gather_columns(rows, shared)
+            else:  # part by part, each on its own order of x's columns
+                outputs = []
+                for part in self.quant:
+                    inputs = rows if part.order is None else self.ops.gather_columns(rows, part.order)
+                    part_bias = (
+                        bias[part.start : part.start + part.out_features]
+                        if self.bias is not None
+                        else NO_BIAS
+                    )
+                    outputs.append(
+                        self.ops.linear_quant(inputs, part.packed, part.qtype, part_bias, part.out_features)
+                    )
+                return torch.cat(outputs, dim=1).to(dtype).view(*x.shape[:-1], self.out_features)
         # W8A8: each row quantized to int8 per token, int32 sums (csrc/quant_w8a8.cpp)
         product = self.ops.linear_w8a8_parts if self.activations is not None else self.ops.linear_quant_parts
         y = product(rows, self.quant_bytes, self.quant_parts, bias, self.out_features)
