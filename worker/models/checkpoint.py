@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -81,14 +80,9 @@ def load_checkpoint(
             if isinstance(tensor, QuantWeight):  # kept packed, as that expert's product (Experts.add_quant)
                 experts = model.get_submodule(prefix)
                 if isinstance(experts, Experts) and tensor.shape == (size, param.shape[2]) and size % 16 == 0:
-                    order = getattr(tensor, "order", None)  # act-order: the product permutes its inputs
-                    inputs = (
-                        torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
-                        if order is not None
-                        else None
-                    )
+                    order = tensor.input_order()  # act-order: the product permutes its inputs
                     experts.add_quant(
-                        index, part, QuantPart(start, tensor.qtype, tensor.packed(), size, order=inputs)
+                        index, part, QuantPart(start, tensor.qtype, tensor.packed(), size, order=order)
                     )
                     filled[target][index, start : start + size] += 1
                     continue
@@ -150,9 +144,7 @@ def _keep_packed(
 ) -> bool:
     """Give a Linear or an Embedding a quantized weight as its tiles (QuantPart); False where the weight goes
     elsewhere (a router, stacked experts) or the family converts it otherwise than by moving whole rows."""
-    input_order = getattr(
-        blocks, "order", None
-    )  # act-order: the products permute their inputs (QuantPart.order)
+    input_order = blocks.input_order()  # act-order: the products permute their inputs (QuantPart.order)
     path, _, kind = target.rpartition(".")
     module = model.get_submodule(path) if kind == "weight" else None
     if not isinstance(module, (Linear, Embedding)) or blocks.shape[1] != module.weight.shape[1]:
@@ -171,11 +163,8 @@ def _keep_packed(
         return False  # (the tiles hold 16 rows side by side)
     if blocks.activations is not None and not isinstance(module, Linear):
         return False
-    inputs = (
-        None if input_order is None else torch.from_numpy(np.ascontiguousarray(input_order, dtype=np.int64))
-    )
     module.add_quant(
-        QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0], blocks.activations, inputs)
+        QuantPart(start, blocks.qtype, blocks.packed(), blocks.shape[0], blocks.activations, input_order)
     )
     return True
 

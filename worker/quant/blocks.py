@@ -38,6 +38,11 @@ class QuantWeight:
     def packed(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def input_order(self) -> torch.Tensor | None:
+        """int64 [K]: the packed weight's column j is input dim order[j] (act-order, QuantPart.order); None:
+        the input dims' own order."""
+        return None
+
     def narrow(self, dim: int, start: int, length: int) -> QuantWeight:
         """Rows (dim 0) or input dims (dim 1, whole blocks only) [start, start + length): a rank's slice."""
         raise ValueError(f"a {self.type_name} weight is not sliced for tensor parallel yet")
@@ -153,6 +158,11 @@ class IntBlocks(QuantWeight):
             unordered[:, self.order] = weight
             weight = unordered
         return torch.from_numpy(weight)
+
+    def input_order(self) -> torch.Tensor | None:
+        return (
+            None if self.order is None else torch.from_numpy(np.ascontiguousarray(self.order, dtype=np.int64))
+        )
 
     def packed(self) -> torch.Tensor:
         qtype = int_pack.IntType(self.qtype)
