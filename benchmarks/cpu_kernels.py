@@ -1,12 +1,15 @@
 """The csrc kernels against what they replace, on this CPU, the two alternating in one process:
 
-    python -m benchmarks.cpu_kernels [--rows 1 16 64 256] [--rounds 7]
+    python -m benchmarks.cpu_kernels [--rows 1 16 64 256] [--rounds 7] [--parts products prefill encoder]
 
 - products: a SmolLM2 decode step's 121 bf16 products (30 layers' own weights, and the logits) at each
   row count, oneDNN's packed weights against the pair layout (`csrc/gemm_cpu.cpp`, where the build has
   AVX-512 BF16) and the AMX tiles on that layout (`csrc/gemm_amx_cpu.cpp`, where the CPU has AMX);
 - prefill attention: 30 layers of paged prefill rows in four shapes, the rows one by one against each
-  kind of tiles this CPU runs (`use_prefill_tiles`: AVX-512 BF16, AMX).
+  kind of tiles this CPU runs (`use_prefill_tiles`: AVX-512 BF16, AMX);
+- encoder attention: one layer of an encoder's bidirectional attention (all-MiniLM-L6-v2's 28 inputs of
+  40-110 tokens, Whisper-base's 1,500 frames), torch's SDPA a call per input against csrc
+  `encoder_attention` (`csrc/encoder_attention_cpu.cpp`), in bf16 and float32.
 
 Prints medians (ms) and each candidate's ratio to the first column. The reading:
 benchmarks/results/2026-11-29-lab-notes-performance.md, "On a CPU without AMX".
@@ -124,19 +127,57 @@ def prefill_attention(ops: Any, rounds: int) -> None:
     ops.use_prefill_tiles("auto")
 
 
+def encoder_attention(ops: Any, rounds: int) -> None:
+    generator = torch.Generator().manual_seed(2)
+    cases = {  # (heads, head_dim, each input's tokens)
+        "MiniLM, 28 x 40-110": (12, 32, torch.randint(40, 111, (28,), generator=generator).tolist()),
+        "Whisper-base, 1 x 1,500": (8, 64, [1500]),
+    }
+
+    def sdpa(qkv: torch.Tensor, heads: int, segments: list[tuple[int, int]]) -> None:
+        x = qkv.view(qkv.shape[0], 3, heads, -1)
+        for start, end in segments:
+            q, k, v = x[start:end].permute(1, 2, 0, 3).contiguous().unsqueeze(1).unbind(0)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def csrc(qkv: torch.Tensor, heads: int, segments: list[tuple[int, int]]) -> None:
+        third = qkv.shape[1] // 3
+        q, k, v = qkv[:, :third], qkv[:, third : 2 * third], qkv[:, 2 * third :]
+        ops.encoder_attention(q, k, v, torch.tensor(segments), heads, (third // heads) ** -0.5)
+
+    print("encoder attention, one layer, torch's SDPA per input against csrc encoder_attention:")
+    for name, (heads, dim, lengths) in cases.items():
+        bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+        segments = list(zip(bounds[:-1], bounds[1:], strict=True))
+        for dtype in (torch.bfloat16, torch.float32):
+            qkv = torch.randn(bounds[-1], 3 * heads * dim, generator=generator).to(dtype)
+            times: dict[str, list[float]] = {"sdpa": [], "encoder_attention": []}
+            with torch.inference_mode():
+                for _ in range(rounds):
+                    times["sdpa"].append(timed(sdpa, qkv, heads, segments))
+                    times["encoder_attention"].append(timed(csrc, qkv, heads, segments))
+            report(f"  {name} {str(dtype).removeprefix('torch.')}", times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--parts", nargs="+", default=["products", "prefill", "encoder"],
+                        choices=["products", "prefill", "encoder"])  # fmt: skip
     args = parser.parse_args()
     ops = load_cpu_ops()
     if ops is None:
         raise SystemExit("the csrc kernels did not build here: nothing to compare")
     print(f"torch threads: {torch.get_num_threads()}; prefill tiles here: {ops.prefill_tiles() or 'none'}")
-    products(ops, args.rows, args.rounds)
-    prefill_attention(ops, args.rounds)
+    if "products" in args.parts:
+        products(ops, args.rows, args.rounds)
+    if "prefill" in args.parts:
+        prefill_attention(ops, args.rounds)
+    if "encoder" in args.parts:
+        encoder_attention(ops, args.rounds)
 
 
 if __name__ == "__main__":

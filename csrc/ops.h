@@ -54,6 +54,10 @@ torch::Tensor fused_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor we
                             torch::Tensor w2, torch::Tensor b13, torch::Tensor b2, int64_t activation, double alpha,
                             double limit, torch::Tensor shared, torch::Tensor shared_gate);
 
+// Bidirectional attention of encoder inputs, each segment of rows by itself (csrc/encoder_attention_cpu.cpp).
+torch::Tensor encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,
+                                int64_t heads, double scale);
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,

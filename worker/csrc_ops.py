@@ -47,6 +47,7 @@ SOURCES = [
         "quant_cpu.cpp",
         "quant_w8a8.cpp",
         "gguf_pack_cpu.cpp",
+        "encoder_attention_cpu.cpp",
     )
 ]
 # -fopenmp: at::parallel_for runs the whole range on the calling thread unless the extension itself is
@@ -136,6 +137,15 @@ class CpuOps(Protocol):
     ) -> None: ...
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
     def gather_columns(self, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor: ...
+    def encoder_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: torch.Tensor,
+        heads: int,
+        scale: float,
+    ) -> torch.Tensor: ...
     def route_experts(
         self,
         logits: torch.Tensor,

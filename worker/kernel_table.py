@@ -53,11 +53,14 @@ def kernel_table(
 ) -> list[tuple[str, str]]:
     linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
     first = next(iter(linears.values()))
+    kernels = model.ops is not None
+    encoder = "csrc encoder_attention, every input in one call" if kernels else "torch SDPA per input"
     if isinstance(model, WhisperModel):  # worker/models/whisper.py
-        return [("products", product_kernel(first)), ("encoder attention", "torch SDPA per input"),
-                ("cross attention", "torch SDPA per request"), ("self attention", type(backend).__name__)]  # fmt: skip
+        cross = "csrc paged rows" if kernels else "torch SDPA per request"
+        return [("products", product_kernel(first)), ("encoder attention", encoder),
+                ("cross attention", cross), ("self attention", type(backend).__name__)]  # fmt: skip
     if not isinstance(model, CausalLM):  # an encoder (worker/models/bert.py)
-        return [("products", product_kernel(first)), ("attention", "torch SDPA per input, bidirectional")]
+        return [("products", product_kernel(first)), ("attention", f"{encoder}, bidirectional")]
     table = [
         ("products", product_kernel(first)),
         ("lm_head", product_kernel(model.lm_head)),

@@ -89,8 +89,9 @@ class Conv1d(nn.Conv1d):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
+        self.ops = ops  # csrc encoder_attention, or None: torch's scaled_dot_product_attention
         hidden = config.hidden_size
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.self_attn_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
@@ -103,24 +104,33 @@ class EncoderLayer(nn.Module):
         batch, length, hidden = x.shape
         attn = self.self_attn
         h = self.self_attn_layer_norm(x).view(batch * length, hidden)
-        shape = (batch, length, self.num_heads, self.head_dim)
-        q = (attn.q_proj(h) * self.head_dim**-0.5).view(shape).transpose(1, 2)  # [b, heads, n, head_dim]
-        k = attn.k_proj(h).view(shape).transpose(1, 2)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), scale=1.0)
-        x = x + attn.out_proj(out.transpose(1, 2).reshape(batch * length, hidden)).view(x.shape)
+        q, k, v = attn.q_proj(h) * self.head_dim**-0.5, attn.k_proj(h), attn.v_proj(h)  # [b * n, hidden]
+        if self.ops is not None:  # each input its own segment of rows
+            segments = torch.arange(batch + 1, dtype=torch.int64).mul_(length).unfold(0, 2, 1)
+            out = self.ops.encoder_attention(q, k, v, segments, self.num_heads, 1.0)
+        else:
+            shape = (batch, length, self.num_heads, self.head_dim)
+            q, k, v = (
+                t.view(shape).transpose(1, 2).contiguous() for t in (q, k, v)
+            )  # [b, heads, n, head_dim]
+            out = (
+                F.scaled_dot_product_attention(q, k, v, scale=1.0)
+                .transpose(1, 2)
+                .reshape(batch * length, hidden)
+            )
+        x = x + attn.out_proj(out).view(x.shape)
         mlp: torch.Tensor = self.mlp(self.final_layer_norm(x).view(batch * length, hidden)).view(x.shape)
         return x + mlp
 
 
 class Encoder(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.conv1 = Conv1d(config.num_mel_bins, hidden, kernel_size=3, padding=1, dtype=dtype)
         self.conv2 = Conv1d(hidden, hidden, kernel_size=3, stride=2, padding=1, dtype=dtype)
         self.embed_positions = Embedding(config.encoder_len, hidden, dtype=dtype)
-        self.layers = nn.ModuleList(EncoderLayer(config, dtype) for _ in range(config.encoder_layers))
+        self.layers = nn.ModuleList(EncoderLayer(config, dtype, ops) for _ in range(config.encoder_layers))
         self.layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
@@ -213,7 +223,7 @@ class WhisperModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
         self.config, self.ops = config, ops
-        self.encoder = Encoder(config, dtype)
+        self.encoder = Encoder(config, dtype, ops)
         self.decoder = Decoder(config, dtype, ops)
         self.proj_out = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         # NOTE: Whisper's 51865 (51866) tokens are no multiple of 16: csrc linear_rows takes them padded, or

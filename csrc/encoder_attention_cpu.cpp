@@ -1,0 +1,169 @@
+// Attention of encoder inputs that see each other both ways (BERT; bidirectional, no mask, no cache), each
+// input one segment of the step's rows, attended to by itself alone.
+// Reference: torch's scaled_dot_product_attention over one segment (worker/models/bert.py BertLayer).
+//
+// encoder_attention(q, k, v [T, H * D] float32 or bf16, each row contiguous, any row stride (column slices
+//   of a fused qkv product), segments int64 [S, 2] (segment s is rows [start, end)), heads H,
+//   scale) -> [T, H * D] of q's dtype: softmax(scale q k^T) v per segment and head, in float32, rounded
+//   once at the end.
+//
+// A (segment, head) is one unit of work on one thread: its keys transposed and its values in float32 in
+// the thread's scratch, then query rows in blocks of ROWS. Each score is one sum over the head's dims in
+// order, each output one sum over the segment's keys in order, so a segment's result depends on nothing
+// else in the step (batch-invariant) nor on the thread count. torch's CPU flash kernel took 5.5-7.9 ms
+// per layer for 28 inputs of ~73 tokens (12 heads of 32 dims): a call per input, and tiles sized for long
+// sequences (benchmarks/results/2026-12-06-lab-notes-encoder-attention-zen4.md has the measurements).
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_math.h"
+
+namespace {
+
+// query rows a block: as many accumulators of 16 key scores (or of 16 output dims), each one AVX-512
+// register or two AVX2 ones (16 of those in all)
+#if defined(__AVX512F__)
+constexpr int64_t ROWS = 8;
+#else
+constexpr int64_t ROWS = 4;
+#endif
+constexpr int64_t KEYS = 16;  // key scores a block of the score pass
+
+// 16 float32 lanes: one AVX-512 register, two AVX2 ones, four SSE ones (GCC's vector extension)
+typedef float F16 __attribute__((vector_size(64)));
+
+inline F16 load16(const float* p) {
+  F16 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void store16(float* p, F16 x) { std::memcpy(p, &x, sizeof x); }
+
+template <typename T>
+inline float as_float(T x) {
+  return static_cast<float>(x);
+}
+
+// The row's n scores -> exp(score - max) in place; returns 1 / their sum. Apart, so that its loops vectorize
+// (inside attend_unit's row loop GCC left the exp loop scalar).
+[[gnu::noinline]] float exp_row(float* row, int64_t n) {
+  float top = row[0];
+  for (int64_t j = 1; j < n; ++j) top = std::max(top, row[j]);
+  for (int64_t j = 0; j < n; ++j) row[j] = exp_f32(row[j] - top);
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) sum += row[j];
+  return 1.f / sum;
+}
+
+// One (segment, head): rows [begin, end) of q, k, v at column `col`, into out (row stride out_stride).
+template <typename T>
+void attend_unit(const T* q, const T* k, const T* v, int64_t stride, int64_t begin, int64_t end, int64_t col,
+                 int64_t dim, float scale, T* out, int64_t out_stride, std::vector<float>& scratch) {
+  const int64_t n = end - begin, keys = (n + KEYS - 1) / KEYS * KEYS, width = (dim + 15) / 16 * 16;
+  scratch.resize(static_cast<size_t>(dim * keys + n * width + ROWS * keys + ROWS * dim));
+  float* kt = scratch.data();    // [dim][keys]: the keys transposed, zeros past n
+  float* vf = kt + dim * keys;   // [n][width]: zeros past dim
+  float* s = vf + n * width;     // [ROWS][keys]: a block's scores, then weights
+  float* qf = s + ROWS * keys;   // [ROWS][dim]
+  for (int64_t j = 0; j < keys; ++j)
+    for (int64_t d = 0; d < dim; ++d)
+      kt[d * keys + j] = j < n ? as_float(k[(begin + j) * stride + col + d]) : 0.f;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < width; ++d) vf[j * width + d] = d < dim ? as_float(v[(begin + j) * stride + col + d]) : 0.f;
+  for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
+    const int64_t rows = std::min(ROWS, n - r0);
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t d = 0; d < dim; ++d)
+        qf[r * dim + d] = r < rows ? as_float(q[(begin + r0 + r) * stride + col + d]) : 0.f;
+    // scores: for each block of 16 keys, ROWS x 16 sums over the dims in order
+    for (int64_t j0 = 0; j0 < keys; j0 += KEYS) {
+      F16 acc[ROWS];
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < ROWS; ++r) acc[r] = F16{};
+      for (int64_t d = 0; d < dim; ++d) {
+        const F16 line = load16(kt + d * keys + j0);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < ROWS; ++r) acc[r] += qf[r * dim + d] * line;
+      }
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < ROWS; ++r) store16(s + r * keys + j0, acc[r] * scale);
+    }
+    // softmax over the n keys of each row, in float32
+    float inv_sum[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) inv_sum[r] = exp_row(s + r * keys, n);
+    // outputs: ROWS x dim sums over the keys in order, in blocks of 16 dims (vf's rows padded to 16)
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      F16 acc[ROWS];
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < ROWS; ++r) acc[r] = F16{};
+      for (int64_t j = 0; j < n; ++j) {
+        const F16 line = load16(vf + j * width + d0);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < ROWS; ++r) acc[r] += s[r * keys + j] * line;
+      }
+      const int64_t cols = std::min<int64_t>(16, dim - d0);
+      for (int64_t r = 0; r < rows; ++r) {
+        float sums[16];
+        store16(sums, acc[r] * inv_sum[r]);
+        for (int64_t d = 0; d < cols; ++d) out[(begin + r0 + r) * out_stride + col + d0 + d] = static_cast<T>(sums[d]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* bounds,
+            int64_t count, int64_t heads, int64_t dim, float scale, torch::Tensor& out) {
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t stride = q.stride(0), out_stride = out.stride(0);
+  // q, k and v share a row stride (views of one fused product, or three tensors of one shape); their
+  // offsets from q's data differ, so each is addressed from its own pointer
+  at::parallel_for(0, count * heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scratch;
+    for (int64_t unit = first; unit < last; ++unit) {
+      const int64_t seg = unit / heads, head = unit % heads;
+      attend_unit<T>(qp, kp, vp, stride, bounds[2 * seg], bounds[2 * seg + 1], head * dim, dim, scale, op,
+                     out_stride, scratch);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,
+                                int64_t heads, double scale) {
+  TORCH_CHECK(q.dim() == 2 && k.sizes() == q.sizes() && v.sizes() == q.sizes(), "encoder_attention: q, k, v [T, H*D]");
+  TORCH_CHECK(q.stride(1) == 1 && k.stride(1) == 1 && v.stride(1) == 1, "encoder_attention: rows contiguous");
+  TORCH_CHECK(k.stride(0) == q.stride(0) && v.stride(0) == q.stride(0), "encoder_attention: one row stride");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "encoder_attention: one dtype");
+  TORCH_CHECK(heads > 0 && q.size(1) % heads == 0, "encoder_attention: heads divide the width");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 2, "encoder_attention: segments [S, 2]");
+  const auto b = segments.to(at::kLong).contiguous();
+  const int64_t count = b.size(0), rows = q.size(0);
+  const int64_t* bp = b.data_ptr<int64_t>();
+  for (int64_t s = 0; s < count; ++s)
+    TORCH_CHECK(0 <= bp[2 * s] && bp[2 * s] < bp[2 * s + 1] && bp[2 * s + 1] <= rows,
+                "encoder_attention: rows of segment ", s);
+  // rows no segment covers stay zero
+  auto out = torch::zeros({rows, q.size(1)}, q.options());
+  const int64_t dim = q.size(1) / heads;
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    attend<float>(q, k, v, bp, count, heads, dim, sc, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend<c10::BFloat16>(q, k, v, bp, count, heads, dim, sc, out);
+  } else {
+    TORCH_CHECK(false, "encoder_attention takes float32 or bf16");
+  }
+  return out;
+}

@@ -1,0 +1,63 @@
+"""csrc encoder_attention (bidirectional attention of each segment of rows alone, for encoders such as BERT)
+against a float64 softmax(q k^T) v per segment, and each segment's bits the same alone as among others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# float32 sums over at most a few hundred keys; bf16: the output's one rounding (2^-8 relative)
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def reference(qkv: torch.Tensor, segments: list[tuple[int, int]], heads: int, scale: float) -> torch.Tensor:
+    rows, width = qkv.shape
+    dim = width // 3 // heads
+    x = qkv.double().view(rows, 3, heads, dim)
+    out = torch.zeros(rows, heads, dim, dtype=torch.float64)
+    for start, end in segments:
+        q, k, v = x[start:end].permute(1, 2, 0, 3).unbind(0)  # [heads, n, dim]
+        out[start:end] = ((q @ k.transpose(1, 2)) * scale).softmax(-1).matmul(v).transpose(0, 1)
+    return out.view(rows, heads * dim)
+
+
+def attend(ops, qkv: torch.Tensor, segments: list[tuple[int, int]], heads: int, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    third = qkv.shape[1] // 3
+    q, k, v = qkv[:, :third], qkv[:, third : 2 * third], qkv[:, 2 * third :]
+    out: torch.Tensor = ops.encoder_attention(q, k, v, torch.tensor(segments).view(-1, 2), heads, scale)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "dim", "lengths"),
+    [(12, 32, [1, 2, 7, 8, 9, 16, 17, 73, 128]), (4, 64, [300]), (3, 24, [5, 40]), (2, 80, [33, 1])],
+)
+def test_encoder_attention_matches_a_float64_softmax_per_segment(ops, dtype, heads, dim, lengths) -> None:  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(len(lengths) * dim)
+    segments, start = [], 0
+    for n in lengths:
+        segments.append((start, start + n))
+        start += n
+    qkv = (2 * torch.randn(start, 3 * heads * dim, generator=generator)).to(dtype)
+    scale = dim**-0.5
+    out = attend(ops, qkv, segments, heads, scale)
+    expected = reference(qkv, segments, heads, scale)
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype] * max(
+        1.0, expected.abs().max().item()
+    )
+    # a segment alone gives the same bits as among the others (and the order of segments does not matter)
+    for start, end in segments[::3]:
+        alone = attend(ops, qkv[start:end].contiguous(), [(0, end - start)], heads, scale)
+        assert torch.equal(alone, out[start:end])
+    assert torch.equal(attend(ops, qkv, segments[::-1], heads, scale), out)
+
+
+def test_encoder_attention_refuses_bad_segments(ops) -> None:  # type: ignore[no-untyped-def]
+    qkv = torch.randn(10, 3 * 64)
+    for bad in ([(0, 11)], [(3, 3)], [(-1, 4)]):
+        with pytest.raises(RuntimeError, match="rows of segment 0"):
+            attend(ops, qkv, bad, 2, 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        attend(ops, qkv.half(), [(0, 10)], 2, 0.1)
