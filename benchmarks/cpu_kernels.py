@@ -8,7 +8,8 @@
 - prefill attention: 30 layers of paged prefill rows in four shapes, the rows one by one against each
   kind of tiles this CPU runs (`use_prefill_tiles`: AVX-512 BF16, AMX);
 - encoder attention: one layer of an encoder's bidirectional attention (all-MiniLM-L6-v2's 28 inputs of
-  40-110 tokens, Whisper-base's 1,500 frames), torch's SDPA a call per input against csrc
+  40-110 tokens, Whisper-base's 1,500 frames, a CLIP tower's 1,025 positions), torch's SDPA a call per
+  input against csrc
   `encoder_attention` (`csrc/encoder_attention_cpu.cpp`), in bf16 and float32.
 
 Prints medians (ms) and each candidate's ratio to the first column. The reading:
@@ -132,6 +133,7 @@ def encoder_attention(ops: Any, rounds: int) -> None:
     cases = {  # (heads, head_dim, each input's tokens)
         "MiniLM, 28 x 40-110": (12, 32, torch.randint(40, 111, (28,), generator=generator).tolist()),
         "Whisper-base, 1 x 1,500": (8, 64, [1500]),
+        "CLIP-B/14 at 448, 1 x 1,025": (12, 64, [1025]),
     }
 
     def sdpa(qkv: torch.Tensor, heads: int, segments: list[tuple[int, int]]) -> None:

@@ -122,7 +122,7 @@ def main() -> None:
     ).eval()
     run_oracle(oracle, processor, paths[:2])  # warm-up
     ours_s, oracle_s = [], []
-    agree = 0
+    agree, differ = 0, []
     with serving(model_path, "--dtype", args.dtype, "--served-model-name", "whisper") as served:
         run_ours(served.base, paths[:2])  # warm-up
         for _ in range(args.rounds):
@@ -131,12 +131,13 @@ def main() -> None:
             seconds, expected = run_oracle(oracle, processor, paths)
             oracle_s.append(seconds)
             agree = sum(a == b for a, b in zip(texts, expected, strict=True))
+            differ = [(a, b) for a, b in zip(texts, expected, strict=True) if a != b]
     ours_rps, oracle_rps = args.clips / statistics.median(ours_s), args.clips / statistics.median(oracle_s)
     result = {
         "cpu": cpu_name(), "dtype": args.dtype, "clips": args.clips, "clip_seconds": 10.0,
         "ours_requests_per_s": ours_rps, "oracle_requests_per_s": oracle_rps, "ratio": ours_rps / oracle_rps,
         "ours_seconds": ours_s, "oracle_seconds": oracle_s, "transcripts_equal": f"{agree}/{args.clips}",
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "differing": [{"ours": a, "transformers": b} for a, b in differ],
     }  # fmt: skip
     os.makedirs("benchmarks/results", exist_ok=True)
     with open("benchmarks/results/speech_throughput.json", "w") as f:

@@ -10,9 +10,11 @@
 // A (segment, head) is one unit of work on one thread: its keys transposed and its values in float32 in
 // the thread's scratch, then query rows in blocks of ROWS. Each score is one sum over the head's dims in
 // order, each output one sum over the segment's keys in order, so a segment's result depends on nothing
-// else in the step (batch-invariant) nor on the thread count. torch's CPU flash kernel took 5.5-7.9 ms
-// per layer for 28 inputs of ~73 tokens (12 heads of 32 dims): a call per input, and tiles sized for long
-// sequences (benchmarks/results/2026-12-06-lab-notes-encoder-attention-zen4.md has the measurements).
+// else in the step (batch-invariant) nor on the thread count. bf16 with AVX-512 BF16 takes
+// attend_unit_pairs (two dims, or two keys, a vdpbf16ps step). torch's CPU flash kernel took 5.3-7.8 ms a
+// layer for 28 inputs of ~73 tokens (12 heads of 32 dims), a call per input, where this takes 1.9 (bf16);
+// 31 ms for Whisper-base's 1,500 frames, where this takes 15 (benchmarks/results/
+// 2026-12-06-lab-notes-encoder-attention-zen4.md has the measurements).
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -118,6 +121,96 @@ void attend_unit(const T* q, const T* k, const T* v, int64_t stride, int64_t beg
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline uint32_t bf16_pair(const c10::BFloat16* p) {
+  uint32_t x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+// The same for bf16 with AVX-512 BF16 (head dims even): vdpbf16ps sums two dims (scores) or two keys
+// (outputs) a step, half the instructions. The keys go as pairs of dims [dim / 2][keys], the values as
+// pairs of keys [keys / 2][width], each row's weights rounded to bf16 for the outputs' products (as torch's
+// CPU flash kernel rounds them for its second product); the sum they are divided by stays float32.
+void attend_unit_pairs(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride,
+                       int64_t begin, int64_t end, int64_t col, int64_t dim, float scale, c10::BFloat16* out,
+                       int64_t out_stride, std::vector<float>& scratch) {
+  const int64_t n = end - begin, keys = (n + KEYS - 1) / KEYS * KEYS, width = (dim + 15) / 16 * 16;
+  const int64_t dpairs = dim / 2, kpairs = keys / 2;
+  // float32 slots: kt2 [dpairs][keys], v2 [kpairs][width], s [ROWS][keys], p [ROWS][keys / 2], q2 [ROWS][dpairs]
+  scratch.resize(static_cast<size_t>(dpairs * keys + kpairs * width + ROWS * keys + ROWS * kpairs + ROWS * dpairs));
+  auto* kt2 = reinterpret_cast<uint32_t*>(scratch.data());
+  auto* v2 = kt2 + dpairs * keys;
+  float* s = reinterpret_cast<float*>(v2 + kpairs * width);
+  auto* p = reinterpret_cast<uint32_t*>(s + ROWS * keys);
+  auto* q2 = p + ROWS * kpairs;
+  for (int64_t j = 0; j < keys; ++j)
+    for (int64_t d = 0; d < dpairs; ++d)
+      kt2[d * keys + j] = j < n ? bf16_pair(k + (begin + j) * stride + col + 2 * d) : 0u;
+  const auto* vbits = reinterpret_cast<const uint16_t*>(v);
+  for (int64_t jp = 0; jp < kpairs; ++jp)
+    for (int64_t d = 0; d < width; ++d) {
+      const int64_t j = 2 * jp;
+      const uint32_t lo = j < n && d < dim ? vbits[(begin + j) * stride + col + d] : 0u;
+      const uint32_t hi = j + 1 < n && d < dim ? vbits[(begin + j + 1) * stride + col + d] : 0u;
+      v2[jp * width + d] = lo | (hi << 16);
+    }
+  for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
+    const int64_t rows = std::min(ROWS, n - r0);
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t d = 0; d < dpairs; ++d)
+        q2[r * dpairs + d] = r < rows ? bf16_pair(q + (begin + r0 + r) * stride + col + 2 * d) : 0u;
+    for (int64_t j0 = 0; j0 < keys; j0 += KEYS) {
+      __m512 acc[ROWS];
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dpairs; ++d) {
+        const __m512bh line = as_bf16_pairs(_mm512_loadu_si512(kt2 + d * keys + j0));
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < ROWS; ++r)
+          acc[r] = _mm512_dpbf16_ps(acc[r], line, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(q2[r * dpairs + d]))));
+      }
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < ROWS; ++r) _mm512_storeu_ps(s + r * keys + j0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+    }
+    float inv_sum[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) {
+      float* row = s + r * keys;
+      inv_sum[r] = exp_row(row, n);
+      for (int64_t j = n; j < keys; ++j) row[j] = 0.f;
+      for (int64_t j = 0; j < keys; j += 32) {  // keys is a multiple of 16: the last step may take 16
+        const __m512 lo = _mm512_loadu_ps(row + j);
+        const __m512 hi = j + 16 < keys ? _mm512_loadu_ps(row + j + 16) : _mm512_setzero_ps();
+        const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
+        if (j + 16 < keys)
+          _mm512_storeu_si512(p + r * kpairs + j / 2, reinterpret_cast<const __m512i&>(both));
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * kpairs + j / 2),
+                              _mm512_castsi512_si256(reinterpret_cast<const __m512i&>(both)));
+      }
+    }
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      __m512 acc[ROWS];
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+        const __m512bh line = as_bf16_pairs(_mm512_loadu_si512(v2 + jp * width + d0));
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < ROWS; ++r)
+          acc[r] = _mm512_dpbf16_ps(acc[r], line, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(p[r * kpairs + jp]))));
+      }
+      const int64_t cols = std::min<int64_t>(16, dim - d0);
+      for (int64_t r = 0; r < rows; ++r) {
+        float sums[16];
+        _mm512_storeu_ps(sums, _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r])));
+        for (int64_t d = 0; d < cols; ++d) out[(begin + r0 + r) * out_stride + col + d0 + d] = static_cast<c10::BFloat16>(sums[d]);
+      }
+    }
+  }
+}
+#define ENGINE_ENCODER_PAIRS 1
+#endif
+
 template <typename T>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* bounds,
             int64_t count, int64_t heads, int64_t dim, float scale, torch::Tensor& out) {
@@ -132,6 +225,15 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
     std::vector<float> scratch;
     for (int64_t unit = first; unit < last; ++unit) {
       const int64_t seg = unit / heads, head = unit % heads;
+#if defined(ENGINE_ENCODER_PAIRS)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (dim % 2 == 0) {
+          attend_unit_pairs(qp, kp, vp, stride, bounds[2 * seg], bounds[2 * seg + 1], head * dim, dim, scale, op,
+                            out_stride, scratch);
+          continue;
+        }
+      }
+#endif
       attend_unit<T>(qp, kp, vp, stride, bounds[2 * seg], bounds[2 * seg + 1], head * dim, dim, scale, op,
                      out_stride, scratch);
     }

@@ -1,5 +1,6 @@
 """csrc encoder_attention (bidirectional attention of each segment of rows alone, for encoders such as BERT)
-against a float64 softmax(q k^T) v per segment, and each segment's bits the same alone as among others."""
+against a float64 softmax(q k^T) v per segment, and each segment's bits the same alone as among others. bf16
+with even head dims takes the AVX-512 BF16 form where the build has it (an odd head dim, the float32 form)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,13 @@ def attend(ops, qkv: torch.Tensor, segments: list[tuple[int, int]], heads: int, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "dim", "lengths"),
-    [(12, 32, [1, 2, 7, 8, 9, 16, 17, 73, 128]), (4, 64, [300]), (3, 24, [5, 40]), (2, 80, [33, 1])],
+    [
+        (12, 32, [1, 2, 7, 8, 9, 16, 17, 73, 128]),
+        (4, 64, [300]),
+        (3, 24, [5, 40]),
+        (2, 80, [33, 1]),
+        (2, 7, [9, 3]),
+    ],
 )
 def test_encoder_attention_matches_a_float64_softmax_per_segment(ops, dtype, heads, dim, lengths) -> None:  # type: ignore[no-untyped-def]
     generator = torch.Generator().manual_seed(len(lengths) * dim)

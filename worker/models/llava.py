@@ -42,7 +42,7 @@ class LlavaModel(CausalLM):
     ) -> None:
         super().__init__(config, dtype, ops, tp)
         assert config.vision is not None
-        self.vision_tower = VisionTransformer(config.vision, dtype)
+        self.vision_tower = VisionTransformer(config.vision, dtype, ops)
         self.multi_modal_projector = self.projector(config.vision, config.hidden_size, dtype)
 
     def projector(self, vision: VisionConfig, text_width: int, dtype: torch.dtype) -> torch.nn.Module:

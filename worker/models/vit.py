@@ -3,15 +3,16 @@ tiles of any size), and the projectors that map its features onto the language m
 products with an activation between; Idefics3's pixel shuffle and one product).
 
 Parameter names are the checkpoint's below its `vision_tower.vision_model.` and `multi_modal_projector.`
-prefixes, so that loading is a name-for-name copy. The tower runs in torch (MKL / oneDNN products and
-scaled_dot_product_attention), one image a call: an image's embeddings are the same whatever else the step
-holds. It runs only the layers the features come from (LLaVA's come from the second to last).
+prefixes, so that loading is a name-for-name copy. The tower runs in torch (MKL / oneDNN products), its
+attention on csrc encoder_attention (torch's scaled_dot_product_attention without the kernels), one image a
+call: an image's embeddings are the same whatever else the step holds. It runs only the layers the features come from (LLaVA's come from the second to last).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from torch.nn import functional as F
 
 from worker.model_config import VisionConfig
 from worker.models.norms import OffsetRMSNorm
+
+if TYPE_CHECKING:
+    from worker.csrc_ops import CpuOps
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -85,16 +89,24 @@ def bucket_positions(rows: int, cols: int, side: int) -> torch.Tensor:
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: VisionConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
         width = config.hidden_size
-        self.num_heads = config.num_heads
+        self.num_heads, self.ops = config.num_heads, ops
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
             nn.Linear(width, width, dtype=dtype) for _ in range(4)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [positions, width]
         n, width = x.shape
+        if self.ops is not None:  # every position sees all: one segment
+            q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            whole = torch.tensor([[0, n]])
+            out = self.ops.encoder_attention(
+                q, k, v, whole, self.num_heads, (width // self.num_heads) ** -0.5
+            )
+            attended: torch.Tensor = self.out_proj(out)
+            return attended
         q, k, v = (
             proj(x).view(1, n, self.num_heads, -1).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
@@ -119,11 +131,11 @@ class VisionMLP(nn.Module):
 
 
 class VisionLayer(nn.Module):
-    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: VisionConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
         eps = config.layer_norm_eps
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = VisionAttention(config, dtype)
+        self.self_attn = VisionAttention(config, dtype, ops)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype)
         self.mlp = VisionMLP(config, dtype)
 
@@ -136,19 +148,19 @@ class VisionLayer(nn.Module):
 class VisionEncoder(nn.Module):
     """`encoder.layers`, named as the checkpoint names them."""
 
-    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: VisionConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(VisionLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(VisionLayer(config, dtype, ops) for _ in range(config.num_layers))
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: VisionConfig, dtype: torch.dtype, ops: CpuOps | None = None) -> None:
         super().__init__()
         self.config = config
         width, eps = config.hidden_size, config.layer_norm_eps
         self.embeddings = VisionEmbeddings(config, dtype)
         self.pre_layrnorm = nn.LayerNorm(width, eps=eps, dtype=dtype) if config.pre_norm else None
-        self.encoder = VisionEncoder(config, dtype)
+        self.encoder = VisionEncoder(config, dtype, ops)
         self.post_layernorm = nn.LayerNorm(width, eps=eps, dtype=dtype) if config.post_norm else None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # -> [features, width]
