@@ -1,6 +1,7 @@
 """csrc encoder_attention (bidirectional attention of each segment of rows alone, for encoders such as BERT)
 against a float64 softmax(q k^T) v per segment, and each segment's bits the same alone as among others. bf16
-with even head dims takes the AVX-512 BF16 form where the build has it (an odd head dim, the float32 form)."""
+with even head dims takes the AVX-512 BF16 form where the build has it (an odd head dim, the float32 form).
+And the encoders' product with GELU after it (Linear.gelu: oneDNN's fused GELU on its packed path)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,31 @@ def test_encoder_attention_refuses_bad_segments(ops) -> None:  # type: ignore[no
             attend(ops, qkv, bad, 2, 0.1)
     with pytest.raises(RuntimeError, match="float32 or bf16"):
         attend(ops, qkv.half(), [(0, 10)], 2, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_product_with_gelu_equals_gelu_of_the_product(dtype) -> None:  # type: ignore[no-untyped-def]
+    """Linear.gelu (Whisper's encoder MLP): oneDNN's fused GELU on the packed bf16 path, F.gelu elsewhere."""
+    import torch.nn.functional as F
+
+    from worker.models.layers import Linear, can_pack
+
+    generator = torch.Generator().manual_seed(11)
+    linear = Linear(64, 256, bias=True, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_((0.2 * torch.randn(256, 64, generator=generator)).to(dtype))
+        linear.bias.copy_(torch.randn(256, generator=generator).to(dtype))
+    weight, bias = linear.weight.detach().double(), linear.bias.detach().double()
+    if can_pack(dtype):
+        linear.pack(None)  # oneDNN's layout, no pair kernel: every row count takes the fused path
+    x = torch.randn(300, 64, generator=generator).to(dtype)
+    with torch.inference_mode():
+        out = linear.gelu(x)
+        expected = F.gelu(F.linear(x.double(), weight, bias))
+        unfused = F.gelu(linear(x))
+    assert out.dtype == dtype and out.shape == (300, 256)
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype] * expected.abs().max().item()
+    if dtype == torch.float32:
+        assert torch.equal(out, unfused)
+    else:  # one rounding against two: at most one bf16 step apart
+        assert (out.double() - unfused.double()).abs().max().item() <= 2**-7 * unfused.abs().max().item()

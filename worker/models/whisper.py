@@ -77,7 +77,7 @@ class MLP(nn.Module):
         self.fc2 = Linear(config.intermediate_size, config.hidden_size, bias=True, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.fc2(F.gelu(self.fc1(x)))
+        out: torch.Tensor = self.fc2(self.fc1.gelu(x))
         return out
 
 
