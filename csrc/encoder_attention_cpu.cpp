@@ -12,8 +12,8 @@
 // order, each output one sum over the segment's keys in order, so a segment's result depends on nothing
 // else in the step (batch-invariant) nor on the thread count. bf16 with AVX-512 BF16 takes
 // attend_unit_pairs (two dims, or two keys, a vdpbf16ps step). torch's CPU flash kernel took 5.3-7.8 ms a
-// layer for 28 inputs of ~73 tokens (12 heads of 32 dims), a call per input, where this takes 1.9 (bf16);
-// 31 ms for Whisper-base's 1,500 frames, where this takes 15 (benchmarks/results/
+// layer for 28 inputs of ~73 tokens (12 heads of 32 dims), a call per input, where this takes 1.8 (bf16);
+// 30 ms for Whisper-base's 1,500 frames, where this takes 13.8 (benchmarks/results/
 // 2026-12-06-lab-notes-encoder-attention-zen4.md has the measurements).
 #include "ops.h"
 
@@ -128,6 +128,52 @@ inline uint32_t bf16_pair(const c10::BFloat16* p) {
   return x;
 }
 
+inline __m512bh broadcast_pair(uint32_t x) { return as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(x))); }
+
+// ROWS rows' scores against 32 keys (two lines of 16) over the head's dim pairs: 16 accumulators, so that each
+// line and each broadcast pair feeds several vdpbf16ps (one of each a vdpbf16ps left the loads the limit).
+inline void score_block(const uint32_t* kt2, int64_t keys, int64_t j0, const uint32_t* q2, int64_t dpairs,
+                        float scale, float* s) {
+  __m512 acc[ROWS][2];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dpairs; ++d) {
+    const __m512bh a = as_bf16_pairs(_mm512_loadu_si512(kt2 + d * keys + j0));
+    const __m512bh b = as_bf16_pairs(_mm512_loadu_si512(kt2 + d * keys + j0 + 16));
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m512bh x = broadcast_pair(q2[r * dpairs + d]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, x);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, x);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(s + r * keys + j0, _mm512_mul_ps(acc[r][0], sc));
+    _mm512_storeu_ps(s + r * keys + j0 + 16, _mm512_mul_ps(acc[r][1], sc));
+  }
+}
+
+// 4 rows' outputs in LINES lines of 16 dims from d0, over the key pairs: 4 x LINES accumulators.
+template <int LINES>
+void output_block(const uint32_t* v2, int64_t width, int64_t d0, const uint32_t* p, int64_t kpairs,
+                  int64_t used_pairs, float* sums) {
+  __m512 acc[4][LINES];
+  for (int r = 0; r < 4; ++r)
+    for (int l = 0; l < LINES; ++l) acc[r][l] = _mm512_setzero_ps();
+  for (int64_t jp = 0; jp < used_pairs; ++jp) {
+    __m512bh line[LINES];
+    for (int l = 0; l < LINES; ++l) line[l] = as_bf16_pairs(_mm512_loadu_si512(v2 + jp * width + d0 + 16 * l));
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh x = broadcast_pair(p[r * kpairs + jp]);
+      for (int l = 0; l < LINES; ++l) acc[r][l] = _mm512_dpbf16_ps(acc[r][l], line[l], x);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int l = 0; l < LINES; ++l) _mm512_storeu_ps(sums + r * width + d0 + 16 * l, acc[r][l]);
+}
+
 // The same for bf16 with AVX-512 BF16 (head dims even): vdpbf16ps sums two dims (scores) or two keys
 // (outputs) a step, half the instructions. The keys go as pairs of dims [dim / 2][keys], the values as
 // pairs of keys [keys / 2][width], each row's weights rounded to bf16 for the outputs' products (as torch's
@@ -135,15 +181,18 @@ inline uint32_t bf16_pair(const c10::BFloat16* p) {
 void attend_unit_pairs(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride,
                        int64_t begin, int64_t end, int64_t col, int64_t dim, float scale, c10::BFloat16* out,
                        int64_t out_stride, std::vector<float>& scratch) {
-  const int64_t n = end - begin, keys = (n + KEYS - 1) / KEYS * KEYS, width = (dim + 15) / 16 * 16;
+  const int64_t n = end - begin, keys = (n + 31) / 32 * 32, width = (dim + 15) / 16 * 16;
   const int64_t dpairs = dim / 2, kpairs = keys / 2;
-  // float32 slots: kt2 [dpairs][keys], v2 [kpairs][width], s [ROWS][keys], p [ROWS][keys / 2], q2 [ROWS][dpairs]
-  scratch.resize(static_cast<size_t>(dpairs * keys + kpairs * width + ROWS * keys + ROWS * kpairs + ROWS * dpairs));
+  // float32 slots: kt2 [dpairs][keys], v2 [kpairs][width], s [ROWS][keys], p [ROWS][keys / 2],
+  // q2 [ROWS][dpairs], sums [ROWS][width]
+  scratch.resize(static_cast<size_t>(dpairs * keys + kpairs * width + ROWS * keys + ROWS * kpairs +
+                                     ROWS * dpairs + ROWS * width));
   auto* kt2 = reinterpret_cast<uint32_t*>(scratch.data());
   auto* v2 = kt2 + dpairs * keys;
   float* s = reinterpret_cast<float*>(v2 + kpairs * width);
   auto* p = reinterpret_cast<uint32_t*>(s + ROWS * keys);
   auto* q2 = p + ROWS * kpairs;
+  float* sums = reinterpret_cast<float*>(q2 + ROWS * dpairs);
   for (int64_t j = 0; j < keys; ++j)
     for (int64_t d = 0; d < dpairs; ++d)
       kt2[d * keys + j] = j < n ? bf16_pair(k + (begin + j) * stride + col + 2 * d) : 0u;
@@ -160,52 +209,33 @@ void attend_unit_pairs(const c10::BFloat16* q, const c10::BFloat16* k, const c10
     for (int64_t r = 0; r < ROWS; ++r)
       for (int64_t d = 0; d < dpairs; ++d)
         q2[r * dpairs + d] = r < rows ? bf16_pair(q + (begin + r0 + r) * stride + col + 2 * d) : 0u;
-    for (int64_t j0 = 0; j0 < keys; j0 += KEYS) {
-      __m512 acc[ROWS];
-#pragma GCC unroll 8
-      for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < dpairs; ++d) {
-        const __m512bh line = as_bf16_pairs(_mm512_loadu_si512(kt2 + d * keys + j0));
-#pragma GCC unroll 8
-        for (int64_t r = 0; r < ROWS; ++r)
-          acc[r] = _mm512_dpbf16_ps(acc[r], line, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(q2[r * dpairs + d]))));
-      }
-#pragma GCC unroll 8
-      for (int64_t r = 0; r < ROWS; ++r) _mm512_storeu_ps(s + r * keys + j0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
-    }
+    for (int64_t j0 = 0; j0 < keys; j0 += 32) score_block(kt2, keys, j0, q2, dpairs, scale, s);
     float inv_sum[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) {
       float* row = s + r * keys;
       inv_sum[r] = exp_row(row, n);
       for (int64_t j = n; j < keys; ++j) row[j] = 0.f;
-      for (int64_t j = 0; j < keys; j += 32) {  // keys is a multiple of 16: the last step may take 16
-        const __m512 lo = _mm512_loadu_ps(row + j);
-        const __m512 hi = j + 16 < keys ? _mm512_loadu_ps(row + j + 16) : _mm512_setzero_ps();
-        const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
-        if (j + 16 < keys)
-          _mm512_storeu_si512(p + r * kpairs + j / 2, reinterpret_cast<const __m512i&>(both));
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * kpairs + j / 2),
-                              _mm512_castsi512_si256(reinterpret_cast<const __m512i&>(both)));
+      for (int64_t j = 0; j < keys; j += 32) {  // keys is a multiple of 32
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16), _mm512_loadu_ps(row + j));
+        _mm512_storeu_si512(p + r * kpairs + j / 2, reinterpret_cast<const __m512i&>(both));
       }
     }
-    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-      __m512 acc[ROWS];
-#pragma GCC unroll 8
-      for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
-        const __m512bh line = as_bf16_pairs(_mm512_loadu_si512(v2 + jp * width + d0));
-#pragma GCC unroll 8
-        for (int64_t r = 0; r < ROWS; ++r)
-          acc[r] = _mm512_dpbf16_ps(acc[r], line, as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(p[r * kpairs + jp]))));
-      }
-      const int64_t cols = std::min<int64_t>(16, dim - d0);
-      for (int64_t r = 0; r < rows; ++r) {
-        float sums[16];
-        _mm512_storeu_ps(sums, _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r])));
-        for (int64_t d = 0; d < cols; ++d) out[(begin + r0 + r) * out_stride + col + d0 + d] = static_cast<c10::BFloat16>(sums[d]);
+    const int64_t used_pairs = (n + 1) / 2;
+    for (int64_t r4 = 0; r4 < ROWS; r4 += 4) {
+      if (r4 >= rows) break;
+      for (int64_t d0 = 0; d0 < width; d0 += 64) {
+        const int64_t lines = std::min<int64_t>(4, (width - d0) / 16);
+        const uint32_t* pr = p + r4 * kpairs;
+        float* sr = sums + r4 * width;
+        if (lines == 4) output_block<4>(v2, width, d0, pr, kpairs, used_pairs, sr);
+        else if (lines == 3) output_block<3>(v2, width, d0, pr, kpairs, used_pairs, sr);
+        else if (lines == 2) output_block<2>(v2, width, d0, pr, kpairs, used_pairs, sr);
+        else output_block<1>(v2, width, d0, pr, kpairs, used_pairs, sr);
       }
     }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < dim; ++d)
+        out[(begin + r0 + r) * out_stride + col + d] = static_cast<c10::BFloat16>(sums[r * width + d] * inv_sum[r]);
   }
 }
 #define ENGINE_ENCODER_PAIRS 1
