@@ -262,12 +262,13 @@ def test_client_disconnect_mid_stream_frees_blocks(server, prompts: list[str]) -
             for count, _ in enumerate(response.iter_lines()):
                 if count > 5:
                     break  # leaving the block closes the connection mid-stream
+
     # 900 tokens take far longer than this to generate: only an abort frees the blocks in time.
-    wait_until(
-        lambda: engine_stats(server)["num_running"] == 0 and engine_stats(server)["kv_cache_usage"] == 0.0,
-        8,
-        "the aborted request's blocks to be freed",
-    )
+    def freed() -> bool:  # None: this API server has had no stats from the engine yet
+        stats = engine_stats(server)
+        return stats is not None and stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
+
+    wait_until(freed, 8, "the aborted request's blocks to be freed")
 
 
 def test_streamed_prompts_run_at_once(client: openai.OpenAI) -> None:
@@ -303,13 +304,22 @@ def test_streamed_prompts_run_at_once(client: openai.OpenAI) -> None:
 
 def settled_steps(server) -> int:  # type: ignore[no-untyped-def]
     """The engine's step count once it is idle and both API servers report it: each keeps the stats the
-    engine last sent it, refreshed for all by the idle heartbeat; reads on fresh connections reach both."""
+    engine last sent it, refreshed for all by the idle heartbeat; reads on fresh connections reach both.
+    Idle: nothing running or waiting in the engine, and no request open in either API server (an earlier
+    test's aborted stream once ran 36 steps inside a count)."""
     seen: list[int] = []
 
     def agreed() -> bool:
-        reads = [engine_stats(server) for _ in range(8)]
-        seen[:] = [r["num_steps"] for r in reads]
-        return all(r["num_running"] == 0 for r in reads) and len(set(seen)) == 1
+        reads = [httpx.get(f"{server['base']}/load", headers=auth()).json() for _ in range(8)]
+        idle = all(
+            r["server_load"] == 0
+            and r["engine"] is not None
+            and r["engine"]["num_running"] == 0
+            and r["engine"]["num_waiting"] == 0
+            for r in reads
+        )
+        seen[:] = [r["engine"]["num_steps"] for r in reads] if idle else []
+        return idle and len(set(seen)) == 1
 
     wait_until(agreed, 15, "both API servers to report the idle engine's steps")
     return seen[0]
