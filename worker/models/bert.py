@@ -3,9 +3,9 @@
 An encoder's attention is bidirectional over its whole input, so it runs beside the paged KV cache, not
 on it: each input of a step is one segment [start, end) of the flattened tokens, attended to by itself
 (no mask, no padding, no other input in it; csrc encoder_attention, every segment in one call, or torch's
-scaled_dot_product_attention a segment at a time), and nothing is written to a cache. Nothing would read it back: a pooling request is one prefill step, an encoder's
-input is never chunked (its first token attends to its last), and a prefix cache would hold keys that
-depend on the tokens after them. Each segment alone is also what keeps an input's vector independent of
+scaled_dot_product_attention a segment at a time), and nothing is written to a cache. Nothing would read it
+back: a pooling request is one prefill step, an encoder's input is never chunked (its first token attends
+to its last), and a prefix cache would hold keys that depend on the tokens after them. Each segment alone is also what keeps an input's vector independent of
 the rest of the batch (docs/batch-invariance.md): the products are the model's Linear kernels, the
 layer norms and GELU are row by row.
 """
@@ -53,26 +53,26 @@ class BertLayer(nn.Module):
         self.output_norm = LayerNorm(hidden, eps, dtype=dtype)
         self.activation = ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, segments: list[tuple[int, int]], bounds: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, hidden]; segments: each input's [start, end) rows, and as int64 [S, 2] bounds."""
+    def forward(self, x: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, hidden]; segments: int64 [S, 2], each input's [start, end) rows."""
         num_tokens, hidden = x.shape
         qkv = self.qkv(x)
         if self.ops is not None:  # csrc/encoder_attention_cpu.cpp: every segment and head in one call
             q, k, v = qkv[:, :hidden], qkv[:, hidden : 2 * hidden], qkv[:, 2 * hidden :]
-            attended = self.ops.encoder_attention(q, k, v, bounds, self.num_heads, self.head_dim**-0.5)
+            attended = self.ops.encoder_attention(q, k, v, segments, self.num_heads, self.head_dim**-0.5)
         else:
             attended = self.torch_attention(qkv, segments)
         x = self.attention_norm(self.attention_out(attended.view(num_tokens, hidden)) + x)
         result: torch.Tensor = self.output_norm(self.output(self.activation(self.intermediate(x))) + x)
         return result
 
-    def torch_attention(self, qkv: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    def torch_attention(self, qkv: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         """The same with torch's scaled_dot_product_attention, a call per segment (2.6x the csrc kernel's
         time in bf16 at 28 inputs of ~73 tokens, Zen 4)."""
         num_tokens = qkv.shape[0]
         qkv = qkv.view(num_tokens, 3, self.num_heads, self.head_dim)
         attended = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype)
-        for start, end in segments:
+        for start, end in segments.tolist():
             # [1, heads, n, head_dim] each, contiguous: torch's fused CPU kernel (flash attention) takes
             # these; strided 3-d views fell back to its unfused math path, 2.5x the time
             q, k, v = qkv[start:end].permute(1, 2, 0, 3).contiguous().unsqueeze(1).unbind(0)
@@ -118,7 +118,7 @@ class BertModel(nn.Module):
         x = self.embeddings_norm(x)
         bounds = torch.tensor(segments, dtype=torch.int64).view(-1, 2)
         for layer in self.layers:
-            x = layer(x, segments, bounds)
+            x = layer(x, bounds)
         hidden: torch.Tensor = x
         return hidden
 

@@ -5,7 +5,8 @@ products with an activation between; Idefics3's pixel shuffle and one product).
 Parameter names are the checkpoint's below its `vision_tower.vision_model.` and `multi_modal_projector.`
 prefixes, so that loading is a name-for-name copy. The tower runs in torch (MKL / oneDNN products), its
 attention on csrc encoder_attention (torch's scaled_dot_product_attention without the kernels), one image a
-call: an image's embeddings are the same whatever else the step holds. It runs only the layers the features come from (LLaVA's come from the second to last).
+call: an image's embeddings are the same whatever else the step holds. It runs only the layers the features
+come from (LLaVA's come from the second to last).
 """
 
 from __future__ import annotations
