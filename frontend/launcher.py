@@ -11,7 +11,6 @@ import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from frontend.api_servers import ApiServerPool
 from frontend.config.engine_args import EngineArgs
 from frontend.config.flags import ConfigError, naming
 from frontend.config.server_args import ServerArgs
@@ -30,7 +30,7 @@ from frontend.server.user_middleware import import_middleware
 from protocol.config import EngineConfig
 from protocol.errors import InvalidParameterError
 from protocol.log_format import configure_logging
-from protocol.startup import StartupPhases, parent_pid_arg
+from protocol.startup import StartupPhases
 
 if TYPE_CHECKING:
     from frontend.engine.elastic import ElasticScaler
@@ -70,26 +70,12 @@ class Supervisor:
 
     def __init__(self, shutdown_timeout_s: float = 30.0) -> None:
         self.engine: EngineGroup | WorkerNode | None = None  # what runs the model here
-        self.api_servers: list[subprocess.Popen[bytes]] = []
+        self.api_servers: ApiServerPool | None = None  # none headless
         self.stopping = False
         self.metrics_dir: str | None = None  # ours to remove at exit
         self.state_dir: str | None = None  # ours to remove at exit: the responses store
         self.shutdown_timeout_s = shutdown_timeout_s
         self.control: ScaleControl | None = None  # elastic data parallel: the API servers' scale requests
-        self.exited: set[int] = set()  # API servers seen exited (pids), each said once
-
-    def start_api_server(self, sock: socket.socket | None, config: ServerConfig) -> None:
-        """sock: the HTTP servers' listening socket; None for a gRPC server, which binds its port itself."""
-        fd = sock.fileno() if sock is not None else -1
-        process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.server.main", str(fd), parent_pid_arg()],
-            stdin=subprocess.PIPE,
-            pass_fds=(fd,) if sock is not None else (),
-        )
-        assert process.stdin is not None
-        process.stdin.write(msgspec.json.encode(config))
-        process.stdin.close()
-        self.api_servers.append(process)
 
     def run(self) -> int:
         # A signal also writes a byte to this socket, so a SIGTERM ends the wait between two looks at the
@@ -139,20 +125,16 @@ class Supervisor:
                     "the engine process exited (code %s); stopping with an error",
                     self.engine.returncode,
                 )
-                for process in self.api_servers:
-                    if process.poll() is None:
-                        process.send_signal(signal.SIGUSR1)  # fail open requests now, /health 503
+                if self.api_servers is not None:
+                    self.api_servers.signal_all(signal.SIGUSR1)  # fail open requests now, /health 503
             # headless: no API server to keep answering 503 meanwhile
-            grace = self.DEAD_ENGINE_GRACE_S if self.api_servers else 0.0
+            grace = self.DEAD_ENGINE_GRACE_S if self.api_servers is not None else 0.0
             if engine_died_at is not None and time.monotonic() - engine_died_at > grace:
                 self.shutdown()
                 return 1
-            for index, process in enumerate(self.api_servers):
-                if process.poll() is not None and process.pid not in self.exited:
-                    # the others serve on: the kernel hands it no more connections
-                    self.exited.add(process.pid)
-                    logger.error("API server %d exited (code %s)", index, process.returncode)
-            if self.api_servers and all(p.poll() is not None for p in self.api_servers):
+            if self.api_servers is not None and engine_died_at is None:
+                self.api_servers.look()  # one that died is started again
+            if self.api_servers is not None and self.api_servers.all_exited():
                 logger.error("every API server exited; stopping")
                 self.shutdown()
                 return 1
@@ -163,16 +145,8 @@ class Supervisor:
 
     def shutdown(self) -> int:
         """API servers first (each drains within the shutdown timeout), then the engine."""
-        for process in self.api_servers:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.shutdown_timeout_s + 15
-        for process in self.api_servers:
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        if self.api_servers is not None:
+            self.api_servers.stop(self.shutdown_timeout_s + 15)
         if self.engine is not None:
             self.engine.shutdown()
         if self.control is not None:
@@ -446,6 +420,7 @@ def _start_api_servers(
         supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
     supervisor.state_dir = tempfile.mkdtemp(prefix="engine-state-")
+    supervisor.api_servers = ApiServerPool(supervisor.state_dir)
     store = os.path.join(supervisor.state_dir, "responses.sqlite")
     if isinstance(supervisor.engine, EngineGroup) and supervisor.engine.elastic:
         from frontend.engine.elastic import ElasticScaler
@@ -467,9 +442,7 @@ def _start_api_servers(
             dev_mode=dev_mode,
             runtime_lora_updating=runtime_lora,
         )
-        supervisor.start_api_server(None if args.grpc else sockets[index], config)
-    for sock in set(sockets):
-        sock.close()  # the API servers hold them now
+        supervisor.api_servers.start(None if args.grpc else sockets[index], config)
     phases.mark("API server processes")
     phases.log(logger)
     url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"

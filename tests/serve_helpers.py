@@ -109,6 +109,23 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     assert not alive, f"processes outlived their launcher: {alive}"
 
 
+def listeners_report(port: int) -> str:
+    """For a failure message where fresh connections reached fewer API servers than expected: this test
+    process's server processes (pid, age, state, command) and which of them listen on the port."""
+    now = time.time()
+    rows = []
+    for process in psutil.Process(os.getpid()).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            command = " ".join(process.cmdline()[1:4])
+            rows.append(f"{process.pid} {now - process.create_time():.0f}s {process.status()} {command}")
+    listening = []
+    with contextlib.suppress(psutil.Error):
+        for conn in psutil.net_connections("tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                listening.append(conn.pid)
+    return f"processes [{'; '.join(rows)}]; listening on {port}: pids {listening}"
+
+
 # The one SmolLM2 server of the modules whose flags agree (conftest.py's session fixture `smollm2_server`):
 # test_serve_e2e and test_run_batch. A module needing other flags starts its own with `serving`.
 SHARED_API_KEY = "test-key-123"

@@ -3,6 +3,7 @@ address, and SIGTERM with streams in flight."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import json
 import signal
@@ -110,13 +111,23 @@ def test_killed_api_server_then_drain_on_sigterm(smollm2_gguf: str) -> None:
             streams.append(stream_on(port, 3000))
         on_victim = [s for s in streams if s.server_index == "0"]
         survivors = [s for s in streams if s.server_index == "1"]
-        api_servers(launcher)[0].send_signal(signal.SIGKILL)
+        victim = api_servers(launcher)[0]
+        victim.send_signal(signal.SIGKILL)
         for stream in on_victim:
             stream.join(30)
             assert stream.error is not None  # its client saw the connection cut
         # The engine aborted the dead frontend's requests (their blocks are freed); the others run on.
         wait_until(lambda: engine_stats(port)["num_running"] == len(survivors), 30, "the engine to abort")
         assert all(s.is_alive() and s.error is None for s in survivors)
+        # The launcher starts it again on the socket it kept: the connections the kernel hashes there wait
+        # for the new process instead of being refused, and fresh connections reach both servers again.
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            load = f"http://127.0.0.1:{port}/load"
+            answered = list(
+                pool.map(lambda _: httpx.get(load, timeout=60).headers["x-engine-server"], range(16))
+            )
+        assert set(answered) == {"0", "1"}, answered
+        assert victim.pid not in [p.pid for p in api_servers(launcher)] and len(api_servers(launcher)) == 2
 
         # Drain: SIGTERM with one stream that can finish in time and one that cannot.
         short = stream_on(port, 24)

@@ -7,7 +7,6 @@ both API servers, cancel, and each door's errors in its own shape (counted in th
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import threading
 from typing import Any
@@ -15,10 +14,9 @@ from typing import Any
 import anthropic
 import httpx
 import openai
-import psutil
 import pytest
 
-from tests.serve_helpers import wait_until
+from tests.serve_helpers import listeners_report, wait_until
 from tests.test_serve_e2e import API_KEY, MODEL, scrape, start_server, stop
 
 pytestmark = pytest.mark.slow
@@ -297,13 +295,12 @@ def test_previous_response_id_across_api_servers(server: str) -> None:
         if second.headers["x-engine-server"] != owner:
             break
     else:  # (what the launcher runs now, and where fresh connections land, for whoever reads the failure)
-        children = psutil.Process(os.getpid()).children(recursive=True)
-        tree = [" ".join(p.cmdline()[1:4]) for p in children if p.is_running()]
         landed = [
             openai_client(server).models.with_raw_response.list().headers["x-engine-server"]
             for _ in range(10)
         ]
-        pytest.fail(f"every request landed on API server {owner}; processes {tree}; /v1/models on {landed}")
+        report = listeners_report(int(server.rsplit(":", 1)[1]))
+        pytest.fail(f"every request landed on API server {owner}; /v1/models on {landed}; {report}")
     chat = openai_client(server).chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": parsed.output_text},

@@ -18,6 +18,7 @@ from tests.serve_helpers import (
     SHARED_API_KEY,
     SHARED_MODEL_NAME,
     Served,
+    listeners_report,
     start_serve,
     stop,
     wait_until,
@@ -195,7 +196,7 @@ def test_both_api_servers_answer(server) -> None:  # type: ignore[no-untyped-def
             seen.add(response.headers["x-engine-server"])
         if seen == {"0", "1"}:
             break
-    assert seen == {"0", "1"}
+    assert seen == {"0", "1"}, listeners_report(int(server["base"].rsplit(":", 1)[1]))
 
 
 INVARIANCE_PROMPTS = [
@@ -466,7 +467,7 @@ def test_metrics_sum_over_both_api_servers(server) -> None:  # type: ignore[no-u
             - total(before, "engine:time_to_first_token_seconds_count")
             == count
         )
-    assert servers == {"0", "1"}
+    assert servers == {"0", "1"}, listeners_report(int(server["base"].rsplit(":", 1)[1]))
     wait_until(
         lambda: (
             total(scrape(server), "engine:num_requests_running") == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -273,5 +274,14 @@ def test_the_checked_in_stubs_match_the_proto(tmp_path: pathlib.Path) -> None:
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", ".", f"--python_out={tmp_path}",
                     f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", proto], cwd=ROOT, check=True)  # fmt: skip
     for name in ("vllm_engine_pb2.py", "vllm_engine_pb2.pyi", "vllm_engine_pb2_grpc.py"):
-        fresh = (tmp_path / "frontend" / "grpc_door" / name).read_text()
-        assert fresh == (ROOT / "frontend" / "grpc_door" / name).read_text(), f"{name}: run make grpc-stubs"
+        fresh = without_tool_versions((tmp_path / "frontend" / "grpc_door" / name).read_text())
+        ours = without_tool_versions((ROOT / "frontend" / "grpc_door" / name).read_text())
+        assert fresh == ours, f"{name}: run make grpc-stubs"
+
+
+def without_tool_versions(stub: str) -> str:
+    """A generated stub without the versions of the tools that made it: those only set the least grpcio
+    and protobuf it runs on, and a newer grpcio-tools release must not fail the check of the messages."""
+    stub = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = ''", stub)
+    stub = re.sub(r"# Protobuf Python Version: .*", "", stub)
+    return re.sub(r"ValidateProtobufRuntimeVersion\([^)]*\)", "ValidateProtobufRuntimeVersion()", stub)

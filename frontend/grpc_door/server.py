@@ -26,7 +26,7 @@ from frontend.engine.async_llm import AsyncLLM
 from frontend.engine.output_processor import SHUTDOWN_REASON
 from frontend.metrics import Metrics
 from frontend.openai.serving import OpenAIServing
-from frontend.server.config import ServerConfig
+from frontend.server.config import ServerConfig, say_ready
 from frontend.server.deps import build_serving
 from protocol.startup import StartupPhases
 
@@ -123,6 +123,7 @@ async def run_grpc(
     phases.mark("app")
     phases.log(logger)
     logger.info("gRPC server %d ready on %s", config.server_index, address)
+    say_ready(config)
     try:
         await stop.wait()
         await _drain(serving, health, config.shutdown_timeout_s)

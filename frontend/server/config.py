@@ -70,5 +70,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 0
     grpc_shared_port: bool = False  # several gRPC servers share the port (SO_REUSEPORT)
-    tokens_only: bool = False
-    render_only: bool = False  # `engine launch render`: the render doors and no engine  # the tokens-in/tokens-out doors alone, no tokenizer (--tokens-only)
+    tokens_only: bool = False  # the tokens-in/tokens-out doors alone, no tokenizer (--tokens-only)
+    render_only: bool = False  # `engine launch render`: the render doors and no engine
+    ready_file: str = ""  # the launcher's: created once this server serves (frontend/api_servers.py)
+
+
+def say_ready(config: ServerConfig) -> None:
+    """Leave the launcher's ready file (an API server that dies after this is started again)."""
+    if config.ready_file:
+        with open(config.ready_file, "w"):
+            pass

@@ -27,6 +27,7 @@ from frontend.metrics import Metrics
 from frontend.model_files import load_tokenizer
 from frontend.openai.serving import OpenAIServing
 from frontend.server.app import build_app
+from frontend.server.config import say_ready
 from frontend.server.deps import AppDeps, ServerConfig, build_serving
 from frontend.server.tls import CertRefresher
 from protocol.log_format import configure_logging
@@ -176,6 +177,9 @@ async def run_app(
     phases.mark("app")
     phases.log(logger)
     logger.info("API server %d ready", config.server_index)
+    say_ready(
+        config
+    )  # (uvicorn accepts on sock from its first turn; what came meanwhile waits in its backlog)
     try:
         await server.serve(sockets=[sock])
     finally:
