@@ -25,12 +25,12 @@ MAX_NEW_TOKENS = 20
 ENCODER_LEN = 60  # the tiny encoder's positions: its input has 120 frames
 
 
-def build_tiny_whisper(folder: str, seed: int = 0) -> None:
+def build_tiny_whisper(folder: str, seed: int = 0, d_model: int = 64) -> None:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     torch.manual_seed(seed)
     config = WhisperConfig(
-        vocab_size=300, num_mel_bins=16, d_model=64, encoder_layers=2, decoder_layers=3,
+        vocab_size=300, num_mel_bins=16, d_model=d_model, encoder_layers=2, decoder_layers=3,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
         max_source_positions=ENCODER_LEN, max_target_positions=96, decoder_start_token_id=1,
         pad_token_id=2, bos_token_id=2, eos_token_id=2, suppress_tokens=None, begin_suppress_tokens=None,
@@ -84,7 +84,7 @@ def tiny_whisper(tmp_path_factory):  # type: ignore[no-untyped-def]
     return folder, cases, oracle
 
 
-def run_engine(folder: str, cases, **engine_kwargs):  # type: ignore[no-untyped-def]
+def run_engine(folder: str, cases, block_size: int = 4, **engine_kwargs):  # type: ignore[no-untyped-def]
     worker_keys = (
         "num_kv_blocks",
         "max_model_len",
@@ -95,7 +95,7 @@ def run_engine(folder: str, cases, **engine_kwargs):  # type: ignore[no-untyped-
     worker_kwargs = {k: engine_kwargs[k] for k in worker_keys if k in engine_kwargs}
     for k in ("num_kv_blocks", "max_model_len", "kv_cache_memory_bytes", "attention_backend"):
         engine_kwargs.pop(k, None)
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=4, **worker_kwargs)
+    worker = WorkerConfig(model=folder, dtype="float32", block_size=block_size, **worker_kwargs)
     core = EngineCore(EngineConfig(worker=worker, **engine_kwargs), InprocExecutor(worker))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     for i, (array, prompt) in enumerate(cases):
@@ -147,6 +147,35 @@ def test_greedy_matches_hf_generate(tiny_whisper, config_name: str) -> None:  # 
         assert ours == expected, f"request {i}: {ours} != {expected}"
     if config_name.endswith("tiny_pool_preemption"):
         assert core.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+
+
+def test_a_query_scale_off_the_powers_of_two_and_a_last_block_part_full(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Head dim 12: the query's scale 12^-0.5 is applied to the stacked product's q columns in place, not
+    folded into its rows: the encoder's rows and every layer's cross-attention keys and values equal
+    transformers' in float32. Blocks of 16 leave the pool's last block of 60 positions 12 full."""
+    from transformers import WhisperForConditionalGeneration
+
+    from worker.csrc_ops import load_cpu_ops
+    from worker.gguf_cache import load_model_files
+    from worker.models import build_model
+
+    build_tiny_whisper(str(tmp_path), seed=3, d_model=48)
+    hf = WhisperForConditionalGeneration.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    config, weights = load_model_files(str(tmp_path), None)
+    ours = build_model(config, torch.float32, load_cpu_ops())
+    ours.load_weights(weights.items() if isinstance(weights, dict) else weights)
+    ours.finalize(True)
+    x = torch.from_numpy(features(0))[None]
+    with torch.inference_mode():
+        encoded = hf.model.encoder(x).last_hidden_state[0]
+        torch.testing.assert_close(ours.encoder(x)[0], encoded, rtol=1e-5, atol=1e-5)
+        kv = ours.encode(x)[0]  # [positions, layers, k | v, heads, head_dim]
+        for i, layer in enumerate(hf.model.decoder.layers):
+            torch.testing.assert_close(kv[:, i, 0].flatten(1), layer.encoder_attn.k_proj(encoded))
+            torch.testing.assert_close(kv[:, i, 1].flatten(1), layer.encoder_attn.v_proj(encoded))
+    cases = [(features(i), [1, 10 + i, 11]) for i in range(3)]
+    outputs, _, _ = run_engine(str(tmp_path), cases, block_size=16)
+    assert outputs == [hf_generate(hf, array, prompt) for array, prompt in cases]
 
 
 def test_alone_equals_batched(tiny_whisper) -> None:  # type: ignore[no-untyped-def]

@@ -71,12 +71,16 @@ class CrossAttentionStore:
         for new, kv in zip(todo, self.model.encode(torch.stack(arrays)), strict=True):
             slot = self.slots[new.request_id] = self.free_slots.pop()
             first = slot * self.blocks_per_entry
-            for cache, (k, v) in zip(self.caches, kv, strict=True):  # k, v: [heads, encoder_len, head_dim]
+            for layer, cache in enumerate(self.caches):  # kv: [positions, layers, 2, heads, head_dim]
                 run = cache[first : first + self.blocks_per_entry]  # [blocks, 2, block_size, heads, head_dim]
-                for half, values in enumerate((k, v)):
-                    padded = values.new_zeros(run.shape[0] * run.shape[2], *run.shape[3:])
-                    padded[: self.encoder_len] = values.transpose(0, 1)  # [positions, heads, head_dim]
-                    run[:, half] = padded.view(run.shape[0], run.shape[2], *run.shape[3:])
+                block_size = run.shape[2]
+                whole, rest = divmod(self.encoder_len, block_size)
+                run[:whole].copy_(
+                    kv[: whole * block_size, layer].view(whole, block_size, *kv.shape[2:]).transpose(1, 2)
+                )
+                if rest:  # the last block's tail stays zero (the kernel reads encoder_len keys)
+                    run[whole].zero_()
+                    run[whole, :, :rest].copy_(kv[whole * block_size :, layer].transpose(0, 1))
         self.step_inputs, self.step_seconds = len(todo), time.perf_counter() - start
 
     def drop(self, request_id: str) -> None:

@@ -64,6 +64,8 @@ PACK_BATCH_HINT = 64  # oneDNN picks the blocked layout for this many rows; any 
 # prompts), 512 0.984 (0.963), 1,024 1.022, 2,048 1.035
 # (benchmarks/results/2026-11-29-lab-notes-performance.md, "Where a c=64 wave's steps go now").
 PAIRS_ROWS = 512
+# a pad_rows product at least this wide takes the pair layout padded to 64 columns (invariant_kernel)
+PADDED_PAIRS_MIN = 4096
 NO_BIAS = torch.empty(0)
 
 
@@ -119,9 +121,11 @@ class Linear(nn.Linear):
     amx = False  # pairs serve every row count on AMX tiles (csrc linear_amx; batch-invariant products)
     pairs_rows = PAIRS_ROWS  # products of up to this many rows take the pairs layout, when there is one
     ops: CpuOps | None = None
-    # a width short of a multiple of 16 may take linear_rows padded (a MoE router's 8 experts); not for the
-    # products of the decoder stack, which reads the width off the packing
+    # a width short of a multiple of 16 may take linear_rows padded (a MoE router's 8 experts), or from
+    # PADDED_PAIRS_MIN wide the pair layout padded (Whisper's logits); not for the products of the decoder
+    # stack, which reads the width off the packing
     pad_rows = False
+    pairs_bias: torch.Tensor | None = None  # the bias padded as the pair layout's padded width (else None)
     # a GGUF file's blocks kept packed, in place of the weight: each part a run of output rows (a fused
     # product's q, k and v may each have a type of their own); csrc linear_quant (batch-invariant)
     quant: list[QuantPart] | None = None
@@ -230,10 +234,13 @@ class Linear(nn.Linear):
         (csrc linear_rows); None where none takes this shape (the plain product stays, and is not
         batch-invariant)."""
         out_features, in_features = self.weight.shape
+        # a wide product that may be padded (Whisper's 51,865 logits) takes the pair layout padded to 64
+        # columns: 2.3 against 6.8 ms for linear_rows at 16 rows (Zen 4); a narrow one (a router) stays on rows
+        fits = out_features % 64 == 0 or (self.pad_rows and out_features >= PADDED_PAIRS_MIN)
         if self.weight.dtype == torch.bfloat16 and ops.pairs_available():
-            if out_features % 64 == 0 and in_features % 32 == 0 and ops.has_amx():
+            if fits and in_features % 32 == 0 and ops.has_amx():
                 return "amx"
-            if out_features % 64 == 0 and in_features % 2 == 0:
+            if fits and in_features % 2 == 0:
                 return "pairs"
         if self.weight.dtype in (torch.float32, torch.bfloat16) and (out_features % 16 == 0 or self.pad_rows):
             return "rows"
@@ -251,6 +258,13 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         kind = self.invariant_kernel(ops)
         if kind in ("amx", "pairs"):
+            if weight.shape[0] % 64:  # zero rows up to a multiple of 64; forward drops their columns
+                width = -(-weight.shape[0] // 64) * 64
+                weight = torch.cat([weight, weight.new_zeros(width - weight.shape[0], weight.shape[1])])
+                if self.bias is not None:
+                    self.pairs_bias = torch.cat(
+                        [self.bias.detach(), self.bias.new_zeros(width - self.out_features)]
+                    )
             self.pairs, self.pairs_rows, self.amx = ops.pack_pairs(weight), 1 << 62, kind == "amx"
         else:
             assert kind == "rows", "a shape no batch-invariant kernel takes"
@@ -271,12 +285,12 @@ class Linear(nn.Linear):
             assert self.ops is not None  # pack_invariant sets the two together
             bias = self.bias if self.bias is not None else NO_BIAS
             return self.ops.linear_rows(x, self.rows, bias, self.out_features)
-        if self.amx:
-            assert self.ops is not None and self.pairs is not None  # pack_invariant sets them together
-            return self.ops.linear_amx(x, self.pairs, self.bias if self.bias is not None else NO_BIAS)
-        if self.pairs is not None and x.shape[0] <= self.pairs_rows:
-            assert self.ops is not None  # pack() sets the two together
-            return self.ops.linear_pairs(x, self.pairs, self.bias if self.bias is not None else NO_BIAS)
+        if self.pairs is not None and (self.amx or x.shape[0] <= self.pairs_rows):
+            assert self.ops is not None  # pack() and pack_invariant() set the two together
+            padded = self.pairs_bias if self.pairs_bias is not None else self.bias
+            product = self.ops.linear_amx if self.amx else self.ops.linear_pairs
+            y: torch.Tensor = product(x, self.pairs, padded if padded is not None else NO_BIAS)
+            return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
         if self.packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return out

@@ -9,16 +9,20 @@ their own (worker/cross_attention.py), read by the csrc decode kernel; the decod
 paged like any other model's.
 
 As transformers does, a query is scaled before its product with the keys (its order of operations, for
-float32 results equal to the oracle's), and Whisper's k_proj has no bias. A row's result depends on its own
+float32 results equal to the oracle's), and Whisper's k_proj has no bias. Each self-attention's q, k and v
+are one product (k's bias zeros; the query's scale, a power of two, folded into its rows, exact), and the
+cross-attention keys and values of every decoder layer are one product over the encoder's rows, in the
+pool's row layout. A row's result depends on its own
 request alone: the products are the model's Linear kernels, norms and GELU are row by row, and
 cross-attention is the decode kernel's row by row (or, without the kernels, each request's own SDPA call).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +37,6 @@ if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
 
 NO_SINKS = torch.empty(0)  # paged_decode_attention's "no attention sinks"
-
-CrossKV = list[
-    tuple[torch.Tensor, torch.Tensor]
-]  # per decoder layer: keys, values [heads, encoder_len, head_dim]
 
 
 @dataclass
@@ -59,15 +59,39 @@ class CrossBatch:
         return flat[0].transpose(0, 1), flat[1].transpose(0, 1)
 
 
-class Projections(nn.Module):
-    """Whisper's attention products: q, k (no bias), v and out."""
+class SelfProjections(nn.Module):
+    """A self-attention's products: q, k and v stacked in one (load_weights), and out."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.qkv = Linear(hidden, 3 * hidden, bias=True, dtype=dtype)
+        self.out_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
+        # the query's scale where load_weights could not fold it into the rows exactly (not a power of two)
+        self.q_scale = 1.0 if folds(config.head_dim**-0.5) else config.head_dim**-0.5
+
+    def split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [rows, hidden] -> q (scaled), k and v: column views of one product, sharing its row stride."""
+        qkv = self.qkv(h)
+        hidden = qkv.shape[1] // 3
+        q, k, v = qkv[:, :hidden], qkv[:, hidden : 2 * hidden], qkv[:, 2 * hidden :]
+        if self.q_scale != 1.0:
+            q.mul_(self.q_scale)  # in place, rounded as transformers' q_proj(h) * scale
+        return q, k, v
+
+
+class CrossProjections(nn.Module):
+    """A cross-attention's query and out products (its keys and values: WhisperModel.cross_kv)."""
 
     def __init__(self, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.q_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
-        self.k_proj = Linear(hidden, hidden, bias=False, dtype=dtype)
-        self.v_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
         self.out_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
+
+
+def folds(scale: float) -> bool:
+    """A power of two: scaling a product's rows by it gives the scaled product's values exactly."""
+    return scale > 0 and math.frexp(scale)[0] == 0.5
 
 
 class MLP(nn.Module):
@@ -95,7 +119,7 @@ class EncoderLayer(nn.Module):
         hidden = config.hidden_size
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.self_attn_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Projections(hidden, dtype)
+        self.self_attn = SelfProjections(config, dtype)
         self.final_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config, dtype)
 
@@ -103,8 +127,7 @@ class EncoderLayer(nn.Module):
         """x: [num_inputs, encoder_len, hidden]; each input attends to itself alone."""
         batch, length, hidden = x.shape
         attn = self.self_attn
-        h = self.self_attn_layer_norm(x).view(batch * length, hidden)
-        q, k, v = attn.q_proj(h) * self.head_dim**-0.5, attn.k_proj(h), attn.v_proj(h)  # [b * n, hidden]
+        q, k, v = attn.split(self.self_attn_layer_norm(x).view(batch * length, hidden))  # [b * n, hidden]
         if self.ops is not None:  # each input its own segment of rows
             segments = torch.arange(batch + 1, dtype=torch.int64).mul_(length).unfold(0, 2, 1)
             out = self.ops.encoder_attention(q, k, v, segments, self.num_heads, 1.0)
@@ -136,7 +159,7 @@ class Encoder(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features: [num_inputs, num_mel_bins, 2 * encoder_len] -> [num_inputs, encoder_len, hidden]."""
         x = F.gelu(self.conv1(features))  # [b, hidden, 2 * encoder_len]
-        x = F.gelu(self.conv2(x)).transpose(1, 2)  # [b, encoder_len, hidden]
+        x = F.gelu(self.conv2(x)).transpose(1, 2).contiguous()  # [b, encoder_len, hidden], row-major
         x = x + self.embed_positions.weight
         for layer in self.layers:
             x = layer(x)
@@ -151,9 +174,9 @@ class DecoderLayer(nn.Module):
         hidden = config.hidden_size
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.self_attn_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Projections(hidden, dtype)
+        self.self_attn = SelfProjections(config, dtype)
         self.encoder_attn_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
-        self.encoder_attn = Projections(hidden, dtype)
+        self.encoder_attn = CrossProjections(hidden, dtype)
         self.final_layer_norm = LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config, dtype)
 
@@ -175,13 +198,6 @@ class DecoderLayer(nn.Module):
             attended[start:end] = got[0].transpose(0, 1)
         return attended
 
-    def cross_kv(self, encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """encoded: [encoder_len, hidden] -> this layer's keys and values, [heads, encoder_len, head_dim]."""
-        shape = (encoded.shape[0], self.num_heads, self.head_dim)
-        k = self.encoder_attn.k_proj(encoded).view(shape).transpose(0, 1).contiguous()
-        v = self.encoder_attn.v_proj(encoded).view(shape).transpose(0, 1).contiguous()
-        return k, v
-
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
@@ -192,16 +208,11 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens, hidden = x.shape
         heads = (num_tokens, self.num_heads, self.head_dim)
-        scale = self.head_dim**-0.5
-        attn = self.self_attn
-        h = self.self_attn_layer_norm(x)
-        q = (attn.q_proj(h) * scale).view(heads)  # [num_tokens, heads, head_dim]
-        out = backend.forward(
-            q, attn.k_proj(h).view(heads), attn.v_proj(h).view(heads), kv_cache, metadata, 1.0
-        )
-        x = x + attn.out_proj(out.reshape(num_tokens, hidden))
+        q, k, v = self.self_attn.split(self.self_attn_layer_norm(x))
+        out = backend.forward(q.view(heads), k.view(heads), v.view(heads), kv_cache, metadata, 1.0)
+        x = x + self.self_attn.out_proj(out.reshape(num_tokens, hidden))
         attn = self.encoder_attn
-        q = (attn.q_proj(self.encoder_attn_layer_norm(x)) * scale).view(heads)
+        q = (attn.q_proj(self.encoder_attn_layer_norm(x)) * self.head_dim**-0.5).view(heads)
         attended = self.cross_attention(q, cross)  # [num_tokens, heads, head_dim]
         x = x + attn.out_proj(attended.reshape(num_tokens, hidden))
         out_mlp: torch.Tensor = x + self.mlp(self.final_layer_norm(x))
@@ -226,21 +237,23 @@ class WhisperModel(nn.Module):
         self.encoder = Encoder(config, dtype, ops)
         self.decoder = Decoder(config, dtype, ops)
         self.proj_out = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        # NOTE: Whisper's 51865 (51866) tokens are no multiple of 16: csrc linear_rows takes them padded, or
-        # the batch-invariant mode would leave the largest product on a plain matmul (19 ms a step at 16 rows)
+        # every decoder layer's cross-attention k (no bias: zeros) and v, stacked: [layer][k, v][hidden]
+        self.cross_kv = Linear(config.hidden_size, 2 * config.num_layers * config.hidden_size, dtype=dtype)
+        # NOTE: Whisper's 51865 (51866) tokens are no multiple of 16 or 64: the batch-invariant kernels take
+        # them padded (the pair layout 2.3 ms at 16 rows, linear_rows 6.8, a plain matmul 19; Zen 4)
         self.proj_out.pad_rows = True
         self.batch_invariant = False
 
     @torch.inference_mode()
-    def encode(self, features: torch.Tensor) -> list[CrossKV]:
+    def encode(self, features: torch.Tensor) -> list[torch.Tensor]:
         """features: [num_inputs, num_mel_bins, 2 * encoder_len] -> each input's cross-attention keys and
-        values for every decoder layer."""
+        values, [encoder_len, decoder layers, 2 (k, v), heads, head_dim]."""
         dtype = self.decoder.embed_tokens.weight.dtype
-        layers = [cast(DecoderLayer, layer) for layer in self.decoder.layers]
+        config = self.config
+        shape = (config.encoder_len, config.num_layers, 2, config.num_heads, config.head_dim)
         # NOTE: one input a call: every product then has encoder_len rows whatever the batch, so oneDNN's
         # (or MKL's) kernels give each input the same result alone or beside others (finalize)
-        encoded = [self.encoder(one[None].to(dtype))[0] for one in features]  # [encoder_len, hidden] each
-        return [[layer.cross_kv(one) for layer in layers] for one in encoded]
+        return [self.cross_kv(self.encoder(one[None].to(dtype))[0]).view(shape) for one in features]
 
     def forward(
         self,
@@ -268,7 +281,7 @@ class WhisperModel(nn.Module):
         self.proj_out.weight = self.decoder.embed_tokens.weight
         if not pack:
             return
-        encoder = {id(module) for module in self.encoder.modules()}
+        encoder = {id(module) for module in self.encoder.modules()} | {id(self.cross_kv)}  # encoder_len rows
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         self.batch_invariant = batch_invariant and self.ops is not None
         for linear in linears:
@@ -281,19 +294,56 @@ class WhisperModel(nn.Module):
                 linear.pack(self.ops)  # the tied proj_out packs a copy: the embedding keeps its plain one
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face names: model.encoder.*, model.decoder.*, proj_out (the embedding, tied)."""
+        """Hugging Face names: model.encoder.*, model.decoder.*, proj_out (the embedding, tied); each
+        self-attention's q, k and v into its stacked qkv, the cross-attentions' k and v into cross_kv."""
         params = dict(self.named_parameters())
+        hidden = self.config.hidden_size
+        scale = self.config.head_dim**-0.5
+        with torch.no_grad():  # k has no bias: its part of a stacked bias stays zero
+            for name, stacked in params.items():
+                if name.endswith(("qkv.bias", "cross_kv.bias")):
+                    stacked.zero_()
         loaded: set[str] = set()
         for name, tensor in weights:
             target = name.removeprefix("model.").replace(".fc1.", ".mlp.fc1.").replace(".fc2.", ".mlp.fc2.")
             if target == "proj_out.weight":
                 continue  # tied to the decoder's embedding (finalize)
+            target, offset = stacked_place(target, hidden)
             param = params.get(target)
-            if param is None:
+            if param is None or (offset is not None and tensor.shape[0] != hidden):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             with torch.no_grad():
-                param.copy_(tensor.view(param.shape))
-            loaded.add(target)
-        missing = set(params) - loaded - {"proj_out.weight"}
+                if offset is None:
+                    param.copy_(tensor.view(param.shape))
+                else:
+                    q = ".qkv." in target and offset == 0 and folds(scale)
+                    param[offset : offset + hidden].copy_(tensor * scale if q else tensor)  # exact: 2^-k
+            loaded.add(target if offset is None else f"{target}#{offset}")
+        expected = set()
+        for name, param in params.items():
+            if ".qkv." not in name and not name.startswith("cross_kv."):
+                expected.add(name)
+                continue
+            for part in range(
+                param.shape[0] // hidden
+            ):  # k (part 1 of a qkv, even parts of cross_kv): no bias
+                is_k = part == 1 if ".qkv." in name else part % 2 == 0
+                if name.endswith("weight") or not is_k:
+                    expected.add(f"{name}#{part * hidden}")
+        missing = expected - loaded - {"proj_out.weight"}
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def stacked_place(target: str, hidden: int) -> tuple[str, int | None]:
+    """Our parameter for a checkpoint tensor, and its first row when it is one part of a stacked product:
+    a self-attention's q/k/v_proj (parts 0, 1, 2 of its qkv), decoder layer i's encoder_attn k/v_proj
+    (parts 2i, 2i + 1 of cross_kv)."""
+    head, _, tail = target.rpartition(".")  # tail: weight or bias
+    for part, index in (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)):
+        if head.endswith(f".self_attn.{part}"):
+            return f"{head.removesuffix(part)}qkv.{tail}", index * hidden
+    if head.startswith("decoder.layers.") and head.endswith((".encoder_attn.k_proj", ".encoder_attn.v_proj")):
+        layer = int(head.split(".")[2])
+        return f"cross_kv.{tail}", (2 * layer + head.endswith("v_proj")) * hidden
+    return target, None
