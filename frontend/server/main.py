@@ -205,6 +205,9 @@ def tls_options(config: ServerConfig) -> dict[str, Any]:
 
 def main() -> None:
     phases = StartupPhases("API server")
+    # What torch the API server runs (transformers' Whisper features, image processors) takes one thread:
+    # the cores are the worker's, and an OpenMP team here spun against it (read before torch's import)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # SIGTERM when the launcher dies, even killed outright: drain, then go
     exit_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else 0, signal.SIGTERM)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
