@@ -19,7 +19,6 @@ cross-attention is the decode kernel's row by row (or, without the kernels, each
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +31,7 @@ from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
 from worker.models.bert import LayerNorm
 from worker.models.layers import Embedding, Linear, can_pack
+from worker.models.whisper_weights import folds, load_whisper_weights
 
 if TYPE_CHECKING:
     from worker.csrc_ops import CpuOps
@@ -87,11 +87,6 @@ class CrossProjections(nn.Module):
         super().__init__()
         self.q_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
         self.out_proj = Linear(hidden, hidden, bias=True, dtype=dtype)
-
-
-def folds(scale: float) -> bool:
-    """A power of two: scaling a product's rows by it gives the scaled product's values exactly."""
-    return scale > 0 and math.frexp(scale)[0] == 0.5
 
 
 class MLP(nn.Module):
@@ -294,56 +289,5 @@ class WhisperModel(nn.Module):
                 linear.pack(self.ops)  # the tied proj_out packs a copy: the embedding keeps its plain one
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face names: model.encoder.*, model.decoder.*, proj_out (the embedding, tied); each
-        self-attention's q, k and v into its stacked qkv, the cross-attentions' k and v into cross_kv."""
-        params = dict(self.named_parameters())
-        hidden = self.config.hidden_size
-        scale = self.config.head_dim**-0.5
-        with torch.no_grad():  # k has no bias: its part of a stacked bias stays zero
-            for name, stacked in params.items():
-                if name.endswith(("qkv.bias", "cross_kv.bias")):
-                    stacked.zero_()
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target = name.removeprefix("model.").replace(".fc1.", ".mlp.fc1.").replace(".fc2.", ".mlp.fc2.")
-            if target == "proj_out.weight":
-                continue  # tied to the decoder's embedding (finalize)
-            target, offset = stacked_place(target, hidden)
-            param = params.get(target)
-            if param is None or (offset is not None and tensor.shape[0] != hidden):
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            with torch.no_grad():
-                if offset is None:
-                    param.copy_(tensor.view(param.shape))
-                else:
-                    q = ".qkv." in target and offset == 0 and folds(scale)
-                    param[offset : offset + hidden].copy_(tensor * scale if q else tensor)  # exact: 2^-k
-            loaded.add(target if offset is None else f"{target}#{offset}")
-        expected = set()
-        for name, param in params.items():
-            if ".qkv." not in name and not name.startswith("cross_kv."):
-                expected.add(name)
-                continue
-            for part in range(
-                param.shape[0] // hidden
-            ):  # k (part 1 of a qkv, even parts of cross_kv): no bias
-                is_k = part == 1 if ".qkv." in name else part % 2 == 0
-                if name.endswith("weight") or not is_k:
-                    expected.add(f"{name}#{part * hidden}")
-        missing = expected - loaded - {"proj_out.weight"}
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-
-
-def stacked_place(target: str, hidden: int) -> tuple[str, int | None]:
-    """Our parameter for a checkpoint tensor, and its first row when it is one part of a stacked product:
-    a self-attention's q/k/v_proj (parts 0, 1, 2 of its qkv), decoder layer i's encoder_attn k/v_proj
-    (parts 2i, 2i + 1 of cross_kv)."""
-    head, _, tail = target.rpartition(".")  # tail: weight or bias
-    for part, index in (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)):
-        if head.endswith(f".self_attn.{part}"):
-            return f"{head.removesuffix(part)}qkv.{tail}", index * hidden
-    if head.startswith("decoder.layers.") and head.endswith((".encoder_attn.k_proj", ".encoder_attn.v_proj")):
-        layer = int(head.split(".")[2])
-        return f"cross_kv.{tail}", (2 * layer + head.endswith("v_proj")) * hidden
-    return target, None
+        """Hugging Face names: model.encoder.*, model.decoder.*, proj_out (the embedding, tied)."""
+        load_whisper_weights(dict(self.named_parameters()), self.config, weights)
