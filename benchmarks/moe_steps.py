@@ -48,8 +48,8 @@ def median_ms(run: Callable[[], Any], repeats: int = 200) -> float:
 def experts_alone(dtype: torch.dtype) -> list[dict[str, Any]]:
     from worker.csrc_ops import load_cpu_ops
     from worker.model_config import ModelConfig
+    from worker.models.experts import Experts
     from worker.models.layers import Linear
-    from worker.models.moe import Experts
 
     ops = load_cpu_ops()
     assert ops is not None, "the csrc kernels are needed"
@@ -100,7 +100,7 @@ def experts_alone(dtype: torch.dtype) -> list[dict[str, Any]]:
 def experts_from_memory(dtype: torch.dtype) -> list[dict[str, Any]]:
     from worker.csrc_ops import load_cpu_ops
     from worker.model_config import ModelConfig
-    from worker.models.moe import Experts
+    from worker.models.experts import Experts
 
     ops = load_cpu_ops()
     config = ModelConfig(family="qwen3_moe", vocab_size=16, hidden_size=HIDDEN, intermediate_size=WIDTH,

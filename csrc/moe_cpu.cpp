@@ -1,6 +1,6 @@
 // The experts of a mixture-of-experts layer in one call: each expert present in the step takes its rows in
 // one product (gate and up fused), the activation, the down product, and each row's experts are summed
-// back in one fixed order. Reference: worker/models/moe.py Experts.reference (transformers' loop).
+// back in one fixed order. Reference: worker/models/experts.py Experts.reference (transformers' loop).
 //
 // fused_experts(x [T, H] float32 or bf16, ids [T, K] int64 (each row's experts, distinct, < E),
 //               weights [T, K] float32, w13, w2, b13 [E, 2I] or empty, b2 [E, H] or empty,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from worker.model_config import ModelConfig
-from worker.models.moe import Experts
+from worker.models.experts import Experts
 
 EXPERTS, HIDDEN, INTER, TOP = 8, 128, 96, 3
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}

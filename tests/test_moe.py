@@ -124,7 +124,7 @@ def test_gpt_oss_mxfp4_experts_serve_as_their_dequantized_weights(tmp_path) -> N
         ours = greedy(str(tmp_path / "packed"), [prompt], "float32", batch=1, quantization=quantization)[0]
         assert [token for token, _ in ours] == expected.token_ids, quantization
     from worker.model_runner import ModelRunner
-    from worker.models.moe import Experts
+    from worker.models.experts import Experts
 
     runner = ModelRunner(WorkerConfig(model=str(tmp_path / "packed"), dtype="float32", max_model_len=64))
     experts = [m for m in runner.model.modules() if isinstance(m, Experts)]

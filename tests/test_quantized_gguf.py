@@ -20,8 +20,8 @@ from protocol.sampling import SamplingParams
 from tests.gguf_writer import write_gguf
 from worker.executor import InprocExecutor
 from worker.model_config import UnsupportedModelError
+from worker.models.experts import Experts
 from worker.models.layers import Embedding, Linear
-from worker.models.moe import Experts
 from worker.quant.gguf_pack import Q
 from worker.quant.method import resolve_quantization
 

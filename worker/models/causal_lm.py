@@ -20,9 +20,9 @@ from worker.host_memory import empty_on_huge_pages
 from worker.model_config import ModelConfig
 from worker.models.checkpoint import load_checkpoint
 from worker.models.decoder import DecoderLayer
+from worker.models.experts import Experts
 from worker.models.layers import Embedding, Linear, can_pack, pairs_onto_huge_pages
 from worker.models.mla import LatentAttention
-from worker.models.moe import Experts
 from worker.models.native import layer_kinds, native_shape, native_stack_serves, native_weights
 from worker.models.norms import OffsetRMSNorm, make_norm
 from worker.models.rope import RotaryEmbedding

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from worker.model_config import ModelConfig
+from worker.models.experts import Experts
 from worker.models.families import BY_NAME, our_name
 from worker.models.families.base import Family
 from worker.models.layers import Embedding, Linear
-from worker.models.moe import Experts
 from worker.quant.blocks import QuantPart, QuantWeight
 
 IMAGE_SIDE = ("vision_tower.", "multi_modal_projector.")

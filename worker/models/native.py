@@ -22,8 +22,9 @@ from torch import nn
 from worker.model_config import ModelConfig
 from worker.models.attention import Attention
 from worker.models.decoder import DecoderLayer
+from worker.models.experts import EXPERT_ACTIVATIONS
 from worker.models.layers import Linear
-from worker.models.moe import EXPERT_ACTIVATIONS, ROUTERS, SparseMoE
+from worker.models.moe import ROUTERS, SparseMoE
 from worker.models.norms import Norm, OffsetRMSNorm
 
 LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2, "parallel": 3, "parallel_shared": 4}
