@@ -34,11 +34,12 @@ class ApiServer:
 
 
 class ApiServerPool:
-    """A dead API server is started again on the same socket, which the launcher keeps open meanwhile: the
-    kernel goes on queueing the connections it hashes to that socket, and the new process accepts them.
-    Only after some API server has said it is ready (a start that fails everywhere, a bad flag or a TLS
-    file, is the deployment's error, not a crash), and at most RESTART_LIMIT times in RESTART_WINDOW_S
-    each; one given up on has its socket closed, so that the kernel hands the others its connections."""
+    """An API server that died (a non-zero exit: killed, crashed) is started again on the same socket, which
+    the launcher keeps open meanwhile: the kernel goes on queueing the connections it hashes to that socket,
+    and the new process accepts them. Only after some API server has said it is ready (a start that fails
+    everywhere, a bad flag or a TLS file, is the deployment's error, not a crash), and at most RESTART_LIMIT
+    times in RESTART_WINDOW_S each. One that exited 0 was drained on purpose (its own SIGTERM) and stays
+    down. One not started again has its socket closed, so that the kernel hands the others its connections."""
 
     RESTART_LIMIT = 3
     RESTART_WINDOW_S = 60.0
@@ -87,8 +88,8 @@ class ApiServerPool:
             now = time.monotonic()
             server.restarts = [t for t in server.restarts if now - t < self.RESTART_WINDOW_S]
             _forget_metrics(server.process.pid)
-            if not served or len(server.restarts) >= self.RESTART_LIMIT:
-                why = "before any API server was ready" if not served else "too often"
+            why = self._left_down(code, served, len(server.restarts))
+            if why is not None:
                 logger.error("API server %d exited (code %s) %s; the others serve on", index, code, why)
                 server.given_up = True
                 if server.sock is not None and sum(s.sock is server.sock for s in self.servers) == 1:
@@ -99,6 +100,16 @@ class ApiServerPool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(server.config.ready_file)
             server.process = self._spawn(server.sock, server.config)
+
+    def _left_down(self, code: int, served: bool, recent_restarts: int) -> str | None:
+        """Why an API server that exited with this code is not started again; None: it is."""
+        if code == 0:
+            return "drained"
+        if not served:
+            return "before any API server was ready"
+        if recent_restarts >= self.RESTART_LIMIT:
+            return f"{recent_restarts} times in {self.RESTART_WINDOW_S:.0f} s"
+        return None
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM each (it drains), kill one still there after timeout_s, then close the sockets."""

@@ -132,7 +132,7 @@ class Supervisor:
             if engine_died_at is not None and time.monotonic() - engine_died_at > grace:
                 self.shutdown()
                 return 1
-            if self.api_servers is not None and engine_died_at is None:
+            if self.api_servers is not None and engine_died_at is None and not self.stopping:
                 self.api_servers.look()  # one that died is started again
             if self.api_servers is not None and self.api_servers.all_exited():
                 logger.error("every API server exited; stopping")
