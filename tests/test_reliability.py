@@ -35,7 +35,8 @@ def ready(port: int) -> bool:
 
 
 def engine_stats(port: int) -> dict[str, Any]:
-    return httpx.get(f"http://127.0.0.1:{port}/load", timeout=5).json()["engine"]  # type: ignore[no-any-return]
+    """The engine's stats as /load gives them; {} from an API server that has none yet (one just started)."""
+    return httpx.get(f"http://127.0.0.1:{port}/load", timeout=5).json()["engine"] or {}  # type: ignore[no-any-return]
 
 
 class Stream(threading.Thread):
@@ -117,7 +118,7 @@ def test_killed_api_server_then_drain_on_sigterm(smollm2_gguf: str) -> None:
             stream.join(30)
             assert stream.error is not None  # its client saw the connection cut
         # The engine aborted the dead frontend's requests (their blocks are freed); the others run on.
-        wait_until(lambda: engine_stats(port)["num_running"] == len(survivors), 30, "the engine to abort")
+        wait_until(lambda: engine_stats(port).get("num_running") == len(survivors), 30, "the engine to abort")
         assert all(s.is_alive() and s.error is None for s in survivors)
         # The launcher starts it again on the socket it kept: the connections the kernel hashes there wait
         # for the new process instead of being refused, and fresh connections reach both servers again.
@@ -161,7 +162,7 @@ def test_overload_stall_then_killed_worker(smollm2_gguf: str) -> None:
         busy += [Stream(port, 900) for _ in range(2)]
         for stream in busy[1:]:
             stream.start()
-        wait_until(lambda: engine_stats(port)["num_waiting"] == 2, 30, "two waiting requests")
+        wait_until(lambda: engine_stats(port).get("num_waiting") == 2, 30, "two waiting requests")
         refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "queue_full"
