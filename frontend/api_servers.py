@@ -66,10 +66,6 @@ class ApiServerPool:
         process.stdin.close()
         return process
 
-    @property
-    def processes(self) -> list[subprocess.Popen[bytes]]:
-        return [server.process for server in self.servers]
-
     def all_exited(self) -> bool:
         return bool(self.servers) and all(s.process.poll() is not None for s in self.servers)
 
@@ -80,11 +76,11 @@ class ApiServerPool:
 
     def look(self) -> None:
         """Start again each API server that died since the last look, where the rules above allow."""
-        served = any(os.path.exists(s.config.ready_file) for s in self.servers)
         for index, server in enumerate(self.servers):
             code = server.process.poll()
             if code is None or server.given_up:
                 continue
+            served = any(os.path.exists(s.config.ready_file) for s in self.servers)
             now = time.monotonic()
             server.restarts = [t for t in server.restarts if now - t < self.RESTART_WINDOW_S]
             _forget_metrics(server.process.pid)

@@ -177,9 +177,8 @@ async def run_app(
     phases.mark("app")
     phases.log(logger)
     logger.info("API server %d ready", config.server_index)
-    say_ready(
-        config
-    )  # (uvicorn accepts on sock from its first turn; what came meanwhile waits in its backlog)
+    # (uvicorn accepts on sock from its first turn; what comes meanwhile waits in its backlog)
+    say_ready(config)
     try:
         await server.serve(sockets=[sock])
     finally:

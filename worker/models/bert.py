@@ -5,9 +5,9 @@ on it: each input of a step is one segment [start, end) of the flattened tokens,
 (no mask, no padding, no other input in it; csrc encoder_attention, every segment in one call, or torch's
 scaled_dot_product_attention a segment at a time), and nothing is written to a cache. Nothing would read it
 back: a pooling request is one prefill step, an encoder's input is never chunked (its first token attends
-to its last), and a prefix cache would hold keys that depend on the tokens after them. Each segment alone is also what keeps an input's vector independent of
-the rest of the batch (docs/batch-invariance.md): the products are the model's Linear kernels, the
-layer norms and GELU are row by row.
+to its last), and a prefix cache would hold keys that depend on the tokens after them. Each segment alone
+is also what keeps an input's vector independent of the rest of the batch (docs/batch-invariance.md): the
+products are the model's Linear kernels, the layer norms and GELU are row by row.
 """
 
 from __future__ import annotations
