@@ -4,10 +4,8 @@
 
 The bundled SmolLM2-135M (its GGUF file dequantized to float32 by transformers) is quantized here as AWQ
 (4-bit, groups of 64: 128 does not divide its 576 dims), GPTQ (4-bit, groups of 64; and in act-order, whose
-products permute their inputs on the Python layers), compressed-tensors
-W4A16 (groups of 64) and W8A8
-(int8 per channel, activations per token) by tests/quant_writers.py, and served in-process beside the same
-model in bf16 (a folder of its float weights) and the GGUF file's Q4_1 blocks: the median wall-clock time
+products permute their inputs), compressed-tensors W4A16 (groups of 64) and W8A8 (int8 per channel,
+activations per token) by tests/quant_writers.py, and served in-process beside the same model in bf16 (a folder of its float weights) and the GGUF file's Q4_1 blocks: the median wall-clock time
 of a decode step at c=1 and c=16 (prompts of 100 tokens, greedy), each engine's steps taken in turn with the
 bf16 one's, and the bytes its products hold. Writes benchmarks/results/quant_formats.json.
 """

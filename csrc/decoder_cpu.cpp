@@ -14,13 +14,16 @@
 //             down_bias, input_norm_bias, post_norm_bias, then a mixture of experts' router, router_bias,
 //             router_packing, w13, w2, b13, b2, shared_gate, shared_gate_packing, score_bias, moe_ints
 //             [kind, top_k, renormalize, groups, top_groups, activation], moe_floats [scaling, alpha, limit],
-//             then sinks] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
+//             then sinks, then the act-order input orders of qkv, o, gate_up and down] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
 //             the MLP's, its routing as route_experts and its experts as fused_experts take them); an empty
 //             tensor is an absent bias, norm, packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under a bf16 x is Gemma's 1 + w
 //             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
 //             count takes it; out features a multiple of 16), a 5-d one linear_amx's (batch-invariant too:
 //             pack_pairs' viewed [N / 64, K / 32, 16, 64, 2]), a uint8 one GGUF blocks kept packed, its weight
-//             slot linear_quant_parts' int64 parts (batch-invariant). Products of at most config.pairs_rows rows
+//             slot linear_quant_parts' int64 parts (batch-invariant). An act-order product's order (GPTQ's
+//             desc_act, compressed-tensors' actorder) is int64 [K], the input columns every part takes
+//             (gather_columns first), or [parts, K], each part's own (each part then a product of its own,
+//             as worker/models/layers.py Linear._quant_forward runs them); empty: none. Products of at most config.pairs_rows rows
 //             use the pairs packing where given; the others oneDNN's packed weights when config.packed, else
 //             at::linear on plain [out, in] ones.
 // ropes:      cos, sin, positions of the global rotary, then of the local one where the model has it
@@ -58,7 +61,8 @@ enum Weight {
   kInputNorm, kQkv, kQkvBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm,
   kQkvPairs, kOPairs, kGateUpPairs, kDownPairs, kPostAttnNorm, kPostMlpNorm, kOBias, kGateUpBias,
   kDownBias, kInputNormBias, kPostNormBias, kRouter, kRouterBias, kRouterPacking, kW13, kW2, kB13, kB2,
-  kSharedGate, kSharedGatePacking, kScoreBias, kMoeInts, kMoeFloats, kSinks, kNumWeights
+  kSharedGate, kSharedGatePacking, kScoreBias, kMoeInts, kMoeFloats, kSinks, kQkvOrder, kOOrder,
+  kGateUpOrder, kDownOrder, kNumWeights
 };
 enum Layout { kPre, kSandwich, kPost, kParallel, kParallelShared };
 enum Activation { kSiluGated, kGeluTanhGated, kGeluGated, kGeluTanhPlain, kGeluPlain };
@@ -75,18 +79,36 @@ struct Product {
   bool packed;
   int64_t pairs_rows;
   at::Tensor operator()(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                        const at::Tensor& pairs) const;
+                        const at::Tensor& pairs, const at::Tensor& order = at::Tensor()) const;
 };
 
-at::Tensor Product::operator()(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                               const at::Tensor& pairs) const {
-  if (pairs.scalar_type() == at::kByte) {  // GGUF blocks kept packed: weight holds the parts (csrc/quant_cpu.cpp)
-    const int64_t* part = weight.data_ptr<int64_t>();
-    int64_t columns = 0;
-    for (int64_t p = 0; p < weight.size(0); ++p) columns += part[4 * p + 2];
-    if (part[0] == 104) return linear_w8a8_parts(x, pairs, weight, bias, columns);  // W8A8 (csrc/quant_w8a8.cpp)
-    return linear_quant_parts(x, pairs, weight, bias, columns);
+// Integers kept packed: weight holds the parts (csrc/quant_cpu.cpp), pairs the bytes; order as the header says.
+at::Tensor quantized(const at::Tensor& x, const at::Tensor& parts, const at::Tensor& bias, const at::Tensor& bytes,
+                     const at::Tensor& order) {
+  const int64_t* part = parts.data_ptr<int64_t>();
+  const auto product = [&](const at::Tensor& rows, const at::Tensor& runs, const at::Tensor& b, int64_t columns) {
+    if (part[0] == 104) return linear_w8a8_parts(rows, bytes, runs, b, columns);  // W8A8 (csrc/quant_w8a8.cpp)
+    return linear_quant_parts(rows, bytes, runs, b, columns);
+  };
+  int64_t columns = 0;
+  for (int64_t p = 0; p < parts.size(0); ++p) columns += part[4 * p + 2];
+  if (!order.defined() || !order.numel()) return product(x, parts, bias, columns);
+  if (order.dim() == 1) return product(gather_columns(x, order), parts, bias, columns);  // one order for all
+  TORCH_CHECK(order.dim() == 2 && order.size(0) == parts.size(0), "an act-order product: one order per part");
+  std::vector<at::Tensor> outputs;
+  for (int64_t p = 0; p < parts.size(0); ++p) {
+    const int64_t start = part[4 * p + 1], width = part[4 * p + 2];
+    at::Tensor run = parts.narrow(0, p, 1).clone();
+    run.data_ptr<int64_t>()[1] = 0;  // the part's columns alone
+    const at::Tensor b = bias.numel() ? bias.narrow(0, start, width) : bias;
+    outputs.push_back(product(gather_columns(x, order[p]), run, b, width));
   }
+  return at::cat(outputs, 1);
+}
+
+at::Tensor Product::operator()(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& pairs, const at::Tensor& order) const {
+  if (pairs.scalar_type() == at::kByte) return quantized(x, weight, bias, pairs, order);
   if (pairs.dim() == 3) return linear_rows(x, pairs, bias, pairs.size(0) * pairs.size(2));  // batch-invariant
   if (pairs.dim() == 5) return linear_amx(x, pairs, bias);                                  // batch-invariant
   if (pairs.numel() && x.size(0) <= pairs_rows) return linear_pairs(x, pairs, bias);
@@ -221,7 +243,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       add_and_norm(hidden, residual, w[kInputNorm], w[kInputNormBias]);  // hidden: the norm; residual: the sum
       h = hidden;
     }
-    at::Tensor qkv = linear(h, w[kQkv], w[kQkvBias], w[kQkvPairs]);  // [T, q + 2 kv]
+    at::Tensor qkv = linear(h, w[kQkv], w[kQkvBias], w[kQkvPairs], w[kQkvOrder]);  // [T, q + 2 kv]
     lora.add(0, h, qkv, lora_rows);
     at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
     if (qk_norm == kProjNorm) {
@@ -255,7 +277,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     const at::Tensor attention =
         paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, window, softcap, w[kSinks]);
     const at::Tensor attended = attention.view({rows, q_size});  // [rows, heads * d]
-    hidden = linear(attended, w[kO], w[kOBias], w[kOPairs]);
+    hidden = linear(attended, w[kO], w[kOBias], w[kOPairs], w[kOOrder]);
     lora.add(1, attended, hidden, lora_rows);
     if (w[kPostAttnNorm].numel()) hidden = rms_norm(hidden, w[kPostAttnNorm], eps);
     hidden = scaled(hidden);
@@ -274,7 +296,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     }
     // the dense MLP, or a mixture of experts' shared expert (LoRA: dense models only)
     const auto mlp = [&](const at::Tensor& in) {
-      at::Tensor gate_up = linear(in, w[kGateUp], w[kGateUpBias], w[kGateUpPairs]);
+      at::Tensor gate_up = linear(in, w[kGateUp], w[kGateUpBias], w[kGateUpPairs], w[kGateUpOrder]);
       lora.add(2, in, gate_up, lora_rows);
       at::Tensor activated;
       if (activation == kSiluGated) {
@@ -287,7 +309,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       } else {
         activated = gelu(gate_up, activation == kGeluTanhPlain);
       }
-      at::Tensor out = linear(activated, w[kDown], w[kDownBias], w[kDownPairs]);
+      at::Tensor out = linear(activated, w[kDown], w[kDownBias], w[kDownPairs], w[kDownOrder]);
       lora.add(3, activated, out, lora_rows);
       return out;
     };

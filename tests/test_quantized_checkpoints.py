@@ -119,9 +119,9 @@ def test_a_quantization_config_field_not_served_is_refused_by_name(tmp_path, met
 def test_an_act_order_checkpoint_is_served_packed_as_hf_runs_it(tmp_path, method, orders, caplog) -> None:  # type: ignore[no-untyped-def]
     """GPTQ's desc_act / compressed-tensors' actorder "group": each group's input dims scattered (g_idx,
     weight_g_idx). Kept as its integers in group order, each product taking its inputs permuted to match
-    (once, where its parts share an order as GPTQ's q, k and v do; else part by part), on the Python layers:
-    the dequantized HF model's tokens and logprobs, batched with chunked prefill and prefix caching, and a
-    prompt alone the same bits."""
+    (once, where its parts share an order as GPTQ's q, k and v do; else part by part), on the csrc decoder
+    stack: the dequantized HF model's tokens and logprobs, batched with chunked prefill and prefix caching, a
+    prompt alone the same bits, and the Python layers the same bits as the stack."""
     folder = str(tmp_path)
     oracle_model = write(
         tiny_llama(), folder, method, group=32, symmetric=method == "ct-pack", act_order=orders
@@ -138,11 +138,14 @@ def test_an_act_order_checkpoint_is_served_packed_as_hf_runs_it(tmp_path, method
     assert sum(part.order is not None for m in quantized for part in m.quant) == 14
     shared = [m.shared_order is not None for m in quantized]
     assert shared == [True] * 8 if orders == "input" else shared == [False, True, False, True] * 2
-    assert model.native_layers is None
+    assert model.native_layers is not None
     for ours, values, prompt in zip(tokens, logprobs, prompts, strict=True):
         check(ours, values, hf_greedy(oracle_model, prompt, MAX_NEW_TOKENS, None))
     alone, alone_logprobs, _ = greedy_with_logprobs(folder, prompts[1:])
     assert (alone[0], alone_logprobs[0]) == (tokens[1], logprobs[1])
+    python, python_logprobs, _ = greedy_with_logprobs(folder, prompts, max_num_batched_tokens=16, native=False,
+                                                      enable_prefix_caching=True)  # fmt: skip
+    assert (python, python_logprobs) == (tokens, logprobs)
 
 
 def test_w8a8_refuses_quantization_none_and_a_contradicting_flag(tmp_path) -> None:  # type: ignore[no-untyped-def]

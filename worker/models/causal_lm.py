@@ -23,7 +23,13 @@ from worker.models.decoder import DecoderLayer
 from worker.models.experts import Experts
 from worker.models.layers import Embedding, Linear, can_pack, pairs_onto_huge_pages
 from worker.models.mla import LatentAttention
-from worker.models.native import layer_kinds, native_shape, native_stack_serves, native_weights
+from worker.models.native import (
+    layer_kinds,
+    native_shape,
+    native_stack_serves,
+    native_weights,
+    stack_products,
+)
 from worker.models.norms import OffsetRMSNorm, make_norm
 from worker.models.rope import RotaryEmbedding
 from worker.parallel.sharding import vocab_shard
@@ -224,8 +230,11 @@ class CausalLM(nn.Module):
             dtype_ok = not quantized or self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
             # (experts kept packed run one at a time in Python: Experts.packed_experts)
             packed_experts = any(isinstance(m, Experts) and m.quantized is not None for m in self.modules())
-            # (act-order products take their inputs permuted, part by part: Linear.ordered)
-            ordered = any(isinstance(m, Linear) and m.ordered for m in self.modules())
+            # (act-order products take their inputs permuted: the stack's own products do it, others not)
+            ordered = [m for m in self.modules() if isinstance(m, Linear) and m.ordered]
+            if ordered and native_stack_serves(self.config):
+                on_stack = {id(p) for layer in self.layers for p in stack_products(cast(DecoderLayer, layer))}
+                ordered = [m for m in ordered if id(m) not in on_stack]
             if native_stack_serves(self.config) and dtype_ok and not packed_experts and not ordered:
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 

@@ -5,7 +5,8 @@ It runs the "pre", "sandwich" and "post" layouts with RMSNorms (Gemma's 1 + w on
 SiLU-, GELU(tanh)- or GELU-gated MLPs and plain GELU ones; biases on any product; q/k norms per head or
 over the projection (with RMSNorms), or a weight per head (with LayerNorms: StableLM's, Command R's); rotary over whole heads or their leading dims, rotate-half or interleaved, with a local
 base for the sliding layers; NoPE layers; sliding windows (in the windowed layers' own pool where the model
-keeps one); attention soft-capping and sinks; any query scale and a residual multiplier; mixtures of experts
+keeps one); attention soft-capping and sinks; any query scale and a residual multiplier; act-order products
+(their inputs' columns gathered first, once or part by part); mixtures of experts
 (route_experts and fused_experts in the MLP's place, a shared expert in the MLP's slots). That is every family but
 DeepSeek's latent attention, which runs the Python layers, with the same kernels where they apply and Python
 between them.
@@ -91,7 +92,6 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     attention, mlp, none = layer.self_attn, layer.mlp, torch.empty(0)
     assert isinstance(attention, Attention)  # native_stack_serves no latent attention
     moe = mlp if isinstance(mlp, SparseMoE) else None
-    dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp
 
     def weight(linear: Linear | None) -> torch.Tensor:
         if linear is None:
@@ -116,9 +116,8 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
             return linear.pairs.view(groups, kpairs // 16, 16, width, two)
         return optional(linear, "rows" if linear.rows is not None else "pairs")
 
-    up = None if dense is None else dense.gate_up_proj if dense.gated else dense.up_proj  # plain: up's
-    down = None if dense is None else dense.down_proj
-    linears = (attention.qkv_proj, attention.o_proj, up, down)
+    linears = stack_products(layer)  # a plain MLP's up product in gate_up's slots
+    up, down = linears[2], linears[3]
     return [
         norm_weight(layer.input_layernorm), weight(attention.qkv_proj), optional(attention.qkv_proj, "bias"),
         weight(attention.o_proj), norm_weight(layer.post_attention_layernorm), weight(up),
@@ -129,7 +128,30 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
         optional(layer.post_attention_layernorm, "bias"),
         *(moe_weights(moe, weight, packing) if moe is not None else [none] * 12),
         attention.sinks.detach().float() if attention.sinks is not None else none,
+        *(input_order(linear) for linear in linears),
     ]  # fmt: skip
+
+
+def stack_products(layer: DecoderLayer) -> tuple[Linear | None, ...]:
+    """The layer's products the stack runs with their act-order (qkv, o, the MLP's or shared expert's up or
+    gate_up, and down): an act-order product elsewhere (a router) keeps the Python layers."""
+    attention, mlp = layer.self_attn, layer.mlp
+    assert isinstance(attention, Attention)
+    dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp
+    up = None if dense is None else dense.gate_up_proj if dense.gated else dense.up_proj
+    return attention.qkv_proj, attention.o_proj, up, None if dense is None else dense.down_proj
+
+
+def input_order(linear: Linear | None) -> torch.Tensor:
+    """An act-order product's input order as the stack takes it: [K] where every part shares it, else
+    [parts, K] (a part with none in its natural order); empty for a product without one."""
+    if linear is None or not linear.ordered:
+        return torch.empty(0)
+    if linear.shared_order is not None:
+        return linear.shared_order
+    assert linear.quant is not None
+    natural = torch.arange(linear.in_features, dtype=torch.int64)
+    return torch.stack([natural if part.order is None else part.order for part in linear.quant])
 
 
 def moe_weights(

@@ -189,8 +189,7 @@ def quantized_weights(
         raise UnsupportedModelError(f"quantized modules with tensors missing: {sorted(pending)[:3]}")
     if act_order:
         logger.info(
-            "%d act-order products (their groups not in input order) take their inputs permuted, part by part; "
-            "the model runs the Python layers (the csrc decoder stack takes each product's inputs in order)",
+            "%d act-order products (their groups not in input order) take their inputs permuted",
             act_order,
         )
 
