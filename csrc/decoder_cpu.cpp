@@ -14,7 +14,10 @@
 //             down_bias, input_norm_bias, post_norm_bias, then a mixture of experts' router, router_bias,
 //             router_packing, w13, w2, b13, b2, shared_gate, shared_gate_packing, score_bias, moe_ints
 //             [kind, top_k, renormalize, groups, top_groups, activation], moe_floats [scaling, alpha, limit],
-//             then sinks, then the act-order input orders of qkv, o, gate_up and down] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
+//             then sinks, then the act-order input orders of qkv, o, gate_up and down, then latent attention's
+//             q_a (weight, bias, packing), q_a_norm, kv_a (weight, bias, packing), kv_a_norm, uk and uv (each
+//             head's linear_rows packing of W_UK^T and W_UV^T: [heads, ...]) and latent_ints [kv_lora_rank,
+//             nope, rope, v, q_lora_rank] (empty but for DeepSeek's layers: the latent branch below)] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
 //             the MLP's, its routing as route_experts and its experts as fused_experts take them); an empty
 //             tensor is an absent bias, norm, packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under a bf16 x is Gemma's 1 + w
 //             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
@@ -62,7 +65,8 @@ enum Weight {
   kQkvPairs, kOPairs, kGateUpPairs, kDownPairs, kPostAttnNorm, kPostMlpNorm, kOBias, kGateUpBias,
   kDownBias, kInputNormBias, kPostNormBias, kRouter, kRouterBias, kRouterPacking, kW13, kW2, kB13, kB2,
   kSharedGate, kSharedGatePacking, kScoreBias, kMoeInts, kMoeFloats, kSinks, kQkvOrder, kOOrder,
-  kGateUpOrder, kDownOrder, kNumWeights
+  kGateUpOrder, kDownOrder, kQA, kQABias, kQAPacking, kQANorm, kKvA, kKvABias, kKvAPacking, kKvANorm, kUk, kUv,
+  kLatentInts, kNumWeights
 };
 enum Layout { kPre, kSandwich, kPost, kParallel, kParallelShared };
 enum Activation { kSiluGated, kGeluTanhGated, kGeluGated, kGeluTanhPlain, kGeluPlain };
@@ -223,6 +227,63 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     return at::gelu(t.to(at::kFloat), tanh ? "tanh" : "none").to(t.scalar_type());
   };
 
+  // A product of a latent-attention layer, whose widths need not be the packing's: linear_rows told the
+  // width, a pair packing padded to 64 columns cut back (worker/models/layers.py Linear.forward).
+  const auto sized = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias,
+                         const at::Tensor& packing, int64_t width) {
+    if (packing.dim() == 3 && packing.scalar_type() != at::kByte) return linear_rows(in, packing, bias, width);
+    const at::Tensor y = linear(in, weight, bias, packing);
+    return y.size(1) == width ? y : y.narrow(1, 0, width);
+  };
+  // Multi-head latent attention in the absorbed form, as worker/models/mla.py LatentAttention.forward runs
+  // it with the csrc kernels: q (through q_a and its norm where the model compresses it), the latent row
+  // (kv_a: the normed compressed KV and the rotated shared key) written to the cache, each head's query
+  // taken to the latent space (W_UK), one paged_decode_attention row per token over the latents, each head's
+  // weighted latent taken to its values (W_UV), then o. Returns o's output for the scored rows.
+  const auto latent_attention = [&](const at::Tensor& h, const std::vector<at::Tensor>& w, at::Tensor& cache,
+                                    const at::Tensor& block_ids, const at::Tensor& offsets, at::Tensor tables,
+                                    at::Tensor lens, const std::optional<at::Tensor>& scored) {
+    const int64_t* dims = w[kLatentInts].data_ptr<int64_t>();
+    const int64_t rank = dims[0], nope = dims[1], rot = dims[2], v_dim = dims[3], q_rank = dims[4];
+    const at::Tensor none = at::empty({0}, at::kFloat);
+    at::Tensor q;
+    if (q_rank) {
+      const at::Tensor compressed_q = sized(h, w[kQA], w[kQABias], w[kQAPacking], q_rank);
+      q = sized(rms_norm(compressed_q, w[kQANorm], eps), w[kQkv], none, w[kQkvPairs], heads * (nope + rot));
+    } else {
+      q = sized(h, w[kQkv], none, w[kQkvPairs], heads * (nope + rot));
+    }
+    q = q.view({tokens, heads, nope + rot});
+    const at::Tensor compressed = sized(h, w[kKvA], w[kKvABias], w[kKvAPacking], rank + rot);
+    at::Tensor latent = at::empty_like(compressed);
+    latent.narrow(1, 0, rank).copy_(rms_norm(compressed.narrow(1, 0, rank).contiguous(), w[kKvANorm], eps));
+    at::Tensor q_pe = q.narrow(2, nope, rot).contiguous();
+    at::Tensor k_pe = compressed.narrow(1, rank, rot).contiguous().view({tokens, 1, rot});
+    rotary_embedding(q_pe, k_pe, ropes[0], ropes[1], ropes[2], interleaved);
+    latent.narrow(1, rank, rot).copy_(k_pe.select(1, 0));
+    cache.select(3, 0).select(1, 0).index_put_({block_ids, offsets}, latent);  // [blocks, block_size, D]
+    if (scored) {  // past the cache write, only the rows scored
+      q = q.index_select(0, *scored);
+      q_pe = q_pe.index_select(0, *scored);
+      tables = tables.index_select(0, *scored);
+      lens = lens.index_select(0, *scored);
+    }
+    const int64_t rows = q.size(0);
+    if (rows == 0) return at::empty({0, x.size(1)}, x.options());
+    // each head's [rows, d] times its packed matrix -> [rows, heads, width]
+    const auto absorbed = [&](const at::Tensor& in, const at::Tensor& packs, int64_t width) {
+      std::vector<at::Tensor> each;
+      for (int64_t head = 0; head < heads; ++head)
+        each.push_back(linear_rows(in.select(1, head).contiguous(), packs[head], none, width));
+      return at::stack(each, 1);
+    };
+    const at::Tensor q_latent = at::cat({absorbed(q.narrow(2, 0, nope), w[kUk], rank), q_pe}, -1);
+    const at::Tensor attended =
+        paged_decode_attention(q_latent.contiguous(), cache, tables, lens, scale, 0, 0.0, none).narrow(-1, 0, rank);
+    const at::Tensor values = absorbed(attended, w[kUv], v_dim);  // [rows, heads, v]
+    return sized(values.reshape({-1, heads * v_dim}), w[kO], w[kOBias], w[kOPairs], x.size(1));
+  };
+
   at::Tensor hidden, residual;
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& w = layers[l];
@@ -243,42 +304,52 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
       add_and_norm(hidden, residual, w[kInputNorm], w[kInputNormBias]);  // hidden: the norm; residual: the sum
       h = hidden;
     }
-    at::Tensor qkv = linear(h, w[kQkv], w[kQkvBias], w[kQkvPairs], w[kQkvOrder]);  // [T, q + 2 kv]
-    lora.add(0, h, qkv, lora_rows);
-    at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
-    if (qk_norm == kProjNorm) {
-      q = rms_norm(q, w[kQNorm], eps);
-      k = rms_norm(k, w[kKNorm], eps);
+    if (w[kLatentInts].numel()) {  // multi-head latent attention (worker/models/mla.py LatentAttention)
+      hidden = latent_attention(h, w, kv_caches[l], pools[pool], pools[pool + 1], pools[pool + 2], pools[pool + 3],
+                                l + 1 == layers.size() ? out_rows : std::nullopt);
+      if (out_rows && l + 1 == layers.size()) {
+        residual = residual.index_select(0, *out_rows);
+        h = h.index_select(0, *out_rows);
+        if (out_rows->numel() == 0) return {residual.clone(), residual};
+      }
+    } else {
+      at::Tensor qkv = linear(h, w[kQkv], w[kQkvBias], w[kQkvPairs], w[kQkvOrder]);  // [T, q + 2 kv]
+      lora.add(0, h, qkv, lora_rows);
+      at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+      if (qk_norm == kProjNorm) {
+        q = rms_norm(q, w[kQNorm], eps);
+        k = rms_norm(k, w[kKNorm], eps);
+      }
+      q = q.view({tokens, heads, head_dim});
+      k = k.view({tokens, kv_heads, head_dim});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+      if (qk_norm == kHeadNorm) {
+        q = head_norm(q, w[kQNorm], eps);
+        k = head_norm(k, w[kKNorm], eps);
+      } else if (qk_norm == kHeadEachNorm) {
+        q = each_head_norm(q, w[kQNorm]);
+        k = each_head_norm(k, w[kKNorm]);
+      }
+      if (rope >= 0) rotary_embedding(q, k, ropes[3 * rope], ropes[3 * rope + 1], ropes[3 * rope + 2], interleaved);
+      write_kv(k, v, kv_caches[l], pools[pool], pools[pool + 1]);
+      at::Tensor tables = pools[pool + 2], lens = pools[pool + 3];
+      int64_t rows = tokens;
+      if (out_rows && l + 1 == layers.size()) {  // the last layer: only the scored rows go on
+        q = q.index_select(0, *out_rows);
+        tables = tables.index_select(0, *out_rows);
+        lens = lens.index_select(0, *out_rows);
+        residual = residual.index_select(0, *out_rows);
+        h = h.index_select(0, *out_rows);
+        if (lora_layers) lora_rows = lora_rows.index_select(0, *out_rows);
+        rows = out_rows->numel();
+        if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
+      }
+      const at::Tensor attention =
+          paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, window, softcap, w[kSinks]);
+      const at::Tensor attended = attention.view({rows, q_size});  // [rows, heads * d]
+      hidden = linear(attended, w[kO], w[kOBias], w[kOPairs], w[kOOrder]);
+      lora.add(1, attended, hidden, lora_rows);
     }
-    q = q.view({tokens, heads, head_dim});
-    k = k.view({tokens, kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
-    if (qk_norm == kHeadNorm) {
-      q = head_norm(q, w[kQNorm], eps);
-      k = head_norm(k, w[kKNorm], eps);
-    } else if (qk_norm == kHeadEachNorm) {
-      q = each_head_norm(q, w[kQNorm]);
-      k = each_head_norm(k, w[kKNorm]);
-    }
-    if (rope >= 0) rotary_embedding(q, k, ropes[3 * rope], ropes[3 * rope + 1], ropes[3 * rope + 2], interleaved);
-    write_kv(k, v, kv_caches[l], pools[pool], pools[pool + 1]);
-    at::Tensor tables = pools[pool + 2], lens = pools[pool + 3];
-    int64_t rows = tokens;
-    if (out_rows && l + 1 == layers.size()) {  // the last layer: only the scored rows go on
-      q = q.index_select(0, *out_rows);
-      tables = tables.index_select(0, *out_rows);
-      lens = lens.index_select(0, *out_rows);
-      residual = residual.index_select(0, *out_rows);
-      h = h.index_select(0, *out_rows);
-      if (lora_layers) lora_rows = lora_rows.index_select(0, *out_rows);
-      rows = out_rows->numel();
-      if (rows == 0) return {residual.clone(), residual};  // no row scored: the KV write was all
-    }
-    const at::Tensor attention =
-        paged_decode_attention(q.contiguous(), kv_caches[l], tables, lens, scale, window, softcap, w[kSinks]);
-    const at::Tensor attended = attention.view({rows, q_size});  // [rows, heads * d]
-    hidden = linear(attended, w[kO], w[kOBias], w[kOPairs], w[kOOrder]);
-    lora.add(1, attended, hidden, lora_rows);
     if (w[kPostAttnNorm].numel()) hidden = rms_norm(hidden, w[kPostAttnNorm], eps);
     hidden = scaled(hidden);
     at::Tensor attended_out;  // the parallel layouts: the attention branch, added after the MLP's

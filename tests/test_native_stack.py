@@ -19,7 +19,7 @@ NATIVE = [
     "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3", "gemma3_vlm", "phi3", "phi3_longrope",
     "granite", "olmo2", "olmo3", "smollm3", "glm", "glm4", "cohere", "starcoder2", "gpt_neox",
     "gpt_neox_sequential", "stablelm", "stablelm_sequential", "stablelm_parallel", "mixtral", "qwen2_moe",
-    "qwen3_moe", "gpt_oss",
+    "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
 ]  # fmt: skip
 
 
@@ -59,6 +59,8 @@ def test_the_families_the_stack_serves(tmp_path) -> None:  # type: ignore[no-unt
         "qwen2_moe",
         "qwen3_moe",
         "gpt_oss",
+        "deepseek_v2",
+        "deepseek_v3",
     ],  # fmt: skip
 )
 def test_the_stack_equals_the_python_layers_on_each_family(tmp_path, name: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
@@ -66,8 +68,8 @@ def test_the_stack_equals_the_python_layers_on_each_family(tmp_path, name: str, 
     norms and GELU, post-norms, q/k norms over the projection, NoPE layers, the residual multiplier, partial
     and interleaved rotary, LongRoPE, biases, LayerNorms (Command R's too), per-head q/k norm weights, the
     parallel layouts and plain MLPs; mixtures of
-    experts (routing, the fused experts, a gated shared expert, dense layers among sparse ones) and
-    attention sinks."""
+    experts (routing, the fused experts, a gated shared expert, dense layers among sparse ones), attention
+    sinks, and DeepSeek's latent attention (q direct or through q_a, the absorbed products, grouped routing)."""
     if load_cpu_ops() is None:
         pytest.skip("no C++ compiler: the csrc kernels did not build")
     build_family(name, str(tmp_path))

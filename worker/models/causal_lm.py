@@ -235,7 +235,15 @@ class CausalLM(nn.Module):
             if ordered and native_stack_serves(self.config):
                 on_stack = {id(p) for layer in self.layers for p in stack_products(cast(DecoderLayer, layer))}
                 ordered = [m for m in ordered if id(m) not in on_stack]
-            if native_stack_serves(self.config) and dtype_ok and not packed_experts and not ordered:
+            # (latent attention's absorbed products on linear_rows: float32 and bf16 weights)
+            latent_ok = all(m.uk_stack is not None for m in self.modules() if isinstance(m, LatentAttention))
+            if (
+                native_stack_serves(self.config)
+                and dtype_ok
+                and not packed_experts
+                and not ordered
+                and latent_ok
+            ):
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], packed: bool = False) -> None:

@@ -89,6 +89,8 @@ class LatentAttention(nn.Module):
         self.w_uv: torch.Tensor | None = None  # [heads, rank, v]
         self.uk_rows: list[torch.Tensor] = []  # per head, linear_rows' packing of W_UK^T and W_UV^T (csrc)
         self.uv_rows: list[torch.Tensor] = []
+        self.uk_stack: torch.Tensor | None = None  # the heads' packings in one tensor (the decoder stack's)
+        self.uv_stack: torch.Tensor | None = None
 
     def finalize(self) -> None:
         """kv_b_proj's two halves per head, in the shapes the absorbed products take."""
@@ -96,8 +98,14 @@ class LatentAttention(nn.Module):
         self.w_uk = weight[:, : self.nope].contiguous()
         self.w_uv = weight[:, self.nope :].transpose(1, 2).contiguous()
         if self.ops is not None and weight.dtype in (torch.float32, torch.bfloat16):
-            self.uk_rows = [self.ops.pack_rows(self.w_uk[h].t().contiguous()) for h in range(self.num_heads)]
-            self.uv_rows = [self.ops.pack_rows(self.w_uv[h].t().contiguous()) for h in range(self.num_heads)]
+            ops = self.ops
+            self.uk_stack = torch.stack(
+                [ops.pack_rows(self.w_uk[h].t().contiguous()) for h in range(self.num_heads)]
+            )
+            self.uv_stack = torch.stack(
+                [ops.pack_rows(self.w_uv[h].t().contiguous()) for h in range(self.num_heads)]
+            )
+            self.uk_rows, self.uv_rows = list(self.uk_stack.unbind(0)), list(self.uv_stack.unbind(0))
 
     def absorbed(
         self, x: torch.Tensor, rows: list[torch.Tensor], weight: torch.Tensor, width: int
