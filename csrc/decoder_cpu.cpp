@@ -18,7 +18,8 @@
 //             q_a (weight, bias, packing), q_a_norm, kv_a (weight, bias, packing), kv_a_norm, uk and uv (each
 //             head's linear_rows packing of W_UK^T and W_UV^T: [heads, ...]) and latent_ints [kv_lora_rank,
 //             nope, rope, v, q_lora_rank] (empty but for DeepSeek's layers: the latent branch below)] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
-//             the MLP's, its routing as route_experts and its experts as fused_experts take them); an empty
+//             the MLP's, its routing as route_experts and its experts as fused_experts take them, or, kept as
+//             their blocks, fused_quant_experts: w13 the bytes, w2 the parts' table); an empty
 //             tensor is an absent bias, norm, packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under a bf16 x is Gemma's 1 + w
 //             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
 //             count takes it; out features a multiple of 16), a 5-d one linear_amx's (batch-invariant too:
@@ -387,7 +388,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
     if (w[kW13].numel()) {  // a mixture of experts (worker/models/moe.py SparseMoE)
       const int64_t* moe = w[kMoeInts].data_ptr<int64_t>();
       const double* numbers = w[kMoeFloats].data_ptr<double>();
-      const int64_t experts = w[kW13].size(0);
+      const bool blocks = w[kW13].scalar_type() == at::kByte;  // experts kept as their blocks (w2: the table)
+      const int64_t experts = blocks ? w[kW2].size(0) : w[kW13].size(0);
       const at::Tensor logits =  // a router packed for linear_rows is padded to 16 columns: asked for its own
           w[kRouterPacking].dim() == 3 ? linear_rows(h, w[kRouterPacking], w[kRouterBias], experts)
                                        : linear(h, w[kRouter], w[kRouterBias], w[kRouterPacking]);
@@ -399,8 +401,13 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
           shared_gate = linear(h, w[kSharedGate], w[kScoreBias].new_empty({0}), w[kSharedGatePacking]).narrow(1, 0, 1).to(at::kFloat)
                             .reshape({-1});
       }
-      hidden = fused_experts(h, routed[0], routed[1], w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1], numbers[2],
-                             shared.defined() ? shared : at::Tensor(), shared_gate.defined() ? shared_gate : at::Tensor());
+      const at::Tensor none = at::empty({0}, at::kFloat);
+      if (blocks)
+        hidden = fused_quant_experts(h, routed[0], routed[1], w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1],
+                                     numbers[2], shared.defined() ? shared : none, shared_gate.defined() ? shared_gate : none);
+      else
+        hidden = fused_experts(h, routed[0], routed[1], w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1], numbers[2],
+                               shared.defined() ? shared : at::Tensor(), shared_gate.defined() ? shared_gate : at::Tensor());
     } else {
       hidden = mlp(h);
     }

@@ -53,6 +53,10 @@ std::vector<torch::Tensor> route_experts(torch::Tensor logits, int64_t kind, int
 torch::Tensor fused_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13,
                             torch::Tensor w2, torch::Tensor b13, torch::Tensor b2, int64_t activation, double alpha,
                             double limit, torch::Tensor shared, torch::Tensor shared_gate);
+// The same with the experts kept as their quantized blocks (csrc/moe_quant_cpu.cpp): expert by expert.
+torch::Tensor fused_quant_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor bytes,
+                                  torch::Tensor table, torch::Tensor b13, torch::Tensor b2, int64_t activation,
+                                  double alpha, double limit, torch::Tensor shared, torch::Tensor shared_gate);
 
 // Bidirectional attention of encoder inputs, each segment of rows by itself (csrc/encoder_attention_cpu.cpp).
 torch::Tensor encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,

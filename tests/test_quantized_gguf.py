@@ -105,12 +105,21 @@ TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 FAMILIES = ("llama", "gptneox", "phi3", "qwen2", "gemma3")
 
 
-def tokens_and_logprobs(path: str, quantization: str) -> dict[str, tuple[list[int], list]]:  # type: ignore[type-arg]
-    """Two prompts decoded together in 16-token steps: each one's tokens and its logprob rows."""
+def tokens_and_logprobs(
+    path: str, quantization: str, dtype: str = "float32", expert_loop: bool = False
+) -> dict[str, tuple[list[int], list]]:  # type: ignore[type-arg]
+    """Two prompts decoded together in 16-token steps: each one's tokens and its logprob rows. expert_loop:
+    packed experts take Experts.packed_experts (Python) where csrc fused_quant_experts would run them, and
+    the model the Python layers."""
     worker = WorkerConfig(
-        model=path, dtype="float32", block_size=16, max_model_len=128, quantization=quantization
+        model=path, dtype=dtype, block_size=16, max_model_len=128, quantization=quantization
     )
     core = EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=16), InprocExecutor(worker))
+    if expert_loop:
+        core.executor.runner.model.native_layers = None  # type: ignore[attr-defined]
+        for module in core.executor.runner.model.modules():  # type: ignore[attr-defined]
+            if isinstance(module, Experts):
+                module.quant_table = None
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     results: dict[str, tuple[list[int], list]] = {"0": ([], []), "1": ([], [])}  # type: ignore[type-arg]
     try:
@@ -174,6 +183,26 @@ def test_experts_kept_packed_equal_their_dequantized_selves(name: str, tmp_path)
     fuses it)."""
     path = tiny_gguf(tmp_path, name, experts_too)
     assert_packed_equals_dequantized(path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "deepseek_v3", "gpt_oss"])
+def test_fused_quant_experts_give_the_loops_bits(name: str, dtype: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """csrc fused_quant_experts (every packed expert of a layer in one C++ call), on the csrc decoder stack,
+    against its reference, the Python loop Experts.packed_experts on the Python layers: the same tokens and
+    logprobs, bit for bit, with Qwen2-MoE's gated shared expert, DeepSeek's shared experts, grouped routing
+    and latent attention, and gpt-oss's clamped SwiGLU, biases, sinks and MXFP4 blocks."""
+    types = (lambda n, d: Q.MXFP4 if d.ndim == 3 else mixed_types(n, d)) if name == "gpt_oss" else experts_too
+    path = tiny_gguf(tmp_path, name, types)
+    worker = WorkerConfig(model=path, dtype=dtype, block_size=16, max_model_len=128, quantization="gguf")
+    core = EngineCore(EngineConfig(worker=worker), InprocExecutor(worker))
+    experts = [m for m in core.executor.runner.model.modules() if isinstance(m, Experts)]  # type: ignore[attr-defined]
+    assert experts and all(m.quant_table is not None for m in experts)
+    assert core.executor.runner.model.native_layers is not None  # type: ignore[attr-defined]
+    core.shutdown()
+    assert tokens_and_logprobs(path, "gguf", dtype) == tokens_and_logprobs(
+        path, "gguf", dtype, expert_loop=True
+    )
 
 
 def test_gpt_oss_mxfp4_experts_kept_packed_equal_their_dequantized_selves(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -228,8 +228,11 @@ class CausalLM(nn.Module):
         if self.ops is not None and hasattr(self.ops, "decoder_layers") and self.tp is None:
             # (packed GGUF products take float32 or bf16 rows)
             dtype_ok = not quantized or self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
-            # (experts kept packed run one at a time in Python: Experts.packed_experts)
-            packed_experts = any(isinstance(m, Experts) and m.quantized is not None for m in self.modules())
+            # (experts kept packed without fused_quant_experts' table run the Python loop: act-order ones)
+            packed_experts = any(
+                isinstance(m, Experts) and m.quantized is not None and m.quant_table is None
+                for m in self.modules()
+            )
             # (act-order products take their inputs permuted: the stack's own products do it, others not)
             ordered = [m for m in self.modules() if isinstance(m, Linear) and m.ordered]
             if ordered and native_stack_serves(self.config):

@@ -2,7 +2,8 @@
 gated MLP as stacked weights, packed once for csrc fused_experts (csrc/moe_cpu.cpp: each expert present takes
 its rows in one product, and each row's experts are summed in ascending expert id, the order transformers'
 loop adds them); `Experts.reference` is that loop in torch, the path without the kernels and the kernel's
-oracle. Quantized experts (a GGUF file's blocks) stay packed and run one expert at a time.
+oracle. Quantized experts (a GGUF file's blocks) stay packed and run one expert at a time: csrc
+fused_quant_experts (csrc/moe_quant_cpu.cpp), or `packed_experts`, its reference in Python.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class Experts(nn.Module):
         # quantized experts kept packed (a GGUF file's blocks): each expert's gate_up and down as Linears
         # holding their parts (Linear.add_quant), run one expert at a time (forward)
         self.quantized: nn.ModuleList | None = None
+        # for csrc fused_quant_experts: every expert's blocks (one span of the model's buffer) and a table of
+        # each expert's parts, [E, P + 1, 4] (quant_table)
+        self.quant_bytes: torch.Tensor | None = None
+        self.quant_table: torch.Tensor | None = None
 
     def add_quant(self, expert: int, part: str, quant: QuantPart) -> None:
         """One expert's gate_proj, up_proj or down_proj, packed (worker/models/checkpoint.py)."""
@@ -87,6 +92,7 @@ class Experts(nn.Module):
                     assert first.bias is not None and second.bias is not None
                     first.bias.data.copy_(self.gate_up_proj_bias[expert])
                     second.bias.data.copy_(self.down_proj_bias[expert])
+            self.quant_bytes, self.quant_table = self.quant_table_of()
             empty = torch.empty(0, dtype=self.gate_up_proj.dtype)
             self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
             self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
@@ -112,6 +118,35 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
         self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
 
+    def quant_table_of(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The experts' blocks as fused_quant_experts takes them: one uint8 span over every expert's (which
+        CausalLM.finalize laid back to back in one buffer) and each expert's parts at their offsets in it;
+        (None, None) where they do not lie in one buffer, where gate_up's parts differ in number between
+        experts, or for act-order experts (their inputs permuted: the loop's)."""
+        products = [p for e in range(len(self.quantized or [])) for p in self.expert_products(e)]
+        held = [p.quant_bytes for p in products if p.quant_bytes is not None and p.quant_parts is not None]
+        if not products or len(held) != len(products) or any(p.ordered for p in products):
+            return None, None
+        storage = held[0].untyped_storage().data_ptr()
+        if any(b.untyped_storage().data_ptr() != storage for b in held):
+            return None, None
+        if len({len(p.quant or []) for p in products[::2]}) != 1 or any(
+            len(p.quant or []) != 1 for p in products[1::2]
+        ):
+            return None, None
+        first = min(b.data_ptr() for b in held)
+        end = max(b.data_ptr() + b.numel() for b in held)
+        base = held[0]  # a view of the buffer: the span from the lowest expert's first byte on
+        span = torch.as_strided(base, (end - first,), (1,), base.storage_offset() + first - base.data_ptr())
+        rows = []
+        for product, held_bytes in zip(products, held, strict=True):
+            assert product.quant_parts is not None
+            parts = product.quant_parts.clone()
+            parts[:, 3] += held_bytes.data_ptr() - first  # offsets into the span
+            rows.append(parts)
+        table = torch.stack([torch.cat(rows[i : i + 2]) for i in range(0, len(rows), 2)])
+        return span, table
+
     def forward(
         self,
         x: torch.Tensor,
@@ -123,6 +158,15 @@ class Experts(nn.Module):
         """x [T, H]; ids [T, K] int64, each row's experts; weights [T, K] float32 -> [T, H]. shared: a
         shared expert's output [T, H], added times sigmoid(shared_gate [T, 1]) (or 1 without a gate)."""
         if self.quantized is not None:
+            native = x.dtype in (torch.float32, torch.bfloat16)  # (float16 rows: the loop's float32 products)
+            if self.quant_table is not None and self.ops is not None and native:  # the loop below, in C++
+                assert self.quant_bytes is not None
+                return self.ops.fused_quant_experts(
+                    x, ids, weights, self.quant_bytes, self.quant_table, self.bias_or_none(False),
+                    self.bias_or_none(True), EXPERT_ACTIVATIONS[self.act], self.alpha, self.limit,
+                    NO_BIAS if shared is None else shared,
+                    NO_BIAS if shared_gate is None else shared_gate.view(-1),
+                )  # fmt: skip
             return self.with_shared(self.packed_experts(x, ids, weights), shared, shared_gate)
         if self.w13 is None:
             out = self.reference(x, ids, weights)
@@ -137,6 +181,10 @@ class Experts(nn.Module):
             NO_BIAS if shared is None else shared,
             NO_BIAS if shared_gate is None else shared_gate.float().view(-1),
         )  # fmt: skip
+
+    def bias_or_none(self, down: bool) -> torch.Tensor:
+        bias = self.down_proj_bias if down else self.gate_up_proj_bias
+        return bias.detach() if bias is not None else NO_BIAS
 
     @staticmethod
     def with_shared(

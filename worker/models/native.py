@@ -193,7 +193,10 @@ def moe_weights(moe: SparseMoE) -> list[torch.Tensor]:
     the shared expert's gate (weight, packing), DeepSeek's score bias, and the router's and experts' numbers
     ([kind, top_k, renormalize, groups, top_groups, activation] and [scaling, alpha, limit])."""
     experts, none = moe.experts, torch.empty(0)
-    assert experts.w13 is not None and experts.w2 is not None, "pack the experts first"
+    w13, w2 = experts.w13, experts.w2
+    if experts.quantized is not None:  # kept as their blocks: fused_quant_experts' bytes and table
+        w13, w2 = experts.quant_bytes, experts.quant_table
+    assert w13 is not None and w2 is not None, "pack the experts first"
 
     def detached(tensor: torch.Tensor | None) -> torch.Tensor:
         return tensor.detach() if tensor is not None else none
@@ -201,7 +204,7 @@ def moe_weights(moe: SparseMoE) -> list[torch.Tensor]:
     ints = [ROUTERS.index(moe.router), moe.top_k, int(moe.norm_topk_prob), moe.groups, moe.top_groups,
             EXPERT_ACTIVATIONS[experts.act]]  # fmt: skip
     return [
-        weight(moe.gate), detached(moe.gate.bias), packing(moe.gate), experts.w13, experts.w2,
+        weight(moe.gate), detached(moe.gate.bias), packing(moe.gate), w13, w2,
         detached(experts.gate_up_proj_bias), detached(experts.down_proj_bias), weight(moe.shared_expert_gate),
         packing(moe.shared_expert_gate), detached(moe.score_bias), torch.tensor(ints, dtype=torch.int64),
         torch.tensor([moe.scaling, experts.alpha, experts.limit], dtype=torch.float64),
