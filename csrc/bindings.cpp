@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_w8a8_parts", &linear_w8a8_parts, "x W^T (+ bias), int8 W, x quantized to int8 per row (CPU)");
   m.def("route_experts", &route_experts, "A mixture-of-experts router's experts and weights per row (CPU)");
   m.def("fused_experts", &fused_experts, "A mixture-of-experts layer's experts, grouped by expert (CPU)");
-  m.def("fused_quant_experts", &fused_quant_experts, "A mixture-of-experts layer's experts kept quantized (CPU)");
+  m.def("expert_loop", &expert_loop, "A mixture-of-experts layer's experts expert by expert: blocks, LoRA (CPU)");
   m.def("encoder_attention", &encoder_attention, "Bidirectional attention of each segment of rows alone (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "Residual add then RMSNorm, in place (CPU)");

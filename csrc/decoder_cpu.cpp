@@ -19,7 +19,7 @@
 //             head's linear_rows packing of W_UK^T and W_UV^T: [heads, ...]) and latent_ints [kv_lora_rank,
 //             nope, rope, v, q_lora_rank] (empty but for DeepSeek's layers: the latent branch below)] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
 //             the MLP's, its routing as route_experts and its experts as fused_experts take them, or, kept as
-//             their blocks, fused_quant_experts: w13 the bytes, w2 the parts' table); an empty
+//             their blocks, expert_loop: w13 the bytes, w2 the parts' table); an empty
 //             tensor is an absent bias, norm, packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under a bf16 x is Gemma's 1 + w
 //             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
 //             count takes it; out features a multiple of 16), a 5-d one linear_amx's (batch-invariant too:
@@ -50,8 +50,12 @@
 //             the last layer's KV write no other row is read, so its attention, o and MLP run on those rows
 //             alone (as llama.cpp's inp_out_ids does): in a prefill step most of a layer's products.
 // lora_layers, lora_meta: a step with LoRA rows (worker/lora/slots.py): per layer [a, bt] of qkv, o,
-//             gate_up and down; meta [row_slots, then bounds and ranks of qkv, o, gate_up, down] (an empty
-//             ranks: no slot's adapter targets that product). lora_add follows each product they name.
+//             gate_up and down, then, for a mixture of experts, [a, bt] of the experts' gate_up and down
+//             (worker/lora/expert_slots.py; empty where no adapter targets them); meta [row_slots, then bounds
+//             and ranks of qkv, o, gate_up, down, then for the experts: holding (int64 [slots], 1 where the
+//             slot's adapter targets them), bounds and ranks of gate_up and down] (an empty ranks: no slot's
+//             adapter targets that product). lora_add follows each product they name; rows whose adapter
+//             targets the experts take expert_loop with theirs, the others fused_experts.
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -186,8 +190,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
   TORCH_CHECK(!out_rows || (out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong),
               "out_rows must be int64 [n]");
   TORCH_CHECK(lora_layers.has_value() == lora_meta.has_value(), "lora_layers and lora_meta go together");
-  TORCH_CHECK(!lora_layers || (lora_layers->size() == layers.size() && lora_meta->size() == 9),
-              "LoRA factors per layer; meta: row_slots, then bounds and ranks of four products");
+  TORCH_CHECK(!lora_layers || (lora_layers->size() == layers.size() &&
+                                (lora_meta->size() == 9 || lora_meta->size() == 14)),
+              "LoRA factors per layer; meta: row_slots, then bounds and ranks of four products (and the experts')");
   at::Tensor lora_rows = lora_meta ? (*lora_meta)[0] : at::Tensor();
   const auto scaled = [&](at::Tensor t) { return multiplier != 1.0 ? t.mul(multiplier) : t; };
   // Command R's LayerNorm (worker/models/norms.py CohereLayerNorm): float32 mean and variance, no bias; a
@@ -401,13 +406,41 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
           shared_gate = linear(h, w[kSharedGate], w[kScoreBias].new_empty({0}), w[kSharedGatePacking]).narrow(1, 0, 1).to(at::kFloat)
                             .reshape({-1});
       }
-      const at::Tensor none = at::empty({0}, at::kFloat);
-      if (blocks)
-        hidden = fused_quant_experts(h, routed[0], routed[1], w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1],
-                                     numbers[2], shared.defined() ? shared : none, shared_gate.defined() ? shared_gate : none);
-      else
-        hidden = fused_experts(h, routed[0], routed[1], w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1], numbers[2],
-                               shared.defined() ? shared : at::Tensor(), shared_gate.defined() ? shared_gate : at::Tensor());
+      // the experts of rows (all, or a subset: `pick` their indices); expert_lora: those rows' adapters on the
+      // experts, expert by expert (worker/models/moe.py SparseMoE.with_adapters)
+      const auto experts_of = [&](const at::Tensor& pick, bool expert_lora) {
+        const auto rows_of = [&](const at::Tensor& t) {
+          return !t.defined() || !pick.defined() ? t : t.index_select(0, pick);
+        };
+        const at::Tensor in = rows_of(h), ids = rows_of(routed[0]), weights = rows_of(routed[1]);
+        const at::Tensor shared_in = rows_of(shared), gate_in = rows_of(shared_gate);
+        const at::Tensor none = at::empty({0}, at::kFloat);
+        if (!blocks && !expert_lora)
+          return fused_experts(in, ids, weights, w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1], numbers[2],
+                               shared_in, gate_in);
+        std::optional<std::vector<at::Tensor>> adapters;
+        if (expert_lora) {
+          const auto& f = (*lora_layers)[l];
+          adapters = std::vector<at::Tensor>{f[8], f[9], f[10], f[11], rows_of(lora_rows), (*lora_meta)[10],
+                                             (*lora_meta)[11], (*lora_meta)[12], (*lora_meta)[13]};
+        }
+        return expert_loop(in, ids, weights, w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1], numbers[2],
+                           shared_in.defined() ? shared_in : none, gate_in.defined() ? gate_in : none, adapters);
+      };
+      // rows whose adapter targets this layer's experts (meta[9]: 1 for each slot holding such an adapter)
+      at::Tensor adapted;
+      if (lora_layers && lora_meta->size() == 14 && (*lora_layers)[l].size() == 12 && (*lora_layers)[l][8].numel()) {
+        const at::Tensor holding = (*lora_meta)[9];
+        const at::Tensor mask = (lora_rows >= 0) & (holding.index_select(0, lora_rows.clamp_min(0)) != 0);
+        adapted = at::nonzero(mask).flatten();
+        if (adapted.numel()) {
+          const at::Tensor others = at::nonzero(mask.logical_not()).flatten();
+          hidden = at::empty_like(h);
+          if (others.numel()) hidden.index_copy_(0, others, experts_of(others, false));
+          hidden.index_copy_(0, adapted, experts_of(adapted, true));
+        }
+      }
+      if (!adapted.defined() || !adapted.numel()) hidden = experts_of(at::Tensor(), false);
     } else {
       hidden = mlp(h);
     }

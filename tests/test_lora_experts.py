@@ -20,6 +20,7 @@ from protocol.sampling import SamplingParams
 from tests.family_models import TINY_KV_TOKENS, VOCAB, build_family
 from tests.hf_oracle import hf_greedy
 from tests.lora_helpers import make_adapter, peft_model
+from tests.test_correctness_tiny import _CountingOps
 from tests.test_families import MAX_NEW_TOKENS, check
 from worker.executor import InprocExecutor
 
@@ -33,14 +34,23 @@ def serve(
     jobs: list[tuple[list[int], str | None]],
     backend: str = "auto",
     quantization: str | None = None,
+    dtype: str = "float32",
+    native: bool = True,
+    counted: list[int] | None = None,
 ) -> list[tuple[list[int], list[float]]]:
     """Each job's (greedy tokens, their logprobs), all jobs in one engine's batches (float32; backend torch:
-    without the csrc kernels)."""
-    worker = WorkerConfig(model=folder, dtype="float32", block_size=16, max_model_len=128, attention_backend=backend,
+    without the csrc kernels). native False: the Python layers, not the csrc decoder stack; counted: gets
+    the stack's calls and the engine's steps."""
+    worker = WorkerConfig(model=folder, dtype=dtype, block_size=16, max_model_len=128, attention_backend=backend,
                           num_kv_blocks=TINY_KV_TOKENS // 16, lora=LoraConfig(max_loras=2, max_lora_rank=8),
                           quantization=quantization)  # fmt: skip
     modules = [LoraAdapter(name=name, path=path) for name, path in adapters.items()]
     core = EngineCore(EngineConfig(worker=worker, lora_modules=modules), InprocExecutor(worker))
+    model = core.executor.runner.model  # type: ignore[attr-defined]
+    if not native:
+        model.native_layers = None
+    if model.ops is not None:
+        model.ops = counting = _CountingOps(model.ops)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
     for i, (prompt, lora) in enumerate(jobs):
         core.add_request(AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params,
@@ -55,7 +65,39 @@ def serve(
                     logprobs.extend(row[0] for row in output.new_logprobs.logprobs)
     finally:
         core.shutdown()
+    if counted is not None:
+        counted += [counting.stack_calls, core.num_steps]
     return results
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "qwen3moe-gguf"])
+def test_expert_adapter_rows_run_on_the_stack_as_on_the_python_layers(
+    name: str, dtype: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A step with rows whose adapter targets the experts stays on the csrc decoder stack (those rows take
+    csrc expert_loop with their adapters, expert by expert; the others fused_experts, or expert_loop for
+    experts kept as GGUF blocks): the Python layers' tokens and logprobs, bit for bit, every step native."""
+    quantization = None
+    if name.endswith("-gguf"):
+        from tests.test_quantized_gguf import experts_too, tiny_gguf
+
+        base, quantization = tiny_gguf(tmp_path, "qwen3moe", experts_too), "gguf"
+        folder = str(tmp_path / "qwen3moe")
+    else:
+        base = folder = str(tmp_path / "base")
+        build_family(name, base)
+    adapter = make_adapter(folder, str(tmp_path / "experts"), 8, 16, ATTENTION, seed=3, scale=0.3,
+                           parameters=EXPERTS)  # fmt: skip
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (12, 30)]
+    jobs = [(p, lora) for p in prompts for lora in ("experts", None)]
+    counted: list[int] = []
+    stack = serve(base, {"experts": adapter}, jobs, quantization=quantization, dtype=dtype, counted=counted)
+    python = serve(base, {"experts": adapter}, jobs, quantization=quantization, dtype=dtype, native=False)
+    assert stack == python
+    assert stack[0] != stack[1], "the adapter changes the output"
+    assert counted[0] == counted[1] >= MAX_NEW_TOKENS, "every step on the stack"
 
 
 @pytest.mark.parametrize(

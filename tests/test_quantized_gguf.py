@@ -109,7 +109,7 @@ def tokens_and_logprobs(
     path: str, quantization: str, dtype: str = "float32", expert_loop: bool = False
 ) -> dict[str, tuple[list[int], list]]:  # type: ignore[type-arg]
     """Two prompts decoded together in 16-token steps: each one's tokens and its logprob rows. expert_loop:
-    packed experts take Experts.packed_experts (Python) where csrc fused_quant_experts would run them, and
+    packed experts take Experts.packed_experts (Python) where csrc expert_loop would run them, and
     the model the Python layers."""
     worker = WorkerConfig(
         model=path, dtype=dtype, block_size=16, max_model_len=128, quantization=quantization
@@ -187,8 +187,8 @@ def test_experts_kept_packed_equal_their_dequantized_selves(name: str, tmp_path)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "deepseek_v3", "gpt_oss"])
-def test_fused_quant_experts_give_the_loops_bits(name: str, dtype: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """csrc fused_quant_experts (every packed expert of a layer in one C++ call), on the csrc decoder stack,
+def test_expert_loop_give_the_loops_bits(name: str, dtype: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """csrc expert_loop (every packed expert of a layer in one C++ call), on the csrc decoder stack,
     against its reference, the Python loop Experts.packed_experts on the Python layers: the same tokens and
     logprobs, bit for bit, with Qwen2-MoE's gated shared expert, DeepSeek's shared experts, grouped routing
     and latent attention, and gpt-oss's clamped SwiGLU, biases, sinks and MXFP4 blocks."""

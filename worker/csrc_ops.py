@@ -43,7 +43,7 @@ SOURCES = [
         "gemm_amx_cpu.cpp",
         "lora_cpu.cpp",
         "moe_cpu.cpp",
-        "moe_quant_cpu.cpp",
+        "moe_loop_cpu.cpp",
         "route_cpu.cpp",
         "quant_cpu.cpp",
         "quant_w8a8.cpp",
@@ -173,13 +173,13 @@ class CpuOps(Protocol):
         shared: torch.Tensor,
         shared_gate: torch.Tensor,
     ) -> torch.Tensor: ...
-    def fused_quant_experts(
+    def expert_loop(
         self,
         x: torch.Tensor,
         ids: torch.Tensor,
         weights: torch.Tensor,
-        bytes: torch.Tensor,
-        table: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
         b13: torch.Tensor,
         b2: torch.Tensor,
         activation: int,
@@ -187,6 +187,7 @@ class CpuOps(Protocol):
         limit: float,
         shared: torch.Tensor,
         shared_gate: torch.Tensor,
+        lora: list[torch.Tensor] | None,
     ) -> torch.Tensor: ...
     def parallel_threads(self) -> int: ...
     def decoder_layers(

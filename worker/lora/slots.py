@@ -23,6 +23,7 @@ import torch
 
 from worker.lora.adapter import LoraWeights, module_shapes, products, targets_of
 from worker.lora.expert_slots import ExpertSlots
+from worker.lora.experts import EXPERT_PARTS
 from worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -121,16 +122,31 @@ class LoraBatch:
         )
 
     def on_experts(self) -> bool:
-        """Whether a row's adapter targets the routed experts (the step then runs the Python layers)."""
+        """Whether a row's adapter targets the routed experts (those rows take Experts.adapted)."""
         return len(self.expert_rows) > 0
 
     def native(self) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
-        """decoder_layers' lora_layers and lora_meta (csrc/decoder_cpu.cpp): the same products, in the stack."""
+        """decoder_layers' lora_layers and lora_meta (csrc/decoder_cpu.cpp): the same products, in the stack,
+        and for a mixture of experts the experts' slots (each layer's, empty where none are allocated), which
+        slots hold an adapter on them, and their bounds and ranks."""
         slots = self.slots
         meta = [self.row_slots]
         for fused in slots.products:
             meta += [slots.bounds[fused], slots.ranks[fused] if slots.used[fused] else NONE]
-        return slots.native_layers, meta
+        experts = slots.experts
+        if experts is None:
+            return slots.native_layers, meta
+        holding = torch.zeros(slots.num_slots, dtype=torch.long)
+        holding[sorted(experts.holding)] = 1
+        meta += [holding]
+        for fused in EXPERT_PARTS:
+            meta += [experts.bounds[fused], experts.ranks[fused]]
+        layers = [
+            [*own, *(t for fused in EXPERT_PARTS for t in (experts.a.get((layer, fused), NONE),
+                                                          experts.bt.get((layer, fused), NONE)))]
+            for layer, own in enumerate(slots.native_layers)
+        ]  # fmt: skip
+        return layers, meta
 
     def select(self, rows: torch.Tensor) -> LoraBatch:
         """The batch of these rows alone (the last layer's scored rows)."""

@@ -114,9 +114,7 @@ class CausalLM(nn.Module):
             for kind, rotary in self.rotaries.items()
         }
         window_group = metadata.window_group  # the windowed layers' pool, where they have one
-        # (a row whose adapter targets a mixture's experts runs the Python layers: Experts.adapted)
-        on_experts = lora is not None and lora.on_experts()
-        if self.native_layers is not None and not metadata.image_runs and not on_experts:
+        if self.native_layers is not None and not metadata.image_runs:
             rows = backend.paged_rows(metadata, x.shape[0], kv_caches[0].shape[2])
             pools = [metadata.slot_block_ids, metadata.slot_offsets, *rows] if rows is not None else None
             if pools is not None and window_group is not None:
@@ -228,7 +226,7 @@ class CausalLM(nn.Module):
         if self.ops is not None and hasattr(self.ops, "decoder_layers") and self.tp is None:
             # (packed GGUF products take float32 or bf16 rows)
             dtype_ok = not quantized or self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
-            # (experts kept packed without fused_quant_experts' table run the Python loop: act-order ones)
+            # (experts kept packed without expert_loop' table run the Python loop: act-order ones)
             packed_experts = any(
                 isinstance(m, Experts) and m.quantized is not None and m.quant_table is None
                 for m in self.modules()

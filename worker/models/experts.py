@@ -3,7 +3,7 @@ gated MLP as stacked weights, packed once for csrc fused_experts (csrc/moe_cpu.c
 its rows in one product, and each row's experts are summed in ascending expert id, the order transformers'
 loop adds them); `Experts.reference` is that loop in torch, the path without the kernels and the kernel's
 oracle. Quantized experts (a GGUF file's blocks) stay packed and run one expert at a time: csrc
-fused_quant_experts (csrc/moe_quant_cpu.cpp), or `packed_experts`, its reference in Python.
+expert_loop (csrc/moe_loop_cpu.cpp), or `packed_experts`, its reference in Python.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Experts(nn.Module):
         # quantized experts kept packed (a GGUF file's blocks): each expert's gate_up and down as Linears
         # holding their parts (Linear.add_quant), run one expert at a time (forward)
         self.quantized: nn.ModuleList | None = None
-        # for csrc fused_quant_experts: every expert's blocks (one span of the model's buffer) and a table of
+        # for csrc expert_loop: every expert's blocks (one span of the model's buffer) and a table of
         # each expert's parts, [E, P + 1, 4] (quant_table)
         self.quant_bytes: torch.Tensor | None = None
         self.quant_table: torch.Tensor | None = None
@@ -119,7 +119,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
 
     def quant_table_of(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The experts' blocks as fused_quant_experts takes them: one uint8 span over every expert's (which
+        """The experts' blocks as expert_loop takes them: one uint8 span over every expert's (which
         CausalLM.finalize laid back to back in one buffer) and each expert's parts at their offsets in it;
         (None, None) where they do not lie in one buffer, where gate_up's parts differ in number between
         experts, or for act-order experts (their inputs permuted: the loop's)."""
@@ -161,11 +161,11 @@ class Experts(nn.Module):
             native = x.dtype in (torch.float32, torch.bfloat16)  # (float16 rows: the loop's float32 products)
             if self.quant_table is not None and self.ops is not None and native:  # the loop below, in C++
                 assert self.quant_bytes is not None
-                return self.ops.fused_quant_experts(
+                return self.ops.expert_loop(
                     x, ids, weights, self.quant_bytes, self.quant_table, self.bias_or_none(False),
                     self.bias_or_none(True), EXPERT_ACTIVATIONS[self.act], self.alpha, self.limit,
                     NO_BIAS if shared is None else shared,
-                    NO_BIAS if shared_gate is None else shared_gate.view(-1),
+                    NO_BIAS if shared_gate is None else shared_gate.view(-1), None,
                 )  # fmt: skip
             return self.with_shared(self.packed_experts(x, ids, weights), shared, shared_gate)
         if self.w13 is None:
@@ -221,7 +221,8 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """The reference's loop for rows whose adapter targets the experts: each expert hit, in ascending id,
         adds its rows' B (A x) to its gate_up and down products (lora_add, each row alone) and their weighted
-        outputs to a zero sum. A row's result is its own whatever else the step holds."""
+        outputs to a zero sum. A row's result is its own whatever else the step holds. The csrc decoder stack
+        runs the same loop in C++ (expert_loop with the rows' adapters)."""
         out = torch.zeros_like(x, dtype=torch.float32)
         for expert in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == expert)

@@ -194,7 +194,7 @@ def moe_weights(moe: SparseMoE) -> list[torch.Tensor]:
     ([kind, top_k, renormalize, groups, top_groups, activation] and [scaling, alpha, limit])."""
     experts, none = moe.experts, torch.empty(0)
     w13, w2 = experts.w13, experts.w2
-    if experts.quantized is not None:  # kept as their blocks: fused_quant_experts' bytes and table
+    if experts.quantized is not None:  # kept as their blocks: expert_loop' bytes and table
         w13, w2 = experts.quant_bytes, experts.quant_table
     assert w13 is not None and w2 is not None, "pack the experts first"
 
