@@ -5,7 +5,8 @@
 // kv_cache:     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (contiguous; 0 = key, 1 = value), or
 //               [num_blocks, 1, block_size, 1, head_dim]: multi-head latent attention's cache, whose one
 //               row a token is its key and its value both (the caller keeps the value dims it needs;
-//               worker/models/mla.py). That one takes the portable kernel.
+//               worker/models/mla.py). That one takes avx512::latent_decode where its width is a multiple
+//               of 64, else the portable kernel.
 // block_tables: [num_rows, max_blocks] int64
 // seq_lens:     [num_rows] int64, the row's position + 1: keys 0..seq_lens - 1 are its own and earlier
 // window:       > 0: a row sees only its last `window` keys (a sliding-window layer: keys p - window < k <= p,
@@ -732,6 +733,92 @@ void tiled(const c10::BFloat16* query, const c10::BFloat16* cache, const int64_t
 }
 #endif
 
+// Multi-head latent attention's rows (halves 1: a token's one latent row is its key and its value), with
+// the latent width a multiple of 64 (DeepSeek's 512 + 64). A task is one row and a run of its heads (all of
+// them when the rows keep every thread busy; else the heads split so that they do, a decode step of one
+// row too). Scores come 4 keys x 4 heads at a time (16 sums in registers; the 4 keys in float32 in a
+// small buffer, each key and query vector loaded once for the four it meets), each sum reduced across its
+// lanes once; the softmax is the portable kernel's; the weighted sum runs 4 heads x 64 dims at a time over
+// the keys in order, read from the cache. float32 throughout, one order per row whatever the batch.
+template <typename scalar_t>
+void latent_decode(const scalar_t* query, const scalar_t* cache, const int64_t* tables, const int64_t* seq_lens,
+                   scalar_t* out, Shape shape, float scale) {
+  const int64_t dim = shape.head_dim, vectors = dim / 16, heads = shape.num_heads;
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits =
+      std::min<int64_t>(heads, std::max<int64_t>(1, (2 * threads + shape.num_seqs - 1) / shape.num_seqs));
+  const int64_t per_task = (heads + splits - 1) / splits, tasks_per_seq = (heads + per_task - 1) / per_task;
+  const int64_t block_stride = shape.block_size * dim;  // [blocks, 1, block_size, 1, dim]
+  at::parallel_for(0, shape.num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, scores, acc;
+    std::vector<const scalar_t*> rows;
+    alignas(64) float four[4 * 1024];  // 4 keys in float32
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / tasks_per_seq, first_head = (task % tasks_per_seq) * per_task;
+      const int64_t count = std::min(per_task, heads - first_head), padded_heads = (count + 3) / 4 * 4;
+      const int64_t first = shape.first_key(seq_lens[seq]), len = seq_lens[seq] - first;
+      const int64_t padded = (len + 3) / 4 * 4;
+      const int64_t* table = tables + seq * shape.max_blocks;
+      rows.resize(len);
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = first + i;
+        rows[i] = cache + table[t / shape.block_size] * block_stride + (t % shape.block_size) * dim;
+      }
+      q.assign(padded_heads * dim, 0.f);
+      const scalar_t* q_src = query + (seq * heads + first_head) * dim;
+      const __m512 scales = _mm512_set1_ps(scale);
+      for (int64_t h = 0; h < count; ++h)
+        for (int64_t v = 0; v < vectors; ++v)
+          _mm512_storeu_ps(q.data() + h * dim + 16 * v, _mm512_mul_ps(load16(q_src + h * dim + 16 * v), scales));
+      scores.resize(padded_heads * padded);
+      for (int64_t t0 = 0; t0 < padded; t0 += 4) {
+        for (int64_t b = 0; b < 4; ++b)
+          for (int64_t v = 0; v < vectors; ++v)
+            _mm512_store_ps(four + b * dim + 16 * v, t0 + b < len ? load16(rows[t0 + b] + 16 * v) : _mm512_setzero_ps());
+        for (int64_t h0 = 0; h0 < padded_heads; h0 += 4) {
+          __m512 sum[4][4];
+          for (int a = 0; a < 4; ++a)
+            for (int b = 0; b < 4; ++b) sum[a][b] = _mm512_setzero_ps();
+          const float* q0 = q.data() + h0 * dim;
+          for (int64_t v = 0; v < vectors; ++v) {
+            __m512 k[4];
+            for (int b = 0; b < 4; ++b) k[b] = _mm512_load_ps(four + b * dim + 16 * v);
+            for (int a = 0; a < 4; ++a) {
+              const __m512 qa = _mm512_loadu_ps(q0 + a * dim + 16 * v);
+              for (int b = 0; b < 4; ++b) sum[a][b] = _mm512_fmadd_ps(qa, k[b], sum[a][b]);
+            }
+          }
+          for (int a = 0; a < 4; ++a)
+            for (int b = 0; b < 4; ++b) scores[(h0 + a) * padded + t0 + b] = _mm512_reduce_add_ps(sum[a][b]);
+        }
+      }
+      for (int64_t h = 0; h < count; ++h) softmax_in_place(scores.data() + h * padded, len);
+      for (int64_t h = count; h < padded_heads; ++h) std::fill_n(scores.data() + h * padded, padded, 0.f);
+      acc.resize(padded_heads * dim);
+      for (int64_t v0 = 0; v0 < vectors; v0 += 4)
+        for (int64_t h0 = 0; h0 < padded_heads; h0 += 4) {
+          __m512 sum[4][4];
+          for (int a = 0; a < 4; ++a)
+            for (int b = 0; b < 4; ++b) sum[a][b] = _mm512_setzero_ps();
+          const float* p = scores.data() + h0 * padded;
+          for (int64_t t = 0; t < len; ++t) {
+            const scalar_t* k = rows[t] + 16 * v0;
+            __m512 kv[4];
+            for (int b = 0; b < 4; ++b) kv[b] = load16(k + 16 * b);
+            for (int a = 0; a < 4; ++a) {
+              const __m512 pa = _mm512_set1_ps(p[a * padded + t]);
+              for (int b = 0; b < 4; ++b) sum[a][b] = _mm512_fmadd_ps(pa, kv[b], sum[a][b]);
+            }
+          }
+          for (int a = 0; a < 4; ++a)
+            for (int b = 0; b < 4; ++b) _mm512_storeu_ps(acc.data() + (h0 + a) * dim + 16 * (v0 + b), sum[a][b]);
+        }
+      scalar_t* dst = out + (seq * heads + first_head) * dim;
+      for (int64_t i = 0; i < count * dim; ++i) dst[i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
 // The AVX-512 kernels for this shape: decode (one row per sequence), its row, the tiled prefill kernel;
 // null when the portable kernel serves.
 template <typename scalar_t>
@@ -854,6 +941,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
            lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale));
     };
 #if defined(__AVX512F__)
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (shape.halves == 1 && shape.head_dim % 64 == 0 && !softcap && !has_sinks)
+        return run(avx512::latent_decode<scalar_t>);  // latent rows (DeepSeek's 576 wide)
+    }
     const int64_t group = shape.num_heads / shape.num_kv_heads;
     const auto avx = avx512::pick<scalar_t>(shape.head_dim, group);
     if (avx.decode != nullptr && shape.halves == 2) {
