@@ -17,7 +17,8 @@
 //             then sinks, then the act-order input orders of qkv, o, gate_up and down, then latent attention's
 //             q_a (weight, bias, packing), q_a_norm, kv_a (weight, bias, packing), kv_a_norm, uk and uv (each
 //             head's linear_rows packing of W_UK^T and W_UV^T: [heads, ...]) and latent_ints [kv_lora_rank,
-//             nope, rope, v, q_lora_rank] (empty but for DeepSeek's layers: the latent branch below)] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
+//             nope, rope, v, q_lora_rank] (empty but for DeepSeek's layers: the latent branch below), then
+//             act-order experts' input orders (expert_loop's orders13 and orders2; empty: none)] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
 //             the MLP's, its routing as route_experts and its experts as fused_experts take them, or, kept as
 //             their blocks, expert_loop: w13 the bytes, w2 the parts' table); an empty
 //             tensor is an absent bias, norm, packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under a bf16 x is Gemma's 1 + w
@@ -71,7 +72,7 @@ enum Weight {
   kDownBias, kInputNormBias, kPostNormBias, kRouter, kRouterBias, kRouterPacking, kW13, kW2, kB13, kB2,
   kSharedGate, kSharedGatePacking, kScoreBias, kMoeInts, kMoeFloats, kSinks, kQkvOrder, kOOrder,
   kGateUpOrder, kDownOrder, kQA, kQABias, kQAPacking, kQANorm, kKvA, kKvABias, kKvAPacking, kKvANorm, kUk, kUv,
-  kLatentInts, kNumWeights
+  kLatentInts, kExpertOrders13, kExpertOrders2, kNumWeights
 };
 enum Layout { kPre, kSandwich, kPost, kParallel, kParallelShared };
 enum Activation { kSiluGated, kGeluTanhGated, kGeluGated, kGeluTanhPlain, kGeluPlain };
@@ -424,8 +425,11 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::vect
           adapters = std::vector<at::Tensor>{f[8], f[9], f[10], f[11], rows_of(lora_rows), (*lora_meta)[10],
                                              (*lora_meta)[11], (*lora_meta)[12], (*lora_meta)[13]};
         }
+        std::optional<std::vector<at::Tensor>> orders;
+        if (w[kExpertOrders13].numel()) orders = std::vector<at::Tensor>{w[kExpertOrders13], w[kExpertOrders2]};
         return expert_loop(in, ids, weights, w[kW13], w[kW2], w[kB13], w[kB2], moe[5], numbers[1], numbers[2],
-                           shared_in.defined() ? shared_in : none, gate_in.defined() ? gate_in : none, adapters);
+                           shared_in.defined() ? shared_in : none, gate_in.defined() ? gate_in : none, adapters,
+                           orders);
       };
       // rows whose adapter targets this layer's experts (meta[9]: 1 for each slot holding such an adapter)
       at::Tensor adapted;

@@ -21,6 +21,9 @@
 //          shared_gate)) * shared, or out + shared without a gate.
 //   lora: none, or [a13 [E, slots, w, H], bt13 [E, slots, w, 2I], a2, bt2, row_slots [T], bounds13, ranks13,
 //          bounds2, ranks2] (worker/lora/expert_slots.py): expert e's products add lora_add's with a[e], bt[e].
+//   orders: none, or act-order blocks' input orders [orders13 [E, P, H], orders2 [E, 1, I]] int64: each part
+//          takes its input's columns in its order (gather_columns) and runs as a product of its own, as
+//          worker/models/layers.py Linear._quant_forward runs parts in orders of their own.
 // A row's products and its sum over its own experts are its own: batch-invariant as the loop is.
 #include "ops.h"
 
@@ -29,7 +32,8 @@
 torch::Tensor expert_loop(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13,
                           torch::Tensor w2, torch::Tensor b13, torch::Tensor b2, int64_t activation, double alpha,
                           double limit, torch::Tensor shared, torch::Tensor shared_gate,
-                          std::optional<std::vector<torch::Tensor>> lora) {
+                          std::optional<std::vector<torch::Tensor>> lora,
+                          std::optional<std::vector<torch::Tensor>> orders) {
   TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && weights.sizes() == ids.sizes() && ids.size(0) == x.size(0),
               "expert_loop: x [T, H], ids and weights [T, K]");
   TORCH_CHECK(ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat, "ids int64, weights float32");
@@ -41,6 +45,7 @@ torch::Tensor expert_loop(torch::Tensor x, torch::Tensor ids, torch::Tensor weig
                           w2.is_contiguous()),
               "expert_loop: blocks take a table int64 [E, P + 1, 4]");
   TORCH_CHECK(blocks || w13.dim() == 4 || w13.dim() == 5, "expert_loop: w13 packed for pack_rows or pack_pairs");
+  TORCH_CHECK(!orders || (blocks && orders->size() == 2), "expert_loop: orders [orders13, orders2], for blocks");
   const int64_t experts = blocks ? w2.size(0) : w13.size(0), parts = blocks ? w2.size(1) - 1 : 0;
   auto out = at::zeros({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
   // each expert present, in ascending id: its rows (row-major order over ids, as torch.where gives them)
@@ -64,10 +69,24 @@ torch::Tensor expert_loop(torch::Tensor x, torch::Tensor ids, torch::Tensor weig
     }
     const at::Tensor runs = w2[e].narrow(0, down ? parts : 0, down ? 1 : parts).contiguous();
     const int64_t* run = runs.data_ptr<int64_t>();
+    const auto blocks_product = [&](const at::Tensor& rows_in, const at::Tensor& these, const at::Tensor& bias_of,
+                                    int64_t columns) {
+      if (run[0] == 104) return linear_w8a8_parts(rows_in, w13, these, bias_of, columns);  // W8A8 (quant_w8a8.cpp)
+      return linear_quant_parts(rows_in, w13, these, bias_of, columns);
+    };
     int64_t columns = 0;
     for (int64_t p = 0; p < runs.size(0); ++p) columns += run[4 * p + 2];
-    if (run[0] == 104) return linear_w8a8_parts(in, w13, runs, b, columns);  // W8A8 (csrc/quant_w8a8.cpp)
-    return linear_quant_parts(in, w13, runs, b, columns);
+    if (!orders) return blocks_product(in, runs, b, columns);
+    const at::Tensor order = (*orders)[down ? 1 : 0][e];  // [parts, in]
+    std::vector<at::Tensor> outputs;
+    for (int64_t p = 0; p < runs.size(0); ++p) {
+      const int64_t start = run[4 * p + 1], width = run[4 * p + 2];
+      at::Tensor one = runs.narrow(0, p, 1).clone();
+      one.data_ptr<int64_t>()[1] = 0;  // the part's columns alone
+      const at::Tensor part_bias = b.numel() ? b.narrow(0, start, width) : b;
+      outputs.push_back(blocks_product(gather_columns(in.contiguous(), order[p]), one, part_bias, width));
+    }
+    return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
   };
   for (int64_t e = 0; e < experts; ++e) {
     if (rows[e].empty()) continue;

@@ -54,11 +54,13 @@ torch::Tensor fused_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor we
                             torch::Tensor w2, torch::Tensor b13, torch::Tensor b2, int64_t activation, double alpha,
                             double limit, torch::Tensor shared, torch::Tensor shared_gate);
 // The same expert by expert (csrc/moe_loop_cpu.cpp): experts kept as their quantized blocks, and rows whose
-// adapter targets the experts (lora: a13, bt13, a2, bt2, row_slots, bounds13, ranks13, bounds2, ranks2).
+// adapter targets the experts (lora: a13, bt13, a2, bt2, row_slots, bounds13, ranks13, bounds2, ranks2);
+// orders: act-order blocks' input orders, per expert and part.
 torch::Tensor expert_loop(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13,
                           torch::Tensor w2, torch::Tensor b13, torch::Tensor b2, int64_t activation, double alpha,
                           double limit, torch::Tensor shared, torch::Tensor shared_gate,
-                          std::optional<std::vector<torch::Tensor>> lora);
+                          std::optional<std::vector<torch::Tensor>> lora,
+                          std::optional<std::vector<torch::Tensor>> orders);
 
 // Bidirectional attention of encoder inputs, each segment of rows by itself (csrc/encoder_attention_cpu.cpp).
 torch::Tensor encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,

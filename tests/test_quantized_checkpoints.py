@@ -304,8 +304,9 @@ def test_a_group_size_the_tensors_contradict_is_refused_by_name(tmp_path) -> Non
 
 def test_act_order_experts_keep_their_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A Qwen3-MoE GPTQ checkpoint as AutoGPTQ writes mixtures (each expert's gate_proj, up_proj and down_proj a
-    quantized module of its own), in act-order: each expert keeps its integers and its input order
-    (Experts.packed_experts on packed Linears): the tokens and logprobs of HF running the dequantized model."""
+    quantized module of its own), in act-order, gate and up each in an order of its own: each expert keeps its
+    integers and its parts' input orders (csrc expert_loop, on the csrc decoder stack): the tokens and
+    logprobs of HF running the dequantized model, and the Python layers' bits."""
     from safetensors.torch import save_file
 
     from tests.family_models import BUILDERS
@@ -354,5 +355,9 @@ def test_act_order_experts_keep_their_order(tmp_path) -> None:  # type: ignore[n
     tokens, logprobs, core = greedy_with_logprobs(folder, prompts, max_num_batched_tokens=16)
     packed = [m for m in core.executor.runner.model.modules() if getattr(m, "quantized", None) is not None]  # type: ignore[attr-defined]
     assert packed, "the experts were not kept packed"
+    assert all(m.quant_orders is not None for m in packed), "csrc expert_loop takes their orders"
+    assert core.executor.runner.model.native_layers is not None  # type: ignore[attr-defined]
     for ours, values, prompt in zip(tokens, logprobs, prompts, strict=True):
         check(ours, values, hf_greedy(model, prompt, MAX_NEW_TOKENS, None))
+    python = greedy_with_logprobs(folder, prompts, max_num_batched_tokens=16, native=False)
+    assert python[:2] == (tokens, logprobs), "the Python layers' bits"

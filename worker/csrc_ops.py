@@ -188,6 +188,7 @@ class CpuOps(Protocol):
         shared: torch.Tensor,
         shared_gate: torch.Tensor,
         lora: list[torch.Tensor] | None,
+        orders: list[torch.Tensor] | None,
     ) -> torch.Tensor: ...
     def parallel_threads(self) -> int: ...
     def decoder_layers(

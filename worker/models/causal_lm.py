@@ -235,6 +235,10 @@ class CausalLM(nn.Module):
             ordered = [m for m in self.modules() if isinstance(m, Linear) and m.ordered]
             if ordered and native_stack_serves(self.config):
                 on_stack = {id(p) for layer in self.layers for p in stack_products(cast(DecoderLayer, layer))}
+                on_stack |= {  # experts kept as blocks: expert_loop takes their orders
+                    id(p) for m in self.modules() if isinstance(m, Experts) and m.quant_table is not None
+                    for p in m.modules()
+                }  # fmt: skip
                 ordered = [m for m in ordered if id(m) not in on_stack]
             # (latent attention's absorbed products on linear_rows: float32 and bf16 weights)
             latent_ok = all(m.uk_stack is not None for m in self.modules() if isinstance(m, LatentAttention))

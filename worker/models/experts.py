@@ -56,6 +56,8 @@ class Experts(nn.Module):
         # each expert's parts, [E, P + 1, 4] (quant_table)
         self.quant_bytes: torch.Tensor | None = None
         self.quant_table: torch.Tensor | None = None
+        # act-order experts: each expert's parts' input orders, [E, P, H] and [E, 1, I] (quant_table_of)
+        self.quant_orders: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add_quant(self, expert: int, part: str, quant: QuantPart) -> None:
         """One expert's gate_proj, up_proj or down_proj, packed (worker/models/checkpoint.py)."""
@@ -93,6 +95,7 @@ class Experts(nn.Module):
                     first.bias.data.copy_(self.gate_up_proj_bias[expert])
                     second.bias.data.copy_(self.down_proj_bias[expert])
             self.quant_bytes, self.quant_table = self.quant_table_of()
+            self.quant_orders = self.quant_orders_of() if self.quant_table is not None else None
             empty = torch.empty(0, dtype=self.gate_up_proj.dtype)
             self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
             self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
@@ -121,11 +124,11 @@ class Experts(nn.Module):
     def quant_table_of(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The experts' blocks as expert_loop takes them: one uint8 span over every expert's (which
         CausalLM.finalize laid back to back in one buffer) and each expert's parts at their offsets in it;
-        (None, None) where they do not lie in one buffer, where gate_up's parts differ in number between
-        experts, or for act-order experts (their inputs permuted: the loop's)."""
+        (None, None) where they do not lie in one buffer or where gate_up's parts differ in number between
+        experts."""
         products = [p for e in range(len(self.quantized or [])) for p in self.expert_products(e)]
         held = [p.quant_bytes for p in products if p.quant_bytes is not None and p.quant_parts is not None]
-        if not products or len(held) != len(products) or any(p.ordered for p in products):
+        if not products or len(held) != len(products):
             return None, None
         storage = held[0].untyped_storage().data_ptr()
         if any(b.untyped_storage().data_ptr() != storage for b in held):
@@ -147,6 +150,21 @@ class Experts(nn.Module):
         table = torch.stack([torch.cat(rows[i : i + 2]) for i in range(0, len(rows), 2)])
         return span, table
 
+    def quant_orders_of(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Act-order experts' input orders, each part's (its natural order where it has none): gate_up's [E,
+        P, H] and down's [E, 1, I]; None where no expert's part has one."""
+        products = [p for e in range(len(self.quantized or [])) for p in self.expert_products(e)]
+        if not any(p.ordered for p in products):
+            return None
+
+        def orders(linear: Linear) -> torch.Tensor:
+            natural = torch.arange(linear.in_features, dtype=torch.int64)
+            return torch.stack([natural if part.order is None else part.order for part in linear.quant or []])
+
+        return torch.stack([orders(p) for p in products[::2]]), torch.stack(
+            [orders(p) for p in products[1::2]]
+        )
+
     def forward(
         self,
         x: torch.Tensor,
@@ -166,6 +184,7 @@ class Experts(nn.Module):
                     self.bias_or_none(True), EXPERT_ACTIVATIONS[self.act], self.alpha, self.limit,
                     NO_BIAS if shared is None else shared,
                     NO_BIAS if shared_gate is None else shared_gate.view(-1), None,
+                    list(self.quant_orders) if self.quant_orders is not None else None,
                 )  # fmt: skip
             return self.with_shared(self.packed_experts(x, ids, weights), shared, shared_gate)
         if self.w13 is None:

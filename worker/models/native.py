@@ -21,7 +21,7 @@ from torch import nn
 from worker.model_config import ModelConfig
 from worker.models.attention import Attention
 from worker.models.decoder import DecoderLayer
-from worker.models.experts import EXPERT_ACTIVATIONS
+from worker.models.experts import EXPERT_ACTIVATIONS, Experts
 from worker.models.layers import Linear
 from worker.models.mla import LatentAttention
 from worker.models.moe import ROUTERS, SparseMoE
@@ -113,6 +113,7 @@ def native_weights(layer: DecoderLayer) -> list[torch.Tensor]:
         else none,
         *(input_order(linear) for linear in linears),
         *(latent_weights(latent) if latent is not None else [none] * 11),
+        *(expert_orders(moe.experts) if moe is not None else (none, none)),
     ]  # fmt: skip
 
 
@@ -148,6 +149,13 @@ def packing(linear: Linear | None) -> torch.Tensor:
         groups, kpairs, width, two = linear.pairs.shape
         return linear.pairs.view(groups, kpairs // 16, 16, width, two)
     return optional(linear, "rows" if linear.rows is not None else "pairs")
+
+
+def expert_orders(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Act-order experts' input orders as expert_loop takes them (Experts.quant_orders), or empties."""
+    if experts.quant_orders is None:
+        return torch.empty(0), torch.empty(0)
+    return experts.quant_orders
 
 
 def latent_weights(attention: LatentAttention) -> list[torch.Tensor]:
