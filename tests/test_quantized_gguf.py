@@ -187,7 +187,7 @@ def test_experts_kept_packed_equal_their_dequantized_selves(name: str, tmp_path)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "deepseek_v3", "gpt_oss"])
-def test_expert_loop_give_the_loops_bits(name: str, dtype: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_expert_loop_gives_the_python_loops_bits(name: str, dtype: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """csrc expert_loop (every packed expert of a layer in one C++ call), on the csrc decoder stack,
     against its reference, the Python loop Experts.packed_experts on the Python layers: the same tokens and
     logprobs, bit for bit, with Qwen2-MoE's gated shared expert, DeepSeek's shared experts, grouped routing
