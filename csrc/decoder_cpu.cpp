@@ -18,19 +18,20 @@
 //             q_a (weight, bias, packing), q_a_norm, kv_a (weight, bias, packing), kv_a_norm, uk and uv (each
 //             head's linear_rows packing of W_UK^T and W_UV^T: [heads, ...]) and latent_ints [kv_lora_rank,
 //             nope, rope, v, q_lora_rank] (empty but for DeepSeek's layers: the latent branch below), then
-//             act-order experts' input orders (expert_loop's orders13 and orders2; empty: none)] (a plain MLP's up product in gate_up's slots; a mixture of experts' shared expert in
-//             the MLP's, its routing as route_experts and its experts as fused_experts take them, or, kept as
-//             their blocks, expert_loop: w13 the bytes, w2 the parts' table); an empty
-//             tensor is an absent bias, norm, packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under a bf16 x is Gemma's 1 + w
-//             (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
+//             act-order experts' input orders (expert_loop's orders13 and orders2; empty: none)] (a plain
+//             MLP's up product in gate_up's slots; a mixture of experts' shared expert in the MLP's, its
+//             routing as route_experts and its experts as fused_experts take them, or, kept as their blocks,
+//             expert_loop: w13 the bytes, w2 the parts' table); an empty tensor is an absent bias, norm,
+//             packing, shared expert or mixture of experts (a dense MLP). A norm's weight of float32 under
+//             a bf16 x is Gemma's 1 + w (rms_norm's one-rounding form). A 3-d packing is linear_rows' (batch-invariant: every row
 //             count takes it; out features a multiple of 16), a 5-d one linear_amx's (batch-invariant too:
 //             pack_pairs' viewed [N / 64, K / 32, 16, 64, 2]), a uint8 one GGUF blocks kept packed, its weight
 //             slot linear_quant_parts' int64 parts (batch-invariant). An act-order product's order (GPTQ's
 //             desc_act, compressed-tensors' actorder) is int64 [K], the input columns every part takes
 //             (gather_columns first), or [parts, K], each part's own (each part then a product of its own,
-//             as worker/models/layers.py Linear._quant_forward runs them); empty: none. Products of at most config.pairs_rows rows
-//             use the pairs packing where given; the others oneDNN's packed weights when config.packed, else
-//             at::linear on plain [out, in] ones.
+//             as worker/models/layers.py Linear._quant_forward runs them); empty: none. Products of at most
+//             config.pairs_rows rows use the pairs packing where given; the others oneDNN's packed weights
+//             when config.packed, else at::linear on plain [out, in] ones.
 // ropes:      cos, sin, positions of the global rotary, then of the local one where the model has it
 // pools:      slot_block_ids, slot_offsets, block_tables, seq_lens of the KV pool, then of the windowed
 //             layers' pool where the model keeps one (worker/kv_groups.py); block_tables and seq_lens give
