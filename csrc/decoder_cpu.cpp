@@ -93,33 +93,9 @@ struct Product {
                         const at::Tensor& pairs, const at::Tensor& order = at::Tensor()) const;
 };
 
-// Integers kept packed: weight holds the parts (csrc/quant_cpu.cpp), pairs the bytes; order as the header says.
-at::Tensor quantized(const at::Tensor& x, const at::Tensor& parts, const at::Tensor& bias, const at::Tensor& bytes,
-                     const at::Tensor& order) {
-  const int64_t* part = parts.data_ptr<int64_t>();
-  const auto product = [&](const at::Tensor& rows, const at::Tensor& runs, const at::Tensor& b, int64_t columns) {
-    if (part[0] == 104) return linear_w8a8_parts(rows, bytes, runs, b, columns);  // W8A8 (csrc/quant_w8a8.cpp)
-    return linear_quant_parts(rows, bytes, runs, b, columns);
-  };
-  int64_t columns = 0;
-  for (int64_t p = 0; p < parts.size(0); ++p) columns += part[4 * p + 2];
-  if (!order.defined() || !order.numel()) return product(x, parts, bias, columns);
-  if (order.dim() == 1) return product(gather_columns(x, order), parts, bias, columns);  // one order for all
-  TORCH_CHECK(order.dim() == 2 && order.size(0) == parts.size(0), "an act-order product: one order per part");
-  std::vector<at::Tensor> outputs;
-  for (int64_t p = 0; p < parts.size(0); ++p) {
-    const int64_t start = part[4 * p + 1], width = part[4 * p + 2];
-    at::Tensor run = parts.narrow(0, p, 1).clone();
-    run.data_ptr<int64_t>()[1] = 0;  // the part's columns alone
-    const at::Tensor b = bias.numel() ? bias.narrow(0, start, width) : bias;
-    outputs.push_back(product(gather_columns(x, order[p]), run, b, width));
-  }
-  return at::cat(outputs, 1);
-}
-
 at::Tensor Product::operator()(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& pairs, const at::Tensor& order) const {
-  if (pairs.scalar_type() == at::kByte) return quantized(x, weight, bias, pairs, order);
+  if (pairs.scalar_type() == at::kByte) return linear_blocks(x, pairs, weight, bias, order);  // weight: the parts
   if (pairs.dim() == 3) return linear_rows(x, pairs, bias, pairs.size(0) * pairs.size(2));  // batch-invariant
   if (pairs.dim() == 5) return linear_amx(x, pairs, bias);                                  // batch-invariant
   if (pairs.numel() && x.size(0) <= pairs_rows) return linear_pairs(x, pairs, bias);

@@ -68,25 +68,7 @@ torch::Tensor expert_loop(torch::Tensor x, torch::Tensor ids, torch::Tensor weig
       return linear_rows(in.contiguous(), packed, b, packed.size(0) * packed.size(2));
     }
     const at::Tensor runs = w2[e].narrow(0, down ? parts : 0, down ? 1 : parts).contiguous();
-    const int64_t* run = runs.data_ptr<int64_t>();
-    const auto blocks_product = [&](const at::Tensor& rows_in, const at::Tensor& these, const at::Tensor& bias_of,
-                                    int64_t columns) {
-      if (run[0] == 104) return linear_w8a8_parts(rows_in, w13, these, bias_of, columns);  // W8A8 (quant_w8a8.cpp)
-      return linear_quant_parts(rows_in, w13, these, bias_of, columns);
-    };
-    int64_t columns = 0;
-    for (int64_t p = 0; p < runs.size(0); ++p) columns += run[4 * p + 2];
-    if (!orders) return blocks_product(in, runs, b, columns);
-    const at::Tensor order = (*orders)[down ? 1 : 0][e];  // [parts, in]
-    std::vector<at::Tensor> outputs;
-    for (int64_t p = 0; p < runs.size(0); ++p) {
-      const int64_t start = run[4 * p + 1], width = run[4 * p + 2];
-      at::Tensor one = runs.narrow(0, p, 1).clone();
-      one.data_ptr<int64_t>()[1] = 0;  // the part's columns alone
-      const at::Tensor part_bias = b.numel() ? b.narrow(0, start, width) : b;
-      outputs.push_back(blocks_product(gather_columns(in.contiguous(), order[p]), one, part_bias, width));
-    }
-    return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+    return linear_blocks(in, w13, runs, b, orders ? (*orders)[down ? 1 : 0][e] : at::Tensor());
   };
   for (int64_t e = 0; e < experts; ++e) {
     if (rows[e].empty()) continue;

@@ -37,6 +37,10 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype,
 // parts: int64 [P, 4] of (GGML type, first column, columns, byte offset).
 torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
                                  int64_t out_features);
+// linear_quant_parts (or linear_w8a8_parts for W8A8 parts) with an act-order input order: none (empty), one
+// [K] every part takes, or [parts, K], each part a product of its own on its order of x (csrc/quant_cpu.cpp).
+torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& parts,
+                            const torch::Tensor& bias, const torch::Tensor& order);
 // A GGUF weight's blocks in linear_quant's tiles layout (csrc/gguf_pack_cpu.cpp)
 torch::Tensor pack_gguf(torch::Tensor raw, int64_t qtype, int64_t n, int64_t k);
 torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids, int64_t in_features,

@@ -228,6 +228,30 @@ torch::Tensor linear_quant_parts(torch::Tensor x, torch::Tensor packed, torch::T
   return quant_parts(x, packed, parts, bias, out_features, true);
 }
 
+torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& parts,
+                            const torch::Tensor& bias, const torch::Tensor& order) {
+  const int64_t* part = parts.data_ptr<int64_t>();
+  const auto product = [&](const torch::Tensor& rows, const torch::Tensor& runs, const torch::Tensor& b,
+                           int64_t columns) {
+    if (part[0] == 104) return linear_w8a8_parts(rows, packed, runs, b, columns);  // W8A8 (csrc/quant_w8a8.cpp)
+    return linear_quant_parts(rows, packed, runs, b, columns);
+  };
+  int64_t columns = 0;
+  for (int64_t p = 0; p < parts.size(0); ++p) columns += part[4 * p + 2];
+  if (!order.defined() || !order.numel()) return product(x, parts, bias, columns);
+  if (order.dim() == 1) return product(gather_columns(x.contiguous(), order), parts, bias, columns);
+  TORCH_CHECK(order.dim() == 2 && order.size(0) == parts.size(0), "an act-order product: one order per part");
+  std::vector<torch::Tensor> outputs;
+  for (int64_t p = 0; p < parts.size(0); ++p) {  // each part a product of its own, on its own order of x
+    const int64_t start = part[4 * p + 1], width = part[4 * p + 2];
+    torch::Tensor run = parts.narrow(0, p, 1).clone();
+    run.data_ptr<int64_t>()[1] = 0;  // the part's columns alone
+    const torch::Tensor b = bias.numel() ? bias.narrow(0, start, width) : bias;
+    outputs.push_back(product(gather_columns(x.contiguous(), order[p]), run, b, width));
+  }
+  return torch::cat(outputs, 1);
+}
+
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor bias,
                            int64_t out_features, bool amx) {
   const Traits t = traits_of(qtype);
