@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from protocol import temp_folders
 from protocol.codec import worker_input_codec, worker_output_codec
 from protocol.config import WorkerConfig
 from protocol.messages import ModelInfo
@@ -112,7 +113,10 @@ class MultiprocExecutor:
 
     def _bind(self) -> str:
         """The engine's end of rank 0's socket: an ipc path (the workers run on this machine)."""
-        self._ipc_dir = tempfile.mkdtemp(prefix="engine-worker-", dir=os.environ.get(RUN_DIR_ENV) or None)
+        run_dir = os.environ.get(RUN_DIR_ENV)  # (short names inside it: an ipc path holds 107 bytes)
+        self._ipc_dir = (
+            tempfile.mkdtemp(prefix="w-", dir=run_dir) if run_dir else temp_folders.folder("worker")
+        )
         address = f"ipc://{self._ipc_dir}/{uuid.uuid4().hex[:8]}"
         self._socket.bind(address)
         return address

@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,7 @@ from frontend.server.config import ServerConfig
 from frontend.server.listen import bind_http_sockets, bind_unix_socket
 from frontend.server.tls import check_tls_files
 from frontend.server.user_middleware import import_middleware
+from protocol import temp_folders
 from protocol.config import EngineConfig
 from protocol.errors import InvalidParameterError
 from protocol.log_format import configure_logging
@@ -417,9 +417,9 @@ def _start_api_servers(
 ) -> int:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Every API server writes its metrics here; /metrics on any of them sums the files.
-        supervisor.metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
+        supervisor.metrics_dir = temp_folders.folder("metrics")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir
-    supervisor.state_dir = tempfile.mkdtemp(prefix="engine-state-")
+    supervisor.state_dir = temp_folders.folder("state")
     supervisor.api_servers = ApiServerPool(supervisor.state_dir)
     store = os.path.join(supervisor.state_dir, "responses.sqlite")
     if isinstance(supervisor.engine, EngineGroup) and supervisor.engine.elastic:

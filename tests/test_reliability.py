@@ -6,9 +6,12 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -17,6 +20,7 @@ import httpx
 import psutil
 import pytest
 
+from protocol import temp_folders
 from tests.serve_helpers import free_port, stop, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long
@@ -24,9 +28,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long
 ENGINE_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256", "--stats-log-interval", "0"]
 
 
-def start(model: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
+def start(model: str, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *ENGINE_ARGS, *extra]
+        [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *ENGINE_ARGS, *extra],
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -236,9 +241,11 @@ def test_a_port_in_use_stops_the_launcher_before_it_starts_an_engine(smollm2_ggu
 @pytest.mark.parametrize("killed", ["engine_core.main", "frontend.cli"])
 def test_no_process_outlives_a_parent_killed_while_the_worker_loads(smollm2_gguf: str, killed: str) -> None:
     """SIGKILL leaves no handler to clean up: the kernel's parent-death signal stops the worker (and,
-    when the launcher is the one killed, the engine and the API servers) even mid-load."""
+    when the launcher is the one killed, the engine and the API servers) even mid-load. The folders a
+    killed launcher made stay, named for it, and the next start's sweep removes them."""
     port = free_port()
-    launcher = start(smollm2_gguf, port)
+    folder = tempfile.mkdtemp(prefix="r-")  # (not tmp_path: an ipc path inside holds 107 bytes at most)
+    launcher = start(smollm2_gguf, port, env={"TMPDIR": folder})
     try:
 
         def worker_started() -> list[psutil.Process] | None:
@@ -256,3 +263,11 @@ def test_no_process_outlives_a_parent_killed_while_the_worker_loads(smollm2_gguf
         assert code != 0
     finally:
         stop(launcher)
+    left = sorted(os.listdir(folder))
+    if killed == "frontend.cli":  # its engine's folder and refusal file at least
+        assert any(name.startswith(temp_folders.prefix("run").replace(str(os.getpid()), str(launcher.pid)))
+                   for name in left), left  # fmt: skip
+    temp_folders.sweep(folder)
+    after = os.listdir(folder)
+    shutil.rmtree(folder)
+    assert not after, f"left {left}, then {after} after the sweep"

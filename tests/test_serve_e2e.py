@@ -676,7 +676,7 @@ def test_engine_death_fails_requests_and_health(doomed, doomed_client: openai.Op
 def engine_death_fails_requests_and_health(server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     engine = engine_process(server)
     run_dir = engine.environ()["ENGINE_RUN_DIR"]
-    assert any(name.startswith("engine-worker-") for name in os.listdir(run_dir))  # the workers' socket
+    assert any(name.startswith("w-") for name in os.listdir(run_dir))  # the workers' socket folder
     stream = started_long_stream(client)
     os.kill(engine.pid, signal.SIGKILL)
     with pytest.raises(openai.APIError):

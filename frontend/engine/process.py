@@ -9,10 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import msgspec
 
+from protocol import temp_folders
 from protocol.config import EngineConfig
 from protocol.startup import RUN_DIR_ENV, parent_pid_arg
 
@@ -27,13 +27,13 @@ class EngineProcess:
     def __init__(self, config: EngineConfig) -> None:
         # the engine's own folder: its default sockets and its workers' (RUN_DIR_ENV), removed at shutdown
         # even when the engine was killed
-        self._ipc_dir: str | None = tempfile.mkdtemp(prefix="engine-")
+        temp_folders.sweep()  # what a launcher or engine killed with SIGKILL left behind
+        self._ipc_dir: str | None = temp_folders.folder("run")
         if not config.input_address or not config.output_address:
             config.input_address = config.input_address or f"ipc://{self._ipc_dir}/input"
             config.output_address = config.output_address or f"ipc://{self._ipc_dir}/output"
         # where the engine writes why it refused to start (the model or settings: exit code 2)
-        handle, config.refusal_path = tempfile.mkstemp(prefix="engine-refusal-")
-        os.close(handle)
+        config.refusal_path = temp_folders.file("refusal")
         self.config = config
         self.process = subprocess.Popen(
             [sys.executable, "-m", "engine_core.main", parent_pid_arg()],
@@ -115,7 +115,7 @@ class EngineGroup:
         self._ipc_dir: str | None = None
         listed = size > 1 or elastic
         if listed and (not config.input_address or not config.output_address):
-            self._ipc_dir = tempfile.mkdtemp(prefix="engine-dp-")
+            self._ipc_dir = temp_folders.folder("dp")
             config.input_address = f"ipc://{self._ipc_dir}/input"
             config.output_address = f"ipc://{self._ipc_dir}/output"
         local = local_ranks if local_ranks is not None else range(size)
