@@ -9,7 +9,7 @@ import torch
 
 from frontend import LLM, SamplingParams
 from protocol.config import DEFAULT_BLOCK_SIZE
-from tests.hf_oracle import compare_greedy, hf_greedy
+from tests.hf_oracle import compare_greedy, hf_greedy_batch
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def oracle(smollm2_tokenizer, hf_smollm2):  # type: ignore[no-untyped-def]
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    runs = [hf_greedy(model, ids, MAX_NEW_TOKENS, eos_token_id=2) for ids in prompts]
+    runs = hf_greedy_batch(model, prompts, MAX_NEW_TOKENS, eos_token_id=2)
     return prompts, runs, model
 
 
@@ -117,10 +117,9 @@ def test_shared_prefix_reports_cached_tokens_and_matches_hf(llm, oracle) -> None
     second = llm.chat(conversations[1], GREEDY)[0]
     assert second.num_cached_tokens > 0
     assert second.num_cached_tokens % DEFAULT_BLOCK_SIZE == 0
-    for result in (first, second):
-        compare_greedy(
-            result.outputs[0].token_ids, hf_greedy(model, result.prompt_token_ids, MAX_NEW_TOKENS, 2)
-        )
+    runs = hf_greedy_batch(model, [first.prompt_token_ids, second.prompt_token_ids], MAX_NEW_TOKENS, 2)
+    for result, run in zip((first, second), runs, strict=True):
+        compare_greedy(result.outputs[0].token_ids, run)
 
 
 def test_seeded_sampling_is_reproducible(llm) -> None:  # type: ignore[no-untyped-def]

@@ -203,7 +203,7 @@ def test_what_lora_and_tensor_parallel_do_not_serve_is_refused_by_name(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("name", [pytest.param("mixtral", marks=pytest.mark.long), "deepseek_v3"])
 def test_experts_shard_by_width_and_equal_tp1_and_hf(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
     """TP=2 through the offline API (two gloo ranks): each rank a half of every expert's width (Mixtral's
     w1/w3/w2 names; DeepSeek's shared experts), the router whole; DeepSeek's latent attention split by heads, its latent and

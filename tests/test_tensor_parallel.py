@@ -255,7 +255,8 @@ def test_packed_weights_shard_along_whole_blocks_or_are_refused_by_name() -> Non
     assert last.shape == (130, 512) and not last.dequantize()[-1].any()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("name", ["gemma2", "smollm3"])
+# (make test runs each kind of sharding once; the long tier the other families of the same kind)
+@pytest.mark.parametrize("name", ["gemma2", pytest.param("smollm3", marks=pytest.mark.long)])
 def test_a_family_beyond_llama_shards_and_equals_hf(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
     """Gemma 2 (sandwich norms, soft-caps, windows of 8 on half its layers) and SmolLM3 (NoPE layers) at
     TP=2: the tokens of TP=1 and of HF."""
@@ -279,9 +280,9 @@ def test_a_family_beyond_llama_shards_and_equals_hf(tmp_path, name: str) -> None
         ("gpt_neox", 2),
         ("olmo2", 4),
         ("stablelm", 2),
-        ("cohere", 2),
-        ("starcoder2", 2),
-        ("glm4", 2),
+        pytest.param("cohere", 2, marks=pytest.mark.long),  # per-head q/k norm weights, as StableLM
+        pytest.param("starcoder2", 2, marks=pytest.mark.long),  # biases everywhere, as GPT-NeoX
+        pytest.param("glm4", 2, marks=pytest.mark.long),  # a fused gate_up_proj, as Phi-3
     ],
 )
 def test_fused_biased_and_normed_families_shard_and_equal_hf(tmp_path, name: str, tp: int) -> None:  # type: ignore[no-untyped-def]
