@@ -12,7 +12,7 @@ import msgspec
 
 from engine_core.engine_core import EngineCore
 from engine_core.executor import MultiprocExecutor, StartupRefusedError, WorkerDiedError
-from engine_core.process import EngineCoreProc, install_signal_handlers
+from engine_core.process import EngineCoreProc, bind_frontend_sockets, install_signal_handlers
 from protocol.config import EngineConfig
 from protocol.log_format import configure_logging
 from protocol.startup import StartupPhases, exit_with_parent
@@ -29,6 +29,7 @@ def main() -> None:
     if config.executor != "mp":
         raise SystemExit(f"the engine process runs the 'mp' executor only, not {config.executor!r}")
     phases.mark("imports")
+    sockets = bind_frontend_sockets(config)  # before the worker: see there
     try:
         if config.worker.parallel.executor_backend == "ray":
             from engine_core.ray_executor import RayExecutor
@@ -45,7 +46,7 @@ def main() -> None:
                 f.write(str(error))
         raise SystemExit(2) from None
     phases.mark("worker")
-    proc = EngineCoreProc(config, EngineCore(config, executor))
+    proc = EngineCoreProc(config, EngineCore(config, executor), sockets)
     install_signal_handlers(proc)
     gc.collect()
     gc.freeze()  # startup's objects are never garbage: full collections need not walk them

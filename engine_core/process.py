@@ -62,11 +62,31 @@ BURST_GAP_S = 0.003
 BURST_WINDOW_S = 0.030
 
 
+def bind_frontend_sockets(config: EngineConfig) -> tuple[Any, Any, Any]:
+    """The ZMQ context and the frontends' (input, output) ROUTER sockets, bound. The engine process binds
+    them before its worker loads: frontends that connect meanwhile (its API servers, started beside it)
+    are connected when it is ready, and their Register waits in the socket, where ZMQ's retry of a
+    connect to an address nobody listens on (every 100 ms) made each of them up to 0.1 s later."""
+    context = zmq.Context()
+    input_socket, output_socket = context.socket(zmq.ROUTER), context.socket(zmq.ROUTER)
+    for sock in (input_socket, output_socket):
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+    output_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    input_socket.bind(config.input_address)
+    output_socket.bind(config.output_address)
+    return context, input_socket, output_socket
+
+
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, engine: EngineCore) -> None:
+    def __init__(
+        self, config: EngineConfig, engine: EngineCore, sockets: tuple[Any, Any, Any] | None = None
+    ) -> None:
+        """sockets: bind_frontend_sockets' (bound here when not given)."""
         self.config = config
         self.engine = engine
-        self.context = zmq.Context()
+        self.context, self.input_socket, self.output_socket = sockets or bind_frontend_sockets(config)
         # SimpleQueue: its put is reentrant, so a signal handler may wake the busy loop through it
         self.input_queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.output_queue: queue.Queue[tuple[str, msgspec.Struct] | None] = queue.Queue()
@@ -76,15 +96,6 @@ class EngineCoreProc:
         self._last_log_time = time.monotonic()
         self._last_log_stats = engine.make_stats()
         self.latest_stats = self._last_log_stats  # the busy loop's latest; the output thread sends it
-        self.input_socket = self.context.socket(zmq.ROUTER)
-        self.output_socket = self.context.socket(zmq.ROUTER)
-        for sock in (self.input_socket, self.output_socket):
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-        self.output_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.input_socket.bind(config.input_address)
-        self.output_socket.bind(config.output_address)
         # data parallel: every engine's addresses (engine 0 learns those on other machines as they
         # announce themselves) and the registrations waiting for them
         self.addresses = [list(pair) for pair in config.data_parallel_addresses]
