@@ -136,7 +136,7 @@ torch::Tensor pack_gguf(torch::Tensor raw, int64_t qtype, int64_t n, int64_t k) 
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t g = unit / nb, blk = unit % nb;
       uint8_t* rec = dst + unit * lay.record;
-      if (qtype == QType::Q4_0 || qtype == QType::Q4_1) {  // the common case straight from the bytes (5x sooner)
+      if (qtype == QType::Q4_0 || qtype == QType::Q4_1) {  // the common case straight from the bytes (2.7x sooner)
         const uint8_t* b[16];
         for (int c = 0; c < 16; ++c) b[c] = src + ((g * 16 + c) * nb + blk) * lay.bytes;
         const int first = qtype == QType::Q4_0 ? 2 : 4;  // d (and m), f16 each, then 16 bytes of nibbles

@@ -21,9 +21,9 @@ import tempfile
 OWNED = re.compile(r"^engine-[a-z]+-(\d+)-")
 
 
-def prefix(kind: str) -> str:
-    """The prefix of this process's temporary names of this kind."""
-    return f"engine-{kind}-{os.getpid()}-"
+def prefix(kind: str, pid: int | None = None) -> str:
+    """The prefix of the temporary names of this kind that process pid (default this one) makes."""
+    return f"engine-{kind}-{os.getpid() if pid is None else pid}-"
 
 
 def folder(kind: str, parent: str | None = None) -> str:
@@ -43,8 +43,8 @@ def running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's
+        pass
     return True
 
 

@@ -68,41 +68,30 @@ class OracleRun:
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> OracleRun:  # type: ignore[no-untyped-def]
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id,
-            pad_token_id=eos_token_id if eos_token_id is not None else 0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
-    return OracleRun(tokens, logprobs)
+    (run,) = hf_greedy_batch(model, [prompt_ids], max_new_tokens, eos_token_id)
+    return run
 
 
 def hf_greedy_batch(  # type: ignore[no-untyped-def]
-    model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int
+    model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
 ) -> list[OracleRun]:
     """hf_greedy of each prompt, in one left-padded generate: a step's Python overhead, not its products,
     is most of HF's time on a small model (SmolLM2's 8 chat prompts: 9.0 s one by one, 4.1 s here, Zen 4).
     Each row differs from its run alone by the padded products' rounding: on those 8 prompts the same
     tokens, and logprobs within 8.8e-5 over the whole vocabulary, inside the tests' 1e-3. A row ends at
-    its first EOS, as hf_greedy's run does."""
+    its first EOS, as a run alone does (one prompt: no padding, the run itself)."""
+    pad = eos_token_id if eos_token_id is not None else 0
     width = max(map(len, prompts))
-    ids = torch.tensor([[eos_token_id] * (width - len(p)) + p for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos_token_id, pad_token_id=eos_token_id, output_logits=True,
+                             eos_token_id=eos_token_id, pad_token_id=pad, output_logits=True,
                              return_dict_in_generate=True)  # fmt: skip
     runs = []
     for row in range(len(prompts)):
         tokens = out.sequences[row, width:].tolist()
-        if eos_token_id in tokens:
+        if eos_token_id is not None and eos_token_id in tokens:
             tokens = tokens[: tokens.index(eos_token_id) + 1]
         logprobs = [torch.log_softmax(out.logits[step][row].float(), dim=-1) for step in range(len(tokens))]
         runs.append(OracleRun(tokens, logprobs))

@@ -8,6 +8,7 @@ gRPC front door (config.grpc: frontend/grpc_door/server.py), which binds its por
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -100,16 +101,7 @@ def in_yielding_thread(function: Any, *args: Any) -> asyncio.Future[Any]:
     """function(*args) on a thread of its own that yields the processors to the others (nice
     TOKENIZER_NICE): at start the tokenizer's load (transformers' import, 0.6 CPU-second) runs while the
     engine's worker loads on the same cores, and it is the worker that /health waits for."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def run() -> None:
         with contextlib.suppress(OSError):  # (a thread is a task to the kernel: only this one yields)
@@ -118,14 +110,12 @@ def in_yielding_thread(function: Any, *args: Any) -> asyncio.Future[Any]:
                 os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + TOKENIZER_NICE)
             )
         try:
-            result = function(*args)
+            done.set_result(function(*args))
         except BaseException as error:  # noqa: BLE001 (the awaiting task gets it)
-            loop.call_soon_threadsafe(settle, None, error)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
+            done.set_exception(error)
 
     threading.Thread(target=run, name="tokenizer-load", daemon=True).start()
-    return future
+    return asyncio.wrap_future(done)
 
 
 async def serve(config: ServerConfig, sock: socket.socket | None, phases: StartupPhases) -> None:
