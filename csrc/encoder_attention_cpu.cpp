@@ -14,7 +14,10 @@
 // attend_unit_pairs (two dims, or two keys, a vdpbf16ps step). torch's CPU flash kernel took 5.3-7.8 ms a
 // layer for 28 inputs of ~73 tokens (12 heads of 32 dims), a call per input, where this takes 1.8 (bf16);
 // 30 ms for Whisper-base's 1,500 frames, where this takes 13.8 (benchmarks/results/
-// 2026-12-06-lab-notes-encoder-attention-zen4.md has the measurements).
+// 2026-12-06-lab-notes-encoder-attention-zen4.md has the measurements). The bf16 form's softmax is one pass
+// (the rows' maxima kept while the scores are made, powers of two by scalef, the weights rounded to bf16 as
+// they are summed) and its keys are gathered 16 at a time: Whisper's 14.5-14.9 -> 13.1-13.4 ms, BERT's 1.6
+// -> 1.35, in turns on Zen 4 (2026-12-07-lab-notes-speech-attention-zen4.md).
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -22,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -130,10 +134,18 @@ inline uint32_t bf16_pair(const c10::BFloat16* p) {
 
 inline __m512bh broadcast_pair(uint32_t x) { return as_bf16_pairs(_mm512_set1_epi32(static_cast<int32_t>(x))); }
 
+// The first `count` of 16 lanes (none below 0, all from 16).
+inline __mmask16 lanes_below(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
+
 // ROWS rows' scores against 32 keys (two lines of 16) over the head's dim pairs: 16 accumulators, so that each
 // line and each broadcast pair feeds several vdpbf16ps (one of each a vdpbf16ps left the loads the limit).
-inline void score_block(const uint32_t* kt2, int64_t keys, int64_t j0, const uint32_t* q2, int64_t dpairs,
-                        float scale, float* s) {
+// The scores are stored times `scale` (log2(e) folded in: softmax_row takes powers of two), and each row's
+// running maximum `top` (16 lanes a row, in memory: kept in registers across blocks, they pushed the
+// block's key lines out of them) takes the block's keys that exist (`valid` of the 32; zeros pad the rest).
+[[gnu::noinline]] void score_block(const uint32_t* kt2, int64_t keys, int64_t j0, const uint32_t* q2,
+                                   int64_t dpairs, float scale, float* s, float* top, int64_t valid) {
   __m512 acc[ROWS][2];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -148,11 +160,48 @@ inline void score_block(const uint32_t* kt2, int64_t keys, int64_t j0, const uin
     }
   }
   const __m512 sc = _mm512_set1_ps(scale);
+  const __mmask16 lo = lanes_below(valid), hi = lanes_below(valid - 16);
 #pragma GCC unroll 8
   for (int64_t r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(s + r * keys + j0, _mm512_mul_ps(acc[r][0], sc));
-    _mm512_storeu_ps(s + r * keys + j0 + 16, _mm512_mul_ps(acc[r][1], sc));
+    const __m512 first = _mm512_mul_ps(acc[r][0], sc), second = _mm512_mul_ps(acc[r][1], sc);
+    _mm512_storeu_ps(s + r * keys + j0, first);
+    _mm512_storeu_ps(s + r * keys + j0 + 16, second);
+    __m512 most = _mm512_loadu_ps(top + 16 * r);
+    most = _mm512_mask_max_ps(most, lo, most, first);
+    _mm512_storeu_ps(top + 16 * r, _mm512_mask_max_ps(most, hi, most, second));
   }
+}
+
+// 2^x for x <= 0 (an exponent, and a polynomial in the rest, |f| <= 1/2: Taylor to f^6, relative error
+// ~1.2e-7); scalef takes exponents far below the normal floats to zero.
+inline __m512 exp2_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's softmax weights in one pass over its scores (log2 units, `top` their maximum): 2^(s - top) for
+// the n keys that exist, zero past them, rounded to bf16 pairs into p; returns 1 / their float32 sum.
+inline float softmax_row(const float* row, int64_t n, int64_t keys, float top, uint32_t* p) {
+  const __m512 m = _mm512_set1_ps(top);
+  __m512 sum_lo = _mm512_setzero_ps(), sum_hi = _mm512_setzero_ps();
+  for (int64_t j = 0; j < keys; j += 32) {  // keys is a multiple of 32
+    const __m512 lo = _mm512_maskz_mov_ps(lanes_below(n - j), exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), m)));
+    const __m512 hi =
+        _mm512_maskz_mov_ps(lanes_below(n - j - 16), exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j + 16), m)));
+    sum_lo = _mm512_add_ps(sum_lo, lo);
+    sum_hi = _mm512_add_ps(sum_hi, hi);
+    const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
+    _mm512_storeu_si512(p + j / 2, reinterpret_cast<const __m512i&>(both));
+  }
+  return 1.f / _mm512_reduce_add_ps(_mm512_add_ps(sum_lo, sum_hi));
 }
 
 // 4 rows' outputs in LINES lines of 16 dims from d0, over the key pairs: 4 x LINES accumulators.
@@ -183,6 +232,7 @@ void attend_unit_pairs(const c10::BFloat16* q, const c10::BFloat16* k, const c10
                        int64_t out_stride, std::vector<float>& scratch) {
   const int64_t n = end - begin, keys = (n + 31) / 32 * 32, width = (dim + 15) / 16 * 16;
   const int64_t dpairs = dim / 2, kpairs = keys / 2;
+  const float scale2 = scale * 1.44269504088896341f;  // scores in log2 units: softmax_row takes powers of 2
   // float32 slots: kt2 [dpairs][keys], v2 [kpairs][width], s [ROWS][keys], p [ROWS][keys / 2],
   // q2 [ROWS][dpairs], sums [ROWS][width]
   scratch.resize(static_cast<size_t>(dpairs * keys + kpairs * width + ROWS * keys + ROWS * kpairs +
@@ -193,9 +243,17 @@ void attend_unit_pairs(const c10::BFloat16* q, const c10::BFloat16* k, const c10
   auto* p = reinterpret_cast<uint32_t*>(s + ROWS * keys);
   auto* q2 = p + ROWS * kpairs;
   float* sums = reinterpret_cast<float*>(q2 + ROWS * dpairs);
-  for (int64_t j = 0; j < keys; ++j)
-    for (int64_t d = 0; d < dpairs; ++d)
-      kt2[d * keys + j] = j < n ? bf16_pair(k + (begin + j) * stride + col + 2 * d) : 0u;
+  // 16 keys' dim pair d gathered into one line of kt2 (stored key by key, each dim pair's line was a store
+  // to another cache line: 7% of a Whisper layer's attention)
+  const __m512i key_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int32_t>(stride)));
+  for (int64_t j0 = 0; j0 < keys; j0 += 16) {
+    const __mmask16 exist = lanes_below(n - j0);
+    const c10::BFloat16* first = k + (begin + std::min(j0, n - 1)) * stride + col;
+    for (int64_t d = 0; d < dpairs; ++d)  // element offsets (scale 2: any row stride, even or odd)
+      _mm512_storeu_si512(kt2 + d * keys + j0,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), exist, key_rows, first + 2 * d, 2));
+  }
   const auto* vbits = reinterpret_cast<const uint16_t*>(v);
   for (int64_t jp = 0; jp < kpairs; ++jp)
     for (int64_t d = 0; d < width; ++d) {
@@ -209,17 +267,12 @@ void attend_unit_pairs(const c10::BFloat16* q, const c10::BFloat16* k, const c10
     for (int64_t r = 0; r < ROWS; ++r)
       for (int64_t d = 0; d < dpairs; ++d)
         q2[r * dpairs + d] = r < rows ? bf16_pair(q + (begin + r0 + r) * stride + col + 2 * d) : 0u;
-    for (int64_t j0 = 0; j0 < keys; j0 += 32) score_block(kt2, keys, j0, q2, dpairs, scale, s);
+    float top[ROWS * 16];
+    std::fill(top, top + ROWS * 16, std::numeric_limits<float>::lowest());
+    for (int64_t j0 = 0; j0 < keys; j0 += 32) score_block(kt2, keys, j0, q2, dpairs, scale2, s, top, n - j0);
     float inv_sum[ROWS];
-    for (int64_t r = 0; r < ROWS; ++r) {
-      float* row = s + r * keys;
-      inv_sum[r] = exp_row(row, n);
-      for (int64_t j = n; j < keys; ++j) row[j] = 0.f;
-      for (int64_t j = 0; j < keys; j += 32) {  // keys is a multiple of 32
-        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16), _mm512_loadu_ps(row + j));
-        _mm512_storeu_si512(p + r * kpairs + j / 2, reinterpret_cast<const __m512i&>(both));
-      }
-    }
+    for (int64_t r = 0; r < ROWS; ++r)
+      inv_sum[r] = softmax_row(s + r * keys, n, keys, _mm512_reduce_max_ps(_mm512_loadu_ps(top + 16 * r)), p + r * kpairs);
     const int64_t used_pairs = (n + 1) / 2;
     for (int64_t r4 = 0; r4 < ROWS; r4 += 4) {
       if (r4 >= rows) break;

@@ -62,6 +62,26 @@ def test_encoder_attention_matches_a_float64_softmax_per_segment(ops, dtype, hea
     assert torch.equal(attend(ops, qkv, segments[::-1], heads, scale), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_all_far_below_zero_beside_padded_keys(ops, dtype) -> None:  # type: ignore[no-untyped-def]
+    """Every score near -128 (times log2 e: 2^-185, below every float): the softmax shifts by the largest
+    score of the keys that exist. Shifted by a padded key's zero instead, every weight would be zero and the
+    output NaN. Segments of 40 and 7 keys leave padding in the bf16 form's blocks of 32 keys."""
+    generator = torch.Generator().manual_seed(7)
+    heads, dim, rows = 2, 64, 47
+    q = 4 + 0.1 * torch.randn(rows, heads * dim, generator=generator)
+    k = -4 + 0.1 * torch.randn(rows, heads * dim, generator=generator)
+    v = torch.randn(rows, heads * dim, generator=generator)
+    qkv = torch.cat([q, k, v], 1).to(dtype)
+    segments, scale = [(0, 40), (40, 47)], dim**-0.5
+    out = attend(ops, qkv, segments, heads, scale)
+    expected = reference(qkv, segments, heads, scale)
+    assert torch.isfinite(out).all()
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype] * max(
+        1.0, expected.abs().max().item()
+    )
+
+
 def test_encoder_attention_refuses_bad_segments(ops) -> None:  # type: ignore[no-untyped-def]
     qkv = torch.randn(10, 3 * 64)
     for bad in ([(0, 11)], [(3, 3)], [(-1, 4)]):
