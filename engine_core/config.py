@@ -23,6 +23,9 @@ class SchedulerConfig:
     # >0: that share grows to this many prefill tokens per decoding request where that is more, so that a
     # step's prefill rows stay in proportion to its decode rows (what an inter-token gap holds)
     decode_prefill_tokens_per_decode: int = 0
+    # >0: and to this many per request the engine holds (running and waiting, at most max_num_seqs), so that
+    # a step prefills as many requests as finish at that concurrency, and no fewer while a burst ramps up
+    decode_prefill_tokens_per_request: int = 0
     # False for encoders: a prompt is scheduled whole in one step or waits (its first token attends to
     # its last); the budget must then hold max_model_len
     chunked_prefill: bool = True

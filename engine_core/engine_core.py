@@ -119,6 +119,7 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             decode_prefill_token_budget=config.decode_prefill_token_budget,
             decode_prefill_tokens_per_decode=config.decode_prefill_tokens_per_decode,
+            decode_prefill_tokens_per_request=config.decode_prefill_tokens_per_request,
             chunked_prefill=not info.is_encoder,
             max_loras=max_loras,
             kv_window=info.kv_window,

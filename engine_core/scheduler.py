@@ -36,6 +36,7 @@ from engine_core.config import SchedulerConfig
 from engine_core.encoder_room import embeds_of, encoder_room, fit_encoder_inputs, take_encoder_inputs
 from engine_core.hybrid_kv_cache import kv_cache_for
 from engine_core.kv_transfer import KVTransferScheduler
+from engine_core.prefill_share import prefill_share
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler_invariants import check_scheduler
 from engine_core.waiting_queue import WaitingQueue
@@ -259,19 +260,13 @@ class Scheduler:
         )
 
     def _prefill_budget(self) -> int:
-        """The step's prefill tokens: while any running request decodes, decode_prefill_token_budget, or
-        decode_prefill_tokens_per_decode for each decoding request where that is more."""
-        cap, budget = self.config.decode_prefill_token_budget, self.config.max_num_batched_tokens
-        if cap <= 0:
-            return budget
+        """The step's prefill tokens (engine_core/prefill_share.py)."""
         decoding = sum(
             1
             for r in self.running
             if r.num_computed_after_flight >= r.num_prompt_tokens and r.pooling_params is None
         )  # a pooling request whose last chunk is in flight decodes nothing
-        if not decoding:
-            return budget
-        return min(budget, max(cap, self.config.decode_prefill_tokens_per_decode * decoding))
+        return prefill_share(self.config, decoding, len(self.running) + len(self.waiting))
 
     def _prefill_cap(self) -> int:
         cap = self.config.long_prefill_token_threshold

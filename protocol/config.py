@@ -104,6 +104,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int = 0  # >0: cap each prefill chunk (chunked prefill below the budget)
     decode_prefill_token_budget: int = 0  # >0: a step's prefill tokens while requests decode
     decode_prefill_tokens_per_decode: int = 0  # >0: that share grows to this many per decoding request
+    decode_prefill_tokens_per_request: int = 0  # >0: and to this many per request held (running, waiting)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (EngineArgs and the CLI agree)
     input_address: str = ""  # ZMQ address the engine binds for frontend requests
     output_address: str = ""  # ZMQ address the engine binds for outputs

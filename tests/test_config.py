@@ -15,8 +15,10 @@ from frontend.config.flags import ConfigError, default_of, flag_name, from_names
 from frontend.config.server_args import (
     SERVE_DECODE_PREFILL_TOKEN_BUDGET,
     SERVE_MAX_NUM_BATCHED_TOKENS,
+    ZEN4_DECODE_PREFILL_SHARE,
     ServerArgs,
     origins,
+    serve_prefill_share,
 )
 from protocol.config import EngineConfig, WorkerConfig
 from protocol.lora import LoraAdapter
@@ -25,7 +27,8 @@ from protocol.lora import LoraAdapter
 COMMAND_DEFAULTS = {
     "serve": {
         "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS,
-        "decode_prefill_token_budget": SERVE_DECODE_PREFILL_TOKEN_BUDGET,
+        "decode_prefill_token_budget": serve_prefill_share()[0],
+        "decode_prefill_tokens_per_request": serve_prefill_share()[1],
     }
 }
 COMMANDS = {
@@ -221,3 +224,20 @@ def test_serve_does_not_import_the_benchmarks_or_the_clients() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert run.stdout.strip() == "[]", run.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "share"),
+    [
+        ("fpu avx2 avx512f avx512_bf16 avx512_vnni", ZEN4_DECODE_PREFILL_SHARE),  # Zen 4
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", (SERVE_DECODE_PREFILL_TOKEN_BUDGET, 0)),  # Xeon
+        ("fpu avx2 fma", (SERVE_DECODE_PREFILL_TOKEN_BUDGET, 0)),  # Zen 3
+        (None, (SERVE_DECODE_PREFILL_TOKEN_BUDGET, 0)),  # no /proc/cpuinfo
+    ],
+)
+def test_serve_prefill_share_by_cpu_kind(tmp_path, flags, share) -> None:  # type: ignore[no-untyped-def]
+    """`engine serve`'s prefill share comes from the measured table by CPU kind (server_args.py)."""
+    path = tmp_path / "cpuinfo"
+    if flags is not None:
+        path.write_text(f"processor\t: 0\nmodel name\t: a CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert serve_prefill_share(str(path)) == share

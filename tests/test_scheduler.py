@@ -443,6 +443,27 @@ def test_the_prefill_share_grows_with_the_decoding_requests() -> None:
     core.scheduler.check_invariants()
 
 
+def test_the_prefill_share_grows_with_the_requests_held() -> None:
+    """--decode-prefill-tokens-per-request: the share counts every request the engine holds, the one still
+    prefilling too: seven held (six decoding, one long prompt) give 4 x 7 = 28 prefill tokens a step, where
+    counting the decoding ones would give 24 and the fixed budget 8."""
+    core, executor = make_core(
+        max_num_batched_tokens=64, decode_prefill_token_budget=8, decode_prefill_tokens_per_request=4
+    )
+    for i in range(6):
+        add(core, f"short{i}", list(range(10 * i, 10 * i + 5)), max_tokens=40)
+    add(core, "long", list(range(300, 500)), max_tokens=4)
+    outputs = run_to_completion(core)
+    assert {"long", *(f"short{i}" for i in range(6))} <= set(outputs)
+    shares = [
+        sum(c for c in step.num_scheduled_tokens.values() if c > 1)
+        for step in executor.steps[1:]
+        if 1 in step.num_scheduled_tokens.values()
+    ]
+    assert shares and max(shares) == 28 and all(share <= 28 for share in shares)
+    core.scheduler.check_invariants()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_longrope_request_crossing_its_switch_is_recomputed_once_under_its_own_keys(
     async_scheduling: bool,

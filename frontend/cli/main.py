@@ -13,11 +13,7 @@ from typing import Any
 
 from frontend.config.engine_args import EngineArgs
 from frontend.config.flags import ConfigError, add_flags, from_namespace
-from frontend.config.server_args import (
-    SERVE_DECODE_PREFILL_TOKEN_BUDGET,
-    SERVE_MAX_NUM_BATCHED_TOKENS,
-    ServerArgs,
-)
+from frontend.config.server_args import SERVE_MAX_NUM_BATCHED_TOKENS, ServerArgs, serve_prefill_share
 from protocol.log_format import configure_logging
 from protocol.version import __version__
 
@@ -110,9 +106,11 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
 
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP + SSE)")
+    budget, per_request = serve_prefill_share()
     serve_defaults = {
         "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS,
-        "decode_prefill_token_budget": SERVE_DECODE_PREFILL_TOKEN_BUDGET,
+        "decode_prefill_token_budget": budget,
+        "decode_prefill_tokens_per_request": per_request,
     }
     add_flags(serve, EngineArgs, defaults=serve_defaults)
     add_flags(serve, ServerArgs)

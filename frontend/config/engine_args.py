@@ -80,6 +80,11 @@ class EngineArgs:
         "with --decode-prefill-token-budget: the share grows to this many prefill tokens per decoding "
         "request where that is more (0: fixed)",
     )
+    decode_prefill_tokens_per_request: int = option(
+        0,
+        "with --decode-prefill-token-budget: the share grows to this many prefill tokens per request the "
+        "engine holds, running or waiting (at most --max-num-seqs), where that is more (0: fixed)",
+    )
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prefixes")
     scheduling_policy: str = option("fcfs", "which waiting request goes first", choices=["fcfs", "priority"])
     async_scheduling: bool = option(
@@ -249,11 +254,12 @@ class EngineArgs:
         ):
             if value < 1:
                 raise ConfigError(flag, f"must be positive, got {value}")
-        if self.decode_prefill_tokens_per_decode < 0:
-            raise ConfigError(
-                "--decode-prefill-tokens-per-decode",
-                f"must be 0 or more, got {self.decode_prefill_tokens_per_decode}",
-            )
+        for flag, value in (
+            ("--decode-prefill-tokens-per-decode", self.decode_prefill_tokens_per_decode),
+            ("--decode-prefill-tokens-per-request", self.decode_prefill_tokens_per_request),
+        ):
+            if value < 0:
+                raise ConfigError(flag, f"must be 0 or more, got {value}")
         if self.batch_invariant and self.attention_backend == "torch":
             raise ConfigError(
                 "--batch-invariant",
@@ -481,6 +487,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             decode_prefill_token_budget=self.decode_prefill_token_budget,
             decode_prefill_tokens_per_decode=self.decode_prefill_tokens_per_decode,
+            decode_prefill_tokens_per_request=self.decode_prefill_tokens_per_request,
             async_scheduling=self.async_scheduling,
             log_level=self.log_level,
             log_format=self.log_format,

@@ -23,6 +23,29 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 256
 # 0.62-0.83 s, throughput level; 32 kept ITL p99 at 206-214 ms but raised ITL p50 from 73 to 110-118 ms
 # (benchmarks/results/2026-12-01-lab-notes-issue25.md, "A step's prefill share").
 SERVE_DECODE_PREFILL_TOKEN_BUDGET = 64
+# On a CPU with AVX-512 BF16 and no AMX (the Zen 4 EPYC), where 64 tokens made a c=16 step's ITL p99 1.25x
+# vLLM's, half of that, growing one token per request the engine holds: c=16 ITL p99 61-71 -> 44-49 ms at
+# the same output, c=64 as before (64 requests held: 64 tokens), a burst's ramp fed (2026-12-07,
+# benchmarks/results/2026-12-07-lab-notes-speech-attention-zen4.md, "A smaller prefill share at c=16"). The
+# Xeon met vLLM's c=16 ITL p99 with 64 (run U), and on the AVX2 EPYC 32 raised ITL p50 (above): both keep it.
+ZEN4_DECODE_PREFILL_SHARE = (32, 1)
+
+
+def serve_prefill_share(cpuinfo_path: str = "/proc/cpuinfo") -> tuple[int, int]:
+    """`engine serve`'s (decode_prefill_token_budget, decode_prefill_tokens_per_request) on this CPU."""
+    flags: set[str] = set()
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.partition(":")[2].split())
+                    break
+    except OSError:
+        pass
+    if "avx512_bf16" in flags and "amx_bf16" not in flags:
+        return ZEN4_DECODE_PREFILL_SHARE
+    return SERVE_DECODE_PREFILL_TOKEN_BUDGET, 0
+
 
 API_KEY_ENV = ("ENGINE_API_KEY", "VLLM_API_KEY")  # read in this order, comma-separated keys each
 # `/server_info` is served when either is 1 (vLLM's VLLM_SERVER_DEV_MODE, and ours); read by the launcher
