@@ -365,3 +365,29 @@ def test_a_hostile_producer_or_a_named_host_is_refused(tiny, monkeypatch) -> Non
         reader.close()  # type: ignore[union-attr]
         thread.join(timeout=10)
         context.destroy(linger=0)
+
+
+def test_a_taken_side_channel_port_fails_the_start_and_closes_its_context(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A producer whose side-channel port is taken fails its start, naming the address, and leaves no zmq
+    context open: one left to the collector waited in Context.__del__ on its socket (a later test's import
+    hung 600 s in CI)."""
+    import zmq
+
+    import worker.kv_transfer_nixl as nixl_kv
+
+    made: list[zmq.Context] = []
+
+    class Recording(zmq.Context):  # type: ignore[misc,type-arg]
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(nixl_kv.zmq, "Context", Recording)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer", kv_buffer_size=1 << 20,
+                                  kv_connector_extra_config={"side_channel_port": taken.getsockname()[1]})  # fmt: skip
+        with pytest.raises(zmq.ZMQError, match="Address already in use"):
+            nixl_kv.NixlKV(config)
+    assert len(made) == 1 and made[0].closed

@@ -85,11 +85,27 @@ class NixlKV:
 
         self.config = config
         self.name = f"engine-{uuid.uuid4().hex[:12]}"
-        # NOTE: no progress thread: NIXL's spins a core even when idle (its delay is 0 and not exposed). A
-        # consumer progresses its READ by polling it; the producer's side channel progresses the agent while
-        # a read it answered for is under way (UCX over TCP serves a READ from the owner's side)
-        config_ = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
-        self.agent = nixl_agent(self.name, config_)
+        self.context = zmq.Context()
+        # the side channel binds first: UCX's TCP transport listens on ports of its own choosing, which could
+        # take the side channel's; and a start that fails leaves no socket for the collector, whose
+        # Context.__del__ would wait on it (a CI run hung 600 s in a later test's import that way)
+        try:
+            if config.is_producer:
+                self.socket = self.context.socket(zmq.REP)
+                self.socket.setsockopt(zmq.LINGER, 0)
+                self.socket.bind(f"tcp://{config.side_channel_host}:{config.side_channel_port}")
+            self._start(config, nixl_agent(self.name, nixl_agent_config(
+                enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])))  # fmt: skip
+        except BaseException:
+            self.context.destroy(linger=0)
+            raise
+
+    def _start(self, config: KVTransferConfig, agent: Any) -> None:
+        # NOTE: no progress thread (the agent's config above): NIXL's spins a core even when idle (its delay
+        # is 0 and not exposed). A consumer progresses its READ by polling it; the producer's side channel
+        # progresses the agent while a read it answered for is under way (UCX over TCP serves a READ from the
+        # owner's side)
+        self.agent = agent
         self.lock = threading.Lock()
         self.entries: dict[str, dict[str, Any]] = {}  # key -> offset, size, layout, deadline
         self.remotes: dict[str, Any] = {}  # side-channel address -> REQ socket
@@ -99,15 +115,12 @@ class NixlKV:
         self.num_bytes_loaded = 0
         self.num_bytes_saved = 0
         self.seconds = 0.0
-        self.context = zmq.Context()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         if config.is_producer:
             self.arena_tensor = torch.empty(config.kv_buffer_size, dtype=torch.uint8)
             self.arena_reg = self.agent.register_memory(self.arena_tensor)
             self.arena = Arena(config.kv_buffer_size)
-            self.socket = self.context.socket(zmq.REP)
-            self.socket.bind(f"tcp://{config.side_channel_host}:{config.side_channel_port}")
             self.thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
             self.thread.start()
 
