@@ -420,48 +420,44 @@ def test_while_requests_decode_a_step_prefills_at_most_the_decode_prefill_budget
     )
 
 
-def test_the_prefill_share_grows_with_the_decoding_requests() -> None:
-    """--decode-prefill-tokens-per-decode: beside d decoding requests a step prefills at most
-    max(budget, per_decode x d) tokens, and more than the fixed budget once enough decode."""
-    core, executor = make_core(
-        max_num_batched_tokens=64, decode_prefill_token_budget=8, decode_prefill_tokens_per_decode=4
-    )
+def mixed_steps_of_six_decoding_and_a_long_prompt(**flags: int) -> list[tuple[int, int]]:
+    """Six short requests decode while a 200-token prompt is prefilled (step budget 64, prefill share 8 and
+    `flags`): each step after the first with both kinds of rows, as (decoding rows, prefill tokens)."""
+    core, executor = make_core(max_num_batched_tokens=64, decode_prefill_token_budget=8, **flags)
     for i in range(6):
         add(core, f"short{i}", list(range(10 * i, 10 * i + 5)), max_tokens=40)
     add(core, "long", list(range(300, 500)), max_tokens=4)
     outputs = run_to_completion(core)
     assert {"long", *(f"short{i}" for i in range(6))} <= set(outputs)
-    shares = []
+    core.scheduler.check_invariants()
+    mixed = []
     for step in executor.steps[1:]:
         counts = step.num_scheduled_tokens
         decoding = sum(1 for c in counts.values() if c == 1)
         prefill = sum(c for c in counts.values() if c > 1)
         if decoding and prefill:
-            assert prefill <= max(8, 4 * decoding), (decoding, prefill)
-            shares.append(prefill)
-    assert shares and max(shares) == 24  # six decoding requests: 4 x 6 prefill tokens, not 8
-    core.scheduler.check_invariants()
+            mixed.append((decoding, prefill))
+    return mixed
+
+
+def test_the_prefill_share_grows_with_the_decoding_requests() -> None:
+    """--decode-prefill-tokens-per-decode: beside d decoding requests a step prefills at most
+    max(budget, per_decode x d) tokens, and more than the fixed budget once enough decode."""
+    mixed = mixed_steps_of_six_decoding_and_a_long_prompt(decode_prefill_tokens_per_decode=4)
+    for decoding, prefill in mixed:
+        assert prefill <= max(8, 4 * decoding), (decoding, prefill)
+    assert mixed and max(prefill for _, prefill in mixed) == 24  # six decoding: 4 x 6 prefill tokens, not 8
 
 
 def test_the_prefill_share_grows_with_the_requests_held() -> None:
     """--decode-prefill-tokens-per-request: the share counts every request the engine holds, the one still
     prefilling too: seven held (six decoding, one long prompt) give 4 x 7 = 28 prefill tokens a step, where
     counting the decoding ones would give 24 and the fixed budget 8."""
-    core, executor = make_core(
-        max_num_batched_tokens=64, decode_prefill_token_budget=8, decode_prefill_tokens_per_request=4
-    )
-    for i in range(6):
-        add(core, f"short{i}", list(range(10 * i, 10 * i + 5)), max_tokens=40)
-    add(core, "long", list(range(300, 500)), max_tokens=4)
-    outputs = run_to_completion(core)
-    assert {"long", *(f"short{i}" for i in range(6))} <= set(outputs)
     shares = [
-        sum(c for c in step.num_scheduled_tokens.values() if c > 1)
-        for step in executor.steps[1:]
-        if 1 in step.num_scheduled_tokens.values()
+        prefill
+        for _, prefill in mixed_steps_of_six_decoding_and_a_long_prompt(decode_prefill_tokens_per_request=4)
     ]
     assert shares and max(shares) == 28 and all(share <= 28 for share in shares)
-    core.scheduler.check_invariants()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
