@@ -1,7 +1,7 @@
 """Each GGUF type's packed products (csrc/quant_cpu.cpp) against the bf16 products of the same weights, on
 this CPU, the kinds taken in turn in one process:
 
-    python -m benchmarks.gguf_types [--rows 1 16] [--rounds 7]
+    python -m benchmarks.gguf_types [--rows 1 16] [--rounds 7] [--types Q4_K Q5_0 ...]
 
 A stack of 24 random [2048, 2048] weights (192 MiB in bf16, more than the caches hold), written as each
 type's random blocks (tests/test_kernels_quant.py's random_blocks) and packed as a worker packs them; bf16
@@ -25,7 +25,7 @@ from worker.csrc_ops import load_cpu_ops
 from worker.quant.gguf_pack import Q, pack, q3_k_as_q6_k
 
 SIZE, COUNT = 2048, 24
-TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q8_0)
+TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q5_0, Q.Q8_0)
 
 
 def main() -> None:
@@ -34,6 +34,7 @@ def main() -> None:
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--types", nargs="+", default=[t.name for t in TYPES], choices=[t.name for t in TYPES])
     args = parser.parse_args()
     from tests.test_kernels_quant import random_blocks
 
@@ -63,7 +64,7 @@ def main() -> None:
         linear = torch.ops.mkldnn._linear_pointwise
         kinds["bf16"] = (stack(lambda x, w: linear(x, w, None, "none", [], ""), onednn), 2 * SIZE**2 * COUNT)
     del dense
-    for qtype in TYPES:
+    for qtype in (Q[name] for name in args.types):
         stored = int(Q.Q6_K if qtype == Q.Q3_K else qtype)
         held = []
         for i in range(COUNT):
