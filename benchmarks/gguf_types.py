@@ -34,7 +34,9 @@ def main() -> None:
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--types", nargs="+", default=[t.name for t in TYPES], choices=[t.name for t in TYPES])
+    parser.add_argument(
+        "--types", nargs="+", default=[t.name for t in TYPES], choices=[t.name for t in TYPES]
+    )
     args = parser.parse_args()
     from tests.test_kernels_quant import random_blocks
 
