@@ -32,7 +32,7 @@
 
 #include "gemm_rows.h"
 #include "quant_amx.h"
-#include "quant_bf16.h"
+#include "quant_bf16_run.h"
 #include "quant_blocks.h"
 
 #include <ATen/Parallel.h>
