@@ -105,6 +105,22 @@ inline __m512 shifted_offset(const __m512& s, const __m512& o) {
   return _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, o);  // o - 128 s, one rounding
 }
 
+// The steps after a sub-block's sums, one row's 16 columns (factored_pass and tile_pass both take them, so the
+// two forms give the same bits): acc = fma(scale, sums, acc), then acc = fma(offset', xsum, acc).
+[[gnu::always_inline]] inline void add_sub_block(float* acc, const __m512& s, const __m512& o, const __m512& part,
+                                                 float xsum) {
+  const __m512 a = _mm512_fmadd_ps(s, part, _mm512_load_ps(acc));
+  _mm512_store_ps(acc, _mm512_fmadd_ps(o, _mm512_set1_ps(xsum), a));
+}
+
+// A row's 16 sums, plus the bias, rounded once to bf16.
+[[gnu::always_inline]] inline void store_sums(const float* acc, const float* bias, c10::BFloat16* y) {
+  __m512 sum = _mm512_load_ps(acc);
+  if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias));
+  const __m256bh half = _mm512_cvtneps_pbh(sum);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<const __m256i&>(half));
+}
+
 // ROWS rows (a pass) against one group of 16 columns: xp the pass's dim pairs (pair kp of row m at kp * ROWS + m),
 // xsum its sub-blocks' sums (si * ROWS + m). Per row and column, each sub-block's dot products run from 0 in
 // dim-pair order, then acc = fma(scale, sums, acc) and acc = fma(offset', xsum, acc): the same steps at every
@@ -131,18 +147,9 @@ void factored_pass(const uint32_t* xp, const float* xsum, int64_t k, const uint8
     __m512 s, o;
     scales_of<T>(record, t, si % per_block, s, o);
     o = shifted_offset<T>(s, o);
-    for (int m = 0; m < ROWS; ++m) {
-      __m512 a = _mm512_fmadd_ps(s, part[m], _mm512_load_ps(acc[m]));
-      a = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[si * ROWS + m]), a);
-      _mm512_store_ps(acc[m], a);
-    }
+    for (int m = 0; m < ROWS; ++m) add_sub_block(acc[m], s, o, part[m], xsum[si * ROWS + m]);
   }
-  for (int m = 0; m < ROWS; ++m) {
-    __m512 sum = _mm512_load_ps(acc[m]);
-    if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias));
-    const __m256bh half = _mm512_cvtneps_pbh(sum);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy), reinterpret_cast<const __m256i&>(half));
-  }
+  for (int m = 0; m < ROWS; ++m) store_sums(acc[m], bias, y + m * ldy);
 }
 
 // The rows a pass takes from row r on: WIDE_ROWS while that many are left, then up to BF16_ROWS.

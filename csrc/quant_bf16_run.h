@@ -59,20 +59,12 @@ void widen_groups(const uint8_t* group, int64_t group_bytes, int64_t k, const Tr
     }
     for (int j = 0; j < TILE_GROUPS; ++j) {
       const __m512 sc = scales[(si * TILE_GROUPS + j) * 2], off = scales[(si * TILE_GROUPS + j) * 2 + 1];
-      for (int m = 0; m < TILE_ROWS; ++m) {
-        __m512 a = _mm512_fmadd_ps(sc, part[m][j], _mm512_load_ps(acc[m][j]));
-        a = _mm512_fmadd_ps(off, _mm512_set1_ps(xsum[si * TILE_ROWS + m]), a);
-        _mm512_store_ps(acc[m][j], a);
-      }
+      for (int m = 0; m < TILE_ROWS; ++m) add_sub_block(acc[m][j], sc, off, part[m][j], xsum[si * TILE_ROWS + m]);
     }
   }
   for (int m = 0; m < TILE_ROWS; ++m)
-    for (int j = 0; j < TILE_GROUPS; ++j) {
-      __m512 sum = _mm512_load_ps(acc[m][j]);
-      if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias + j * 16));
-      const __m256bh half = _mm512_cvtneps_pbh(sum);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + j * 16), reinterpret_cast<const __m256i&>(half));
-    }
+    for (int j = 0; j < TILE_GROUPS; ++j)
+      store_sums(acc[m][j], bias != nullptr ? bias + j * 16 : nullptr, y + m * ldy + j * 16);
 }
 
 // The rows' dim pairs and sub-block sums a pass at a time: the pass of rows r to r + R - 1 holds row m's pair kp at
