@@ -1,13 +1,14 @@
 """Each GGUF type's packed products (csrc/quant_cpu.cpp) against the bf16 products of the same weights, on
 this CPU, the kinds taken in turn in one process:
 
-    python -m benchmarks.gguf_types [--rows 1 16] [--rounds 7] [--types Q4_K Q5_0 ...]
+    python -m benchmarks.gguf_types [--rows 1 16] [--rounds 7] [--types Q4_K Q5_0 ...] [--int8]
 
 A stack of 24 random [2048, 2048] weights (192 MiB in bf16, more than the caches hold), written as each
 type's random blocks (tests/test_kernels_quant.py's random_blocks) and packed as a worker packs them; bf16
 rows through every weight of the stack, per kind: the median time (ms), its ratio to bf16's pair layout
 (`linear_pairs` where the build has AVX-512 BF16, else oneDNN), and the bytes held and read per second.
-Q3_K is held as the Q6_K blocks of its values (worker/quant/gguf_pack.py), so its row is Q6_K's.
+Q3_K is held as the Q6_K blocks of its values (worker/quant/gguf_pack.py), so its row is Q6_K's. --int8 adds
+each type's product with int8 activations (`TYPE/i8`, csrc/quant_a8.cpp: --activation-quantization int8).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument(
         "--types", nargs="+", default=[t.name for t in TYPES], choices=[t.name for t in TYPES]
     )
+    parser.add_argument("--int8", action="store_true", help="also each type with int8 activations")
     args = parser.parse_args()
     from tests.test_kernels_quant import random_blocks
 
@@ -78,6 +80,12 @@ def main() -> None:
             ops.linear_quant(x, packed, stored, no_bias, SIZE)
 
         kinds[qtype.name] = (stack(product, held), sum(p.numel() for p in held))
+        if args.int8:
+
+            def product_a8(x: torch.Tensor, packed: torch.Tensor, stored: int = stored) -> None:
+                ops.linear_quant_a8(x, packed, stored, no_bias, SIZE)
+
+            kinds[f"{qtype.name}/i8"] = (stack(product_a8, held), sum(p.numel() for p in held))
     print(f"{COUNT} x [{SIZE}, {SIZE}] products, bf16 rows; median of {args.rounds} rounds", flush=True)
     for rows in args.rows:
         x = torch.randn(rows, SIZE).to(torch.bfloat16)
@@ -91,7 +99,7 @@ def main() -> None:
         for name, (_, nbytes) in kinds.items():
             ms = statistics.median(times[name][1:]) * 1000
             print(
-                f"rows {rows:4}  {name:5} {ms:7.2f} ms  {ms / 1000 / base:5.2f}x bf16  "
+                f"rows {rows:4}  {name:8} {ms:7.2f} ms  {ms / 1000 / base:5.2f}x bf16  "
                 f"held {nbytes / 2**20:6.1f} MiB  {nbytes / ms / 1e6:5.1f} GB/s",
                 flush=True,
             )

@@ -39,6 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant_parts", &linear_quant_parts, "x W^T (+ bias), W's column runs packed GGUF blocks (CPU)");
   m.def("pack_gguf", &pack_gguf, "A GGUF weight's blocks in linear_quant's tiles layout (CPU)");
   m.def("quant_rows", &quant_rows, "Rows of a packed GGUF weight, dequantized (CPU)");
+  m.def("linear_quant_a8", &linear_quant_a8, "x W^T (+ bias) on packed blocks, x quantized to int8 per 32 (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("qtype"), py::arg("bias"), py::arg("out_features"),
+        py::arg("reference") = false);
   m.def("linear_w8a8_parts", &linear_w8a8_parts, "x W^T (+ bias), int8 W, x quantized to int8 per row (CPU)");
   m.def("route_experts", &route_experts, "A mixture-of-experts router's experts and weights per row (CPU)");
   m.def("fused_experts", &fused_experts, "A mixture-of-experts layer's experts, grouped by expert (CPU)");

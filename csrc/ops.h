@@ -48,6 +48,12 @@ torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids,
 // W8A8 (csrc/quant_w8a8.cpp): int8 weights (type 104) times each row quantized to int8 per token, summed in int32.
 torch::Tensor linear_w8a8_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
                                 int64_t out_features);
+// Int8 activations on packed blocks (csrc/quant_a8.cpp): parts whose type carries the bit 256
+// (--activation-quantization int8); linear_quant_a8 one part, reference=True the portable loop.
+torch::Tensor linear_a8_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
+                              int64_t out_features);
+torch::Tensor linear_quant_a8(torch::Tensor x, torch::Tensor packed, int64_t qtype, torch::Tensor bias,
+                              int64_t out_features, bool reference);
 
 // A mixture-of-experts router's choice per row (csrc/route_cpu.cpp): (ids [T, K] int64, weights [T, K] float32).
 std::vector<torch::Tensor> route_experts(torch::Tensor logits, int64_t kind, int64_t top_k, bool renormalize,

@@ -49,7 +49,7 @@ struct Traits {
   int high_bits;   // 0, 1 or 2
 };
 
-Traits traits_of(int64_t qtype) {
+inline Traits traits_of(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return {32, 32, 288, -1, -1, 32, -1, 0};
     case Q4_1: return {32, 32, 320, 32, -1, 64, -1, 0};
@@ -65,6 +65,28 @@ Traits traits_of(int64_t qtype) {
     case I4_G128: return {128, 128, 128 + 8 * 128, 64, -1, 128, -1, 0};
     case I8_G64: return {64, 64, 128 + 16 * 64, 64, -1, 128, -1, 0};
     case MXFP4: return {32, 32, 16 + 8 * 32, -1, 0, 16, -1, 0};  // E8M0 exponents u8 [16], then the codes
+    default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
+  }
+}
+
+// f(std::integral_constant<int64_t, qtype>) for a type of ours.
+template <typename F>
+inline void dispatch_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case Q2_K: f(std::integral_constant<int64_t, Q2_K>{}); break;
+    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
+    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q5_0: f(std::integral_constant<int64_t, Q5_0>{}); break;
+    case Q5_1: f(std::integral_constant<int64_t, Q5_1>{}); break;
+    case Q8_0: f(std::integral_constant<int64_t, Q8_0>{}); break;
+    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); break;
+    case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
+    case I4_G32: f(std::integral_constant<int64_t, I4_G32>{}); break;
+    case I4_G64: f(std::integral_constant<int64_t, I4_G64>{}); break;
+    case I4_G128: f(std::integral_constant<int64_t, I4_G128>{}); break;
+    case I8_G64: f(std::integral_constant<int64_t, I8_G64>{}); break;
+    case MXFP4: f(std::integral_constant<int64_t, MXFP4>{}); break;
     default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
   }
 }
@@ -91,6 +113,62 @@ constexpr bool split_high(int64_t t) { return t == Q5_K || t == Q6_K; }
   uint16_t h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// One sub-block's 16 scales and offsets, and one stored integer, one row at a time: the portable path's, and
+// the int8-activation reference's (csrc/quant_a8.cpp). The same values as the vector forms below.
+template <int64_t T>
+inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, float* scale, float* offset) {
+  for (int c = 0; c < 16; ++c) {
+    if constexpr (T == MXFP4) {
+      const uint32_t bits = static_cast<uint32_t>(rec[c]) << 23;
+      std::memcpy(scale + c, &bits, 4);
+      scale[c] *= 0.5f;
+      offset[c] = -12.0f * scale[c];
+      continue;
+    }
+    if constexpr (float_scales(T)) {
+      std::memcpy(scale + c, rec + 4 * c, 4);
+      std::memcpy(offset + c, rec + t.second + 4 * c, 4);
+      continue;
+    }
+    const float d = f16_to_float(rec + 2 * c);
+    if constexpr (T == Q4_0 || T == Q5_0 || T == Q8_0) {
+      scale[c] = d;
+      offset[c] = T == Q4_0 ? -8.0f * d : T == Q5_0 ? -16.0f * d : 0.0f;
+    } else if constexpr (T == Q4_1 || T == Q5_1) {
+      scale[c] = d;
+      offset[c] = f16_to_float(rec + t.second + 2 * c);
+    } else if constexpr (sub_mins(T)) {
+      const int64_t subs = t.block / t.sub;
+      scale[c] = d * static_cast<float>(rec[t.scales + j * 16 + c]);
+      offset[c] = -(f16_to_float(rec + t.second + 2 * c) * static_cast<float>(rec[t.scales + (subs + j) * 16 + c]));
+    } else {  // Q6_K
+      scale[c] = d * static_cast<float>(static_cast<int8_t>(rec[t.scales + j * 16 + c]));
+      offset[c] = -32.0f * scale[c];
+    }
+  }
+}
+
+template <int64_t T>
+inline float q_of(const uint8_t* rec, const Traits& t, int64_t k, int c) {
+  if constexpr (eight_bit(T)) {
+    return static_cast<float>(static_cast<int8_t>(rec[t.low + (k / 2) * 32 + 2 * c + k % 2]));
+  } else {
+    const uint8_t byte = rec[t.low + (k / 2) * 16 + c];
+    int q = k % 2 ? (byte >> 4) : (byte & 15);
+    if constexpr (T == MXFP4) q = MXFP4_Q[q];
+    if (t.high_bits == 1) {
+      uint16_t bits;
+      std::memcpy(&bits, rec + t.high + k * 2, 2);
+      q |= ((bits >> c) & 1) << 4;
+    } else if (t.high_bits == 2) {
+      uint32_t bits;
+      std::memcpy(&bits, rec + t.high + k * 4, 4);
+      q |= ((bits >> (2 * c)) & 3) << 4;
+    }
+    return static_cast<float>(q);
+  }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(ENGINE_ROWS_AVX2)
@@ -375,60 +453,6 @@ void fused_pass(const float* x, int64_t k, const uint8_t* group, const Traits& t
 }
 #else
 // The portable path (no AVX2): the same values, one row at a time.
-template <int64_t T>
-inline void scales_of(const uint8_t* rec, const Traits& t, int64_t j, float* scale, float* offset) {
-  for (int c = 0; c < 16; ++c) {
-    if constexpr (T == MXFP4) {
-      const uint32_t bits = static_cast<uint32_t>(rec[c]) << 23;
-      std::memcpy(scale + c, &bits, 4);
-      scale[c] *= 0.5f;
-      offset[c] = -12.0f * scale[c];
-      continue;
-    }
-    if constexpr (float_scales(T)) {
-      std::memcpy(scale + c, rec + 4 * c, 4);
-      std::memcpy(offset + c, rec + t.second + 4 * c, 4);
-      continue;
-    }
-    const float d = f16_to_float(rec + 2 * c);
-    if constexpr (T == Q4_0 || T == Q5_0 || T == Q8_0) {
-      scale[c] = d;
-      offset[c] = T == Q4_0 ? -8.0f * d : T == Q5_0 ? -16.0f * d : 0.0f;
-    } else if constexpr (T == Q4_1 || T == Q5_1) {
-      scale[c] = d;
-      offset[c] = f16_to_float(rec + t.second + 2 * c);
-    } else if constexpr (sub_mins(T)) {
-      const int64_t subs = t.block / t.sub;
-      scale[c] = d * static_cast<float>(rec[t.scales + j * 16 + c]);
-      offset[c] = -(f16_to_float(rec + t.second + 2 * c) * static_cast<float>(rec[t.scales + (subs + j) * 16 + c]));
-    } else {  // Q6_K
-      scale[c] = d * static_cast<float>(static_cast<int8_t>(rec[t.scales + j * 16 + c]));
-      offset[c] = -32.0f * scale[c];
-    }
-  }
-}
-
-template <int64_t T>
-inline float q_of(const uint8_t* rec, const Traits& t, int64_t k, int c) {
-  if constexpr (eight_bit(T)) {
-    return static_cast<float>(static_cast<int8_t>(rec[t.low + (k / 2) * 32 + 2 * c + k % 2]));
-  } else {
-    const uint8_t byte = rec[t.low + (k / 2) * 16 + c];
-    int q = k % 2 ? (byte >> 4) : (byte & 15);
-    if constexpr (T == MXFP4) q = MXFP4_Q[q];
-    if (t.high_bits == 1) {
-      uint16_t bits;
-      std::memcpy(&bits, rec + t.high + k * 2, 2);
-      q |= ((bits >> c) & 1) << 4;
-    } else if (t.high_bits == 2) {
-      uint32_t bits;
-      std::memcpy(&bits, rec + t.high + k * 4, 4);
-      q |= ((bits >> (2 * c)) & 3) << 4;
-    }
-    return static_cast<float>(q);
-  }
-}
-
 template <int64_t T>
 void dequant_record(const uint8_t* rec, const Traits& t, float* w) {
   float scale[16], offset[16];

@@ -31,6 +31,7 @@
 #include "ops.h"
 
 #include "gemm_rows.h"
+#include "quant_a8.h"
 #include "quant_amx.h"
 #include "quant_bf16_run.h"
 #include "quant_blocks.h"
@@ -113,27 +114,6 @@ void run(const float* xs, int64_t rows, int64_t k, const uint8_t* w, const Trait
 }
 
 
-template <typename F>
-void dispatch(int64_t qtype, F&& f) {
-  switch (qtype) {
-    case Q2_K: f(std::integral_constant<int64_t, Q2_K>{}); break;
-    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
-    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
-    case Q5_0: f(std::integral_constant<int64_t, Q5_0>{}); break;
-    case Q5_1: f(std::integral_constant<int64_t, Q5_1>{}); break;
-    case Q8_0: f(std::integral_constant<int64_t, Q8_0>{}); break;
-    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
-    case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); break;
-    case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
-    case I4_G32: f(std::integral_constant<int64_t, I4_G32>{}); break;
-    case I4_G64: f(std::integral_constant<int64_t, I4_G64>{}); break;
-    case I4_G128: f(std::integral_constant<int64_t, I4_G128>{}); break;
-    case I8_G64: f(std::integral_constant<int64_t, I8_G64>{}); break;
-    case MXFP4: f(std::integral_constant<int64_t, MXFP4>{}); break;
-    default: TORCH_CHECK(false, "quantized products: GGML type ", qtype, " is not one of ours");
-  }
-}
-
 void check_packing(const torch::Tensor& packed, const Traits& t, int64_t k) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quantized products: packed is a contiguous uint8 [N / 16, K / B, record] tensor");
@@ -175,7 +155,7 @@ void run_parts(const torch::Tensor& x, const uint8_t* bytes, int64_t num_bytes, 
                 "quantized products: part ", p, " lies past the packing");
     const uint8_t* w = bytes + offset;
     const float* b = bias != nullptr ? bias + start : nullptr;
-    dispatch(qtype, [&](auto type) {
+    dispatch_type(qtype, [&](auto type) {
       constexpr int64_t T = decltype(type)::value;
 #if defined(ENGINE_QUANT_AMX)
       if (y.scalar_type() == at::kBFloat16 && amx && amx_permitted()) {
@@ -211,6 +191,8 @@ torch::Tensor quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor p
   const bool has_bias = bias.defined() && bias.numel() > 0;
   TORCH_CHECK(!has_bias || bias.numel() == out_features, "linear_quant: bias size");
   const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
+  if (parts.size(0) > 0 && (parts.data_ptr<int64_t>()[0] & A8_BIT))  // int8 activations (csrc/quant_a8.cpp)
+    return linear_a8_parts(x, packed, parts, bias, out_features);
   auto y = torch::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
   int64_t covered = 0;
@@ -275,7 +257,7 @@ torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids,
   auto out = torch::empty({rows, k}, torch::dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  dispatch(qtype, [&](auto type) {
+  dispatch_type(qtype, [&](auto type) {
     constexpr int64_t T = decltype(type)::value;
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> block(t.block * COLS);

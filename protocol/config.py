@@ -60,6 +60,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     model: str  # HF folder or .gguf file
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
     quantization: str | None = None  # --quantization: None, the checkpoint's; "none" dequantizes at load
+    # --activation-quantization: "int8" multiplies packed weights by each row quantized to int8 per 32 dims
+    # (csrc/quant_a8.cpp); None: the rows as they are
+    activation_quantization: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None  # None: from the model config
     kv_cache_memory_bytes: int = 1 << 30  # KV pool size when num_kv_blocks is None

@@ -106,14 +106,19 @@ FAMILIES = ("llama", "gptneox", "phi3", "qwen2", "gemma3")
 
 
 def tokens_and_logprobs(
-    path: str, quantization: str, dtype: str = "float32", expert_loop: bool = False
+    path: str,
+    quantization: str,
+    dtype: str = "float32",
+    expert_loop: bool = False,
+    activation_quantization: str | None = None,
 ) -> dict[str, tuple[list[int], list]]:  # type: ignore[type-arg]
     """Two prompts decoded together in 16-token steps: each one's tokens and its logprob rows. expert_loop:
     packed experts take Experts.packed_experts (Python) where csrc expert_loop would run them, and
     the model the Python layers."""
     worker = WorkerConfig(
-        model=path, dtype=dtype, block_size=16, max_model_len=128, quantization=quantization
-    )
+        model=path, dtype=dtype, block_size=16, max_model_len=128, quantization=quantization,
+        activation_quantization=activation_quantization,
+    )  # fmt: skip
     core = EngineCore(EngineConfig(worker=worker, max_num_batched_tokens=16), InprocExecutor(worker))
     if expert_loop:
         core.executor.runner.model.native_layers = None  # type: ignore[attr-defined]

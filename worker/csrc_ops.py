@@ -47,6 +47,7 @@ SOURCES = [
         "route_cpu.cpp",
         "quant_cpu.cpp",
         "quant_w8a8.cpp",
+        "quant_a8.cpp",
         "gguf_pack_cpu.cpp",
         "encoder_attention_cpu.cpp",
     )
@@ -107,6 +108,15 @@ class CpuOps(Protocol):
         parts: torch.Tensor,
         bias: torch.Tensor,
         out_features: int,
+    ) -> torch.Tensor: ...
+    def linear_quant_a8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        qtype: int,
+        bias: torch.Tensor,
+        out_features: int,
+        reference: bool = False,
     ) -> torch.Tensor: ...
     def quant_rows(
         self, packed: torch.Tensor, qtype: int, ids: torch.Tensor, in_features: int, dtype: torch.dtype

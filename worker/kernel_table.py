@@ -33,6 +33,12 @@ def product_kernel(linear: Linear) -> str:
     if linear.quant_parts is not None:
         if int(linear.quant_parts[0, 0]) == IntType.I8_A8:
             return "csrc linear_w8a8 (int8 rows, every row count)"
+        if linear.int8_activations:
+            vnni = "avx512_vnni" in cpu_isa_flags() and "avx512vbmi" in cpu_isa_flags()
+            form = "AVX-512 VNNI" if vnni else "the portable loop"
+            return (
+                f"csrc linear_quant_a8 on the packed blocks (int8 rows per 32 dims: {form}; every row count)"
+            )
         form = "AMX tiles" if linear.ops is not None and linear.ops.has_amx() else "AVX-512 BF16 pairs"
         return f"csrc linear_quant on the packed blocks (bf16 rows: {form}; float32: FMA chains; every row count)"
     if linear.rows is not None:

@@ -46,7 +46,7 @@ from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, ShardingError, check_shardable, shard_config
 from worker.pooling import resolve_pooling
 from worker.pooling_runner import PoolingStep
-from worker.quant.method import packed_blocks
+from worker.quant.method import int8_activations, packed_blocks
 from worker.sampler import gather_logprobs, sample, sampled_logprobs
 from worker.sampling_batch import sampling_batch
 
@@ -69,6 +69,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or max(1, cores // parallel.workers_per_node))
         self.config = config
         self.packed = packed_blocks(config)  # a GGUF file's quantized weights served as its blocks
+        self.int8_activations = int8_activations(config, self.packed)  # --activation-quantization int8
         self.model_config, weights = load_model_files(config.model, config.cache_dir, self.packed)
         self.pooling = resolve_pooling(config, self.model_config)  # None: the model generates
         self.device = worker_device(config, self.pooling is not None)  # worker/gpu/device.py
@@ -235,7 +236,8 @@ class ModelRunner:
             model.load_weights(weights)
         if phases is not None:
             phases.mark("weights")
-        model.finalize(self.batch_invariant, pack=self.device.type == "cpu")
+        pack = self.device.type == "cpu"
+        model.finalize(self.batch_invariant, pack=pack, int8_activations=self.int8_activations)
         model = model.to(self.device)
         if isinstance(model, CausalLM):
             model.init_rotary(self.max_model_len, self.device)

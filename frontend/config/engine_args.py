@@ -57,6 +57,11 @@ class EngineArgs:
         "them to --dtype at load (docs/quantization.md)",
         choices=["gguf", "awq", "gptq", "compressed-tensors", "mxfp4", "none"],
     )
+    activation_quantization: str | None = option(
+        None,
+        "int8: packed weights times rows quantized to int8 per 32 dims (docs/quantization.md)",
+        choices=["int8"],
+    )
     max_model_len: int | None = option(None, "prompt + output tokens per request (default: the model's)")
     block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block", choices=BLOCK_SIZES)
     kv_cache_memory_bytes: int | None = option(
@@ -422,8 +427,7 @@ class EngineArgs:
         )
 
     def kv_cache_bytes(self, environ: Mapping[str, str] | None = None) -> int:
-        """--kv-cache-memory-bytes, else KV_CACHE_SPACE_ENV's GiB, else 1 GiB (--num-kv-blocks, when given,
-        overrides all three in the worker)."""
+        """--kv-cache-memory-bytes, else KV_CACHE_SPACE_ENV's GiB, else 1 GiB (--num-kv-blocks overrides)."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         space = kv_cache_space_from_env(os.environ if environ is None else environ)
@@ -431,9 +435,8 @@ class EngineArgs:
 
     def resolved_tokenizer(self) -> str | None:
         """The local path of --tokenizer (None: the model's own)."""
-        if self.tokenizer is None:
-            return None
-        return resolve_model(self.tokenizer, self.tokenizer_revision, self.download_dir)
+        tokenizer, revision = self.tokenizer, self.tokenizer_revision
+        return None if tokenizer is None else resolve_model(tokenizer, revision, self.download_dir)
 
     def engine_config(self) -> EngineConfig:
         model = resolve_model(self.model, self.revision, self.download_dir)
@@ -442,6 +445,7 @@ class EngineArgs:
             tokenizer=self.resolved_tokenizer(),
             dtype=self.dtype,
             quantization=self.quantization,
+            activation_quantization=self.activation_quantization,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             kv_cache_memory_bytes=self.kv_cache_bytes(),

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model_config import ModelConfig
+from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.models.layers import Embedding, Linear, can_pack
 
 if TYPE_CHECKING:
@@ -128,9 +128,15 @@ class BertModel(nn.Module):
         logits: torch.Tensor = self.classifier(torch.tanh(self.pooler(first_rows)))
         return logits
 
-    def finalize(self, batch_invariant: bool = False, pack: bool = True) -> None:
+    def finalize(
+        self, batch_invariant: bool = False, pack: bool = True, int8_activations: bool = False
+    ) -> None:
         """Pack the products: for the one kernel every row count takes (batch-invariant), else for oneDNN.
         pack False: as loaded (unused: pooling runs on the CPU worker)."""
+        if int8_activations:  # (--activation-quantization int8: none of its weights are kept packed)
+            raise UnsupportedModelError(
+                "--activation-quantization int8: BERT keeps no quantized weights packed"
+            )
         if not pack:
             return
         linears = [module for module in self.modules() if isinstance(module, Linear)]

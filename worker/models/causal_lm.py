@@ -164,10 +164,13 @@ class CausalLM(nn.Module):
         logits: torch.Tensor = self.score(rows)
         return logits
 
-    def finalize(self, batch_invariant: bool = False, pack: bool = True) -> None:
+    def finalize(
+        self, batch_invariant: bool = False, pack: bool = True, int8_activations: bool = False
+    ) -> None:
         """After loading: tie the output projection to the embedding, pack weights for oneDNN where it pays,
         or, batch-invariant, for the one product kernel every row count takes (docs/batch-invariance.md).
-        pack False: the weights stay as loaded (the CUDA worker moves them to the GPU)."""
+        pack False: the weights stay as loaded (the CUDA worker moves them to the GPU). int8_activations:
+        the products on packed blocks quantize their rows to int8 (--activation-quantization int8)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         quantized = [m for m in self.modules() if isinstance(m, (Linear, Embedding)) and m.quant is not None]
@@ -186,6 +189,10 @@ class CausalLM(nn.Module):
             and embedding.quant is not None
         ):
             self.lm_head.share_quant(embedding.quant, embedding.ops)  # the embedding's blocks, not a copy
+        if int8_activations:
+            for module in self.modules():
+                if isinstance(module, Linear) and module.quant_parts is not None:
+                    module.take_int8_activations()
         for module in self.modules():
             if isinstance(module, (OffsetRMSNorm, LatentAttention)):
                 module.finalize()

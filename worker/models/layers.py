@@ -67,6 +67,7 @@ PAIRS_ROWS = 512
 # a pad_rows product at least this wide takes the pair layout padded to 64 columns (invariant_kernel)
 PADDED_PAIRS_MIN = 4096
 NO_BIAS = torch.empty(0)
+A8_BIT = 256  # on a packed part's type: its product quantizes x to int8 (csrc/quant_a8.h)
 
 
 class Embedding(nn.Embedding):
@@ -132,6 +133,7 @@ class Linear(nn.Linear):
     quant_bytes: torch.Tensor | None = None  # the parts back to back (finalize_quant)
     quant_parts: torch.Tensor | None = None
     shared_order: torch.Tensor | None = None  # act-order: the input order all parts share (finalize_quant)
+    int8_activations = False  # the products quantize their rows to int8 (take_int8_activations)
 
     def add_quant(self, part: QuantPart) -> None:
         if self.quant and any(p.activations != part.activations for p in self.quant):
@@ -161,6 +163,14 @@ class Linear(nn.Linear):
         self.shared_order = self._shared_order()
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def take_int8_activations(self) -> None:
+        """--activation-quantization int8: every part's product takes x quantized to int8 per 32 dims (csrc
+        quant_a8.cpp), the parts' types carrying its bit (A8_BIT), which the csrc stack and the experts'
+        tables read as they are."""
+        assert self.quant_parts is not None
+        self.quant_parts[:, 0] |= A8_BIT
+        self.int8_activations = True
 
     @property
     def quant_nbytes(self) -> int:
@@ -209,9 +219,8 @@ class Linear(nn.Linear):
                         if self.bias is not None
                         else NO_BIAS
                     )
-                    outputs.append(
-                        self.ops.linear_quant(inputs, part.packed, part.qtype, part_bias, part.out_features)
-                    )
+                    quant = self.ops.linear_quant_a8 if self.int8_activations else self.ops.linear_quant
+                    outputs.append(quant(inputs, part.packed, part.qtype, part_bias, part.out_features))
                 return torch.cat(outputs, dim=1).to(dtype).view(*x.shape[:-1], self.out_features)
         # W8A8: each row quantized to int8 per token, int32 sums (csrc/quant_w8a8.cpp)
         product = self.ops.linear_w8a8_parts if self.activations is not None else self.ops.linear_quant_parts

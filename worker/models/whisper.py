@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
-from worker.model_config import ModelConfig
+from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.models.bert import LayerNorm
 from worker.models.layers import Embedding, Linear, can_pack
 from worker.models.whisper_weights import folds, load_whisper_weights
@@ -271,8 +271,14 @@ class WhisperModel(nn.Module):
         logits: torch.Tensor = self.proj_out(self.decoder.layer_norm(hidden))  # [n, vocab]
         return logits
 
-    def finalize(self, batch_invariant: bool = False, pack: bool = True) -> None:
+    def finalize(
+        self, batch_invariant: bool = False, pack: bool = True, int8_activations: bool = False
+    ) -> None:
         """Tie the output projection to the token embedding, then pack the products as BERT's are."""
+        if int8_activations:  # (--activation-quantization int8: none of its weights are kept packed)
+            raise UnsupportedModelError(
+                "--activation-quantization int8: Whisper keeps no quantized weights packed"
+            )
         self.proj_out.weight = self.decoder.embed_tokens.weight
         if not pack:
             return

@@ -109,3 +109,28 @@ def packed_blocks(config: WorkerConfig) -> bool:
         raise UnsupportedModelError(f"{why}; {config.model!r} quantizes its activations too (W8A8)")
     logger.info("%s: the %s weights are dequantized to the model's dtype", why, method)
     return False
+
+
+def int8_activations(config: WorkerConfig, packed: bool) -> bool:
+    """--activation-quantization int8: whether the packed products take each row quantized to int8 per 32
+    dims (csrc/quant_a8.cpp). Asked for where the weights are not kept packed, or where the checkpoint
+    quantizes its activations in its own way (W8A8), a start error naming why."""
+    if config.activation_quantization is None:
+        return False
+    if config.activation_quantization != "int8":
+        raise UnsupportedModelError(
+            f"--activation-quantization {config.activation_quantization!r}: the choice is int8"
+        )
+    if not packed:
+        raise UnsupportedModelError(
+            "--activation-quantization int8 quantizes the rows that multiply quantized weights kept packed, "
+            f"and {config.model!r} is served with its weights in {config.dtype} here (a float checkpoint, "
+            "--quantization none, or no csrc kernels)"
+        )
+    if resolve_quantization(config.quantization, config.model) in INTEGER and activations_quantized(
+        config.model
+    ):
+        raise UnsupportedModelError(
+            f"--activation-quantization int8: {config.model!r} quantizes its activations itself (W8A8)"
+        )
+    return True
