@@ -1,11 +1,11 @@
 """How often a GGUF file served as its blocks agrees with HF transformers' float32 run of the same file,
 beside the same file dequantized (`--quantization none`), on the same chat prompts:
 
-    python -m benchmarks.quant_agreement [--model FILE.gguf] [--tokens 32]
+    python -m benchmarks.quant_agreement [--model FILE.gguf] [--tokens 32] [--int8]
 
 For each (quantization, dtype) it prints the greedy tokens that equal HF's before the first difference,
 summed over the prompts, and at each first difference HF's gap between its top two logprobs (a near-tie
-is where a rounding may legitimately part them).
+is where a rounding may legitimately part them). --int8 adds the blocks with `--activation-quantization int8`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, list[float]]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2 Q4_1)")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--int8", action="store_true", help="also --activation-quantization int8")
     args = parser.parse_args(argv)
     from tests.conftest import smollm2_path
 
@@ -31,8 +32,11 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, list[float]]]:
     results: dict[str, tuple[int, list[float]]] = {}
     prompts: list[list[int]] = []
     oracle = []
-    for quantization, dtype in CONFIGS:
-        with LLM(model, dtype=dtype, max_model_len=1024, num_kv_blocks=128, quantization=quantization) as llm:
+    configs = [(q, d, None) for q, d in CONFIGS]
+    configs += [("gguf", d, "int8") for d in ("float32", "bfloat16")] if args.int8 else []
+    for quantization, dtype, rows in configs:
+        with LLM(model, dtype=dtype, max_model_len=1024, num_kv_blocks=128, quantization=quantization,
+                 activation_quantization=rows) as llm:  # fmt: skip
             outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                                SamplingParams(temperature=0.0, max_tokens=args.tokens))  # fmt: skip
             if not oracle:
@@ -48,9 +52,10 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, list[float]]]:
             if same is not None:
                 top = run.logprobs[same].topk(2).values
                 gaps.append(float(top[0] - top[1]))
-        results[f"{quantization} {dtype}"] = (agreed, gaps)
+        name = f"{quantization}{'+int8' if rows else ''} {dtype}"
+        results[name] = (agreed, gaps)
         total = sum(len(o.outputs[0].token_ids) for o in outputs)
-        print(f"--quantization {quantization:4} --dtype {dtype:8}: {agreed}/{total} tokens equal HF's before "
+        print(f"--quantization {name:18}: {agreed}/{total} tokens equal HF's before "
               f"the first difference; HF's top-two gaps there: {[round(g, 4) for g in gaps]}")  # fmt: skip
     return results
 
