@@ -19,7 +19,7 @@
 // y = acc + bias, rounded once to x's dtype. A row's steps do not depend on the other rows: batch-invariant.
 #pragma GCC optimize("no-fast-math")
 #include "ops.h"
-#include "quant_a8.h"
+#include "quant_a8_run.h"
 
 #include <ATen/Parallel.h>
 
@@ -32,14 +32,6 @@
 namespace {
 
 using namespace quant_kernel;
-
-// Row m's quantized blocks: q [M][K], d [M][K / 32], the sums of q per 16 dims [M][K / 16].
-struct A8Rows {
-  int64_t rows, k;
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> sum16;
-};
 
 template <typename X>
 A8Rows quantize(const X* x, int64_t rows, int64_t k, bool reference) {
@@ -91,172 +83,6 @@ void reference_group(const A8Rows& a, const uint8_t* group, const Traits& t, con
   }
 }
 
-#if defined(ENGINE_A8_VNNI)
-// The rows a pass at a time (A8_ROWS, the last pass the rest): the pass of rows r .. r + R - 1 holds row m's
-// quad of dims (4i .. 4i + 3) at r * K / 4 + i * R + m, and its segment values at r * (K / seg) + s * R + m,
-// so a pass's broadcasts lie at fixed offsets from one pointer.
-inline int64_t pass_width(int64_t rows, int64_t r) { return std::min<int64_t>(A8_ROWS, rows - r); }
-
-std::vector<int32_t> pass_quads(const A8Rows& a) {
-  const int64_t quads = a.k / 4;
-  std::vector<int32_t> out(a.rows * quads);
-  for (int64_t r = 0; r < a.rows; r += pass_width(a.rows, r)) {
-    const int64_t w = pass_width(a.rows, r);
-    for (int64_t m = 0; m < w; ++m)
-      for (int64_t i = 0; i < quads; ++i) std::memcpy(&out[r * quads + i * w + m], &a.q[(r + m) * a.k + 4 * i], 4);
-  }
-  return out;
-}
-
-// Per pass, row and segment: P's start (c X), d, and d * float(X).
-struct PassSegments {
-  std::vector<int32_t> start;
-  std::vector<float> d, dx;
-};
-
-PassSegments pass_segments(const A8Rows& a, int64_t seg, int32_t c) {
-  const int64_t segs = a.k / seg, per = seg / 16;
-  PassSegments out{std::vector<int32_t>(a.rows * segs), std::vector<float>(a.rows * segs), std::vector<float>(a.rows * segs)};
-  for (int64_t r = 0; r < a.rows; r += pass_width(a.rows, r)) {
-    const int64_t w = pass_width(a.rows, r);
-    for (int64_t m = 0; m < w; ++m)
-      for (int64_t s = 0; s < segs; ++s) {
-        int32_t x_sum = 0;
-        for (int64_t h = 0; h < per; ++h) x_sum += a.sum16[(r + m) * (a.k / 16) + s * per + h];
-        const float d = a.d[(r + m) * (a.k / 32) + s * seg / 32];
-        const int64_t at = r * segs + s * w + m;
-        out.start[at] = c * x_sum, out.d[at] = d, out.dx[at] = d * static_cast<float>(x_sum);
-      }
-  }
-  return out;
-}
-
-// R rows against the widened segments [s0, s1) of one group (tile and so hold them from s0 on): P per segment in
-// int32, then the float steps of the contract into acc (row m's 16 at acc + 16 m, carried from chunk to chunk).
-template <int R, int64_t T>
-void a8_pass(const int32_t* xq, const int32_t* start, const float* ds, const float* dx, int64_t s0, int64_t s1,
-             int64_t seg, const __m512i* tile, const __m512* so, float* accs) {
-  __m512 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm512_load_ps(accs + 16 * m);
-  const int64_t per = seg / 4;
-  for (int64_t s = s0; s < s1; ++s) {
-    __m512i p[R];
-    for (int m = 0; m < R; ++m) p[m] = _mm512_set1_epi32(start[s * R + m]);
-    for (int64_t i = 0; i < per; ++i) {
-      const __m512i w = _mm512_load_si512(tile + (s - s0) * per + i);
-      const int32_t* x = xq + (s * per + i) * R;
-      for (int m = 0; m < R; ++m) p[m] = _mm512_dpbusd_epi32(p[m], w, _mm512_set1_epi32(x[m]));
-    }
-    const __m512 sc = so[2 * (s - s0)];
-    for (int m = 0; m < R; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[m]), _mm512_mul_ps(sc, _mm512_set1_ps(ds[s * R + m])), acc[m]);
-    if constexpr (free_offset(T)) {
-      const __m512 off = so[2 * (s - s0) + 1];
-      for (int m = 0; m < R; ++m) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(dx[s * R + m]), acc[m]);
-    }
-  }
-  for (int m = 0; m < R; ++m) _mm512_store_ps(accs + 16 * m, acc[m]);
-}
-
-// Up to A8_ROWS rows (one pass: a decode step) against one group, its integers widened in registers on the way
-// (no tile): the same steps as a8_pass, in the same order.
-template <int R, int64_t T>
-void a8_fused(const int32_t* xq, const int32_t* start, const float* ds, const float* dx, int64_t k,
-              const uint8_t* group, const Traits& t, float* accs) {
-  constexpr int64_t seg = segment_of(T), per = seg / 4;
-  __m512 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < k / seg; ++s) {
-    const int64_t first = s * seg, within = first % t.block;
-    const uint8_t* rec = group + (first / t.block) * t.record;
-    __m512i p[R];
-    for (int m = 0; m < R; ++m) p[m] = _mm512_set1_epi32(start[s * R + m]);
-    for (int64_t i = 0; i < per; i += 2) {
-      __m512i w[2];
-      widen_chunk<T>(rec, t, within + 4 * i, w);
-      const int32_t* x = xq + (s * per + i) * R;
-      for (int m = 0; m < R; ++m) p[m] = _mm512_dpbusd_epi32(p[m], w[0], _mm512_set1_epi32(x[m]));
-      for (int m = 0; m < R; ++m) p[m] = _mm512_dpbusd_epi32(p[m], w[1], _mm512_set1_epi32(x[R + m]));
-    }
-    __m512 sc, off;
-    scales_of<T>(rec, t, within / t.sub, sc, off);
-    for (int m = 0; m < R; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[m]), _mm512_mul_ps(sc, _mm512_set1_ps(ds[s * R + m])), acc[m]);
-    if constexpr (free_offset(T))
-      for (int m = 0; m < R; ++m) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(dx[s * R + m]), acc[m]);
-  }
-  for (int m = 0; m < R; ++m) _mm512_store_ps(accs + 16 * m, acc[m]);
-}
-
-// More rows: a group is widened CHUNK dims at a time (the tile stays in L1) and every pass of rows runs over each
-// chunk.
-constexpr int64_t CHUNK = 512;
-// Up to one pass of rows widens in registers (a8_fused; on a Zen 4, Q5_0 [2048, 2048], 1 and 4 rows took 0.9-1.0x
-// the tiles' time, 8 rows 0.8x); more rows take the tiles (at 12 and 16 rows, fused passes of 8 took 1.06-1.18x).
-constexpr int64_t FUSED_MAX = A8_ROWS;
-
-template <int64_t T, typename O>
-void run_vnni(const std::vector<int32_t>& quads, const A8Rows& a, const uint8_t* w, const Traits& t,
-              const float* bias, O* out, int64_t n, int64_t ldy) {
-  const int64_t k = a.k, rows = a.rows, seg = segment_of(T), segs = k / seg, group_bytes = (k / t.block) * t.record;
-  const int64_t chunk = std::max(CHUNK / t.block, int64_t{1}) * t.block;
-  const PassSegments ps = pass_segments(a, seg, int_offset(T));
-  at::parallel_for(0, n / COLS, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> tile(chunk / 4);
-    std::vector<__m512> so(2 * chunk / seg);
-    std::vector<__m512> accs(rows);
-    for (int64_t g = begin; g < end; ++g) {
-      float* acc = reinterpret_cast<float*>(accs.data());
-      const bool fused = rows <= FUSED_MAX;
-      for (int64_t r = 0; fused && r < rows; r += pass_width(rows, r)) {  // widened in registers, pass by pass
-        const uint8_t* group = w + g * group_bytes;
-        const int32_t* xq = quads.data() + r * (k / 4);
-        const int32_t* st = ps.start.data() + r * segs;
-        const float* ds = ps.d.data() + r * segs;
-        const float* dx = ps.dx.data() + r * segs;
-        switch (pass_width(rows, r)) {
-#define ENGINE_FUSED(R) \
-  case R: a8_fused<R, T>(xq, st, ds, dx, k, group, t, acc + 16 * r); break;
-          ENGINE_FUSED(1) ENGINE_FUSED(2) ENGINE_FUSED(3) ENGINE_FUSED(4) ENGINE_FUSED(5) ENGINE_FUSED(6)
-          ENGINE_FUSED(7)
-#undef ENGINE_FUSED
-          default: a8_fused<A8_ROWS, T>(xq, st, ds, dx, k, group, t, acc + 16 * r);
-        }
-      }
-      if (!fused) std::fill(accs.begin(), accs.end(), _mm512_setzero_ps());
-      for (int64_t k0 = 0; k0 < k && !fused; k0 += chunk) {
-        const int64_t dims = std::min(chunk, k - k0), s0 = k0 / seg, s1 = (k0 + dims) / seg;
-        const uint8_t* bytes = w + g * group_bytes + (k0 / t.block) * t.record;
-        widen_group<T>(bytes, t, dims, tile.data(), so.data());
-        // with several passes, the bytes that follow (the next chunk, or the next group's first) are asked for
-        // while the passes run (the hardware prefetchers stop at the pause; one pass streams as fast without)
-        const int64_t read = (dims / t.block) * t.record;
-        const uint8_t* next = bytes + read;
-        if (rows > A8_ROWS)
-          for (int64_t line = 0; line < read && next + line < w + end * group_bytes; line += 64)
-            __builtin_prefetch(next + line);
-        for (int64_t r = 0; r < rows; r += pass_width(rows, r)) {
-          const int32_t* xq = quads.data() + r * (k / 4);
-          const int32_t* st = ps.start.data() + r * segs;
-          const float* ds = ps.d.data() + r * segs;
-          const float* dx = ps.dx.data() + r * segs;
-          switch (pass_width(rows, r)) {
-#define ENGINE_PASS(R) \
-  case R: a8_pass<R, T>(xq, st, ds, dx, s0, s1, seg, tile.data(), so.data(), acc + 16 * r); break;
-            ENGINE_PASS(1) ENGINE_PASS(2) ENGINE_PASS(3) ENGINE_PASS(4) ENGINE_PASS(5) ENGINE_PASS(6) ENGINE_PASS(7)
-#undef ENGINE_PASS
-            default: a8_pass<A8_ROWS, T>(xq, st, ds, dx, s0, s1, seg, tile.data(), so.data(), acc + 16 * r); break;
-          }
-        }
-      }
-      const float* b = bias != nullptr ? bias + g * COLS : nullptr;
-      for (int64_t m = 0; m < rows; ++m)
-        for (int c = 0; c < 16; ++c)
-          out[m * ldy + g * COLS + c] = static_cast<O>(b != nullptr ? acc[16 * m + c] + b[c] : acc[16 * m + c]);
-    }
-  });
-}
-#endif
 
 template <int64_t T, typename O>
 void run_a8(const std::vector<int32_t>& quads, const A8Rows& a, const uint8_t* w, const Traits& t,

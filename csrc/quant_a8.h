@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "quant_blocks.h"
 
@@ -14,6 +15,14 @@ namespace quant_kernel {
 
 constexpr int64_t A8_BIT = 256;  // on a part's type: the product takes int8 activations
 constexpr int A8_ROWS = 8;       // rows a pass
+
+// Row m's quantized blocks: q [M][K], d [M][K / 32], the sums of q per 16 dims [M][K / 16].
+struct A8Rows {
+  int64_t rows, k;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum16;
+};
 
 // The integer c with offset = c * scale (0: the type's offsets are floats of their own, or there are none).
 constexpr int32_t int_offset(int64_t t) {
