@@ -14,6 +14,7 @@ from protocol.config import EngineConfig, WorkerConfig
 from protocol.sampling import SamplingParams
 from tests.test_quantized_gguf import experts_too, mixed_types, tiny_gguf, tokens_and_logprobs
 from worker.executor import InprocExecutor
+from worker.kernel_table import product_kernel
 from worker.model_config import UnsupportedModelError
 from worker.models.layers import A8_BIT, Linear
 from worker.quant.method import int8_activations
@@ -31,6 +32,7 @@ def test_smollm2_with_int8_rows_answers_close_to_the_default(smollm2_gguf: str) 
         products = [m for m in model.modules() if isinstance(m, Linear) and m.quant_parts is not None]
         assert len(products) == 30 * 4 + 1  # 4 a layer and the tied lm_head
         assert all(bool((m.quant_parts[:, 0] & A8_BIT).all()) for m in products)
+        assert "csrc linear_quant_a8" in product_kernel(products[0])  # the worker's kernel table says so
     finally:
         core.shutdown()
     runs = {}
