@@ -362,20 +362,38 @@ template <typename scalar_t, int HEAD_DIM, int GROUP>
 void decode(const scalar_t* query, const scalar_t* cache, const int64_t* tables, const int64_t* seq_lens,
             scalar_t* out, Shape shape, float scale) {
   // One task: one (sequence, kv head); each kv head's group of query heads shares its keys and values.
-  // A thread's tasks run in order, each asking for the next one's rows while it runs.
-  at::parallel_for(0, shape.num_seqs * shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A thread's tasks run in order, each asking for the next one's rows while it runs. With fewer of them
+  // than threads (one sequence of a model with one kv head: Gemma 3 270M), a task is one of the two halves
+  // of a group: each reads the keys and values, and a head's arithmetic does not depend on the heads beside
+  // it in its task (the same bits either way). Halves at 2 to 3 tasks a thread were slower (Zen 4).
+  constexpr int FIRST = GROUP > 1 ? GROUP / 2 : 1;  // heads of a group's first half
+  const int64_t units = shape.num_seqs * shape.num_kv_heads;
+  const int64_t parts = GROUP > 1 && units < at::get_num_threads() ? 2 : 1;
+  at::parallel_for(0, units * parts, 1, [&](int64_t begin, int64_t end) {
     RowScratch<scalar_t> scratch;
     auto rows_of = [&](int64_t task, std::vector<const scalar_t*>& keys) {  // how many keys it sees
-      const int64_t seq = task / shape.num_kv_heads, kv = task % shape.num_kv_heads;
+      const int64_t seq = task / parts / shape.num_kv_heads, kv = task / parts % shape.num_kv_heads;
       return key_rows<scalar_t, HEAD_DIM>(cache, tables + seq * shape.max_blocks, seq_lens[seq], kv, shape, keys);
     };
     int64_t len = begin < end ? rows_of(begin, scratch.keys) : 0;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / shape.num_kv_heads, kv = task % shape.num_kv_heads;
+      const int64_t seq = task / parts / shape.num_kv_heads, kv = task / parts % shape.num_kv_heads;
       const int64_t offset = (seq * shape.num_heads + kv * GROUP) * HEAD_DIM;
       const int64_t next_len = task + 1 < end ? rows_of(task + 1, scratch.next) : 0;
-      attend_row<scalar_t, HEAD_DIM, GROUP>(query + offset, scratch.keys.data(), len, scratch.next.data(), next_len,
-                                            out + offset, shape, scale, scratch.scores, kv * GROUP);
+      if (parts == 1) {
+        attend_row<scalar_t, HEAD_DIM, GROUP>(query + offset, scratch.keys.data(), len, scratch.next.data(),
+                                              next_len, out + offset, shape, scale, scratch.scores, kv * GROUP);
+      } else if constexpr (GROUP > 1) {
+        if (task % 2 == 0) {
+          attend_row<scalar_t, HEAD_DIM, FIRST>(query + offset, scratch.keys.data(), len, scratch.next.data(),
+                                                next_len, out + offset, shape, scale, scratch.scores, kv * GROUP);
+        } else {
+          const int64_t half = offset + FIRST * HEAD_DIM;
+          attend_row<scalar_t, HEAD_DIM, GROUP - FIRST>(query + half, scratch.keys.data(), len, scratch.next.data(),
+                                                        next_len, out + half, shape, scale, scratch.scores,
+                                                        kv * GROUP + FIRST);
+        }
+      }
       std::swap(scratch.keys, scratch.next);
       len = next_len;
     }
@@ -837,7 +855,7 @@ template <typename scalar_t, int HEAD_DIM, int GROUP>
 Kernels<scalar_t> kernels() {
   Kernels<scalar_t> picked{decode<scalar_t, HEAD_DIM, GROUP>, decode_row<scalar_t, HEAD_DIM, GROUP>};
 #if defined(ENGINE_TILES)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && HEAD_DIM <= 128) {  // (four query tiles at most)
     picked.tiled[static_cast<int>(Tiles::avx512_bf16)] = tiled<HEAD_DIM, Avx512Bf16Products<HEAD_DIM>>;
 #if defined(ENGINE_AMX)
     picked.tiled[static_cast<int>(Tiles::amx)] = tiled<HEAD_DIM, AmxProducts<HEAD_DIM>>;
@@ -868,6 +886,7 @@ Kernels<scalar_t> pick(int64_t head_dim, int64_t group) {
     switch (head_dim) {
       case 64: return pick_group<scalar_t, 64>(group);
       case 128: return pick_group<scalar_t, 128>(group);
+      case 256: return pick_group<scalar_t, 256>(group);  // (Gemma's; its prefill rows are rows, not tiles)
       default: return {};
     }
   }
@@ -960,8 +979,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
                        tiles, avx.row);
         }
       }
-      // Enough (sequence, kv head) tasks for every thread: the register-blocked decode kernel.
-      if (shape.num_seqs * shape.num_kv_heads >= at::get_num_threads()) return run(avx.decode);
+      // Every other row: the register-blocked decode kernel, at every batch size (a row alone and in a batch
+      // take the same arithmetic)
+      return run(avx.decode);
     }
 #endif
     switch (shape.head_dim) {

@@ -16,10 +16,11 @@ from worker.models.layers import Linear, pairs_onto_huge_pages, use_pairs
 NO_SINKS = torch.empty(0)
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 EVERY_DTYPE = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-# Query-head groups of 3, 1 and 4; head_dim 64, 32 (portable kernel) and 128; blocks of 16, 8 and 32.
+# Query-head groups of 3, 1, 4 and 5; head_dim 64, 32 (portable kernel), 128 and 256 (Gemma's); blocks of 16,
+# 8 and 32; one kv head (a single sequence's step splits its group in halves).
 ATTENTION_SHAPES = pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16), (16, 4, 64, 32)],
+    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16), (16, 4, 64, 32), (4, 1, 256, 16), (5, 1, 64, 16)],
 )
 
 
@@ -38,6 +39,35 @@ def test_paged_decode_attention_matches_reference(
     )
     query = torch.randn(num_seqs, num_heads, head_dim, generator=generator).to(dtype)
     check_paged_rows(ops, query, cache, tables, seq_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 1, 64), (5, 1, 128), (4, 1, 256), (9, 3, 64)])
+def test_paged_decode_rows_have_the_same_bits_alone_and_in_a_batch(
+    ops, dtype, threads, num_heads, num_kv_heads, head_dim
+) -> None:  # type: ignore[no-untyped-def]
+    """A decode row alone (with one kv head: fewer tasks than threads, each group split in halves) gives the
+    bits it gives among others, at any thread count (batch-invariant greedy: docs/batch-invariance.md)."""
+    generator = torch.Generator().manual_seed(num_heads + head_dim)
+    block_size, num_seqs = 16, 6
+    cache = torch.randn(64, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    seq_lens = torch.tensor([70, 1, 33, 16, 101, 9])
+    tables = torch.randperm(64, generator=generator)[: num_seqs * 7].view(num_seqs, 7)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, 0, 0.0, NO_SINKS)
+        for i in range(num_seqs):
+            alone = ops.paged_decode_attention(
+                query[i : i + 1].contiguous(), cache, tables[i : i + 1].contiguous(), seq_lens[i : i + 1],
+                scale, 0, 0.0, NO_SINKS,
+            )  # fmt: skip
+            assert torch.equal(alone[0], batch[i]), i
+    finally:
+        torch.set_num_threads(before)
 
 
 def check_paged_rows(ops, query, cache, tables, seq_lens, window=0, softcap=0.0, sinks=None) -> None:  # type: ignore[no-untyped-def]
@@ -130,7 +160,7 @@ def test_each_kind_of_prefill_tiles_matches_reference(
 ) -> None:  # type: ignore[no-untyped-def]
     """Every tile kind the CPU runs, not only its best (AMX CPUs have AVX-512 BF16 too). The tiles round
     the probabilities to bf16, so their results differ from the rows' in the last bits: that shows
-    the tiles ran (head_dim 32 has no tiled kernel: rows there)."""
+    the tiles ran (head_dim 32 and 256 have no tiled kernel: rows there)."""
     query, cache, tables, seq_lens = prefill_rows(
         num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, 3
     )
@@ -140,7 +170,7 @@ def test_each_kind_of_prefill_tiles_matches_reference(
     ops.use_prefill_tiles("none")
     rows = ops.paged_decode_attention(query, cache, tables, seq_lens, scale, 0, 0.0, NO_SINKS)
     assert ops.prefill_tiles() == ""
-    assert torch.equal(tiled, rows) == (head_dim == 32)
+    assert torch.equal(tiled, rows) == (head_dim in (32, 256))
 
 
 def bf16_product(
