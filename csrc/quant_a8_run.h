@@ -91,6 +91,7 @@ void a8_fused(const int32_t* xq, const int32_t* start, const float* ds, const fl
   for (int64_t s = 0; s < k / seg; ++s) {
     const int64_t first = s * seg, within = first % t.block;
     const uint8_t* rec = group + (first / t.block) * t.record;
+    if constexpr (split_high(T)) prefetch_sub(group, t, T, s + PREFETCH_SUBS, k / seg);  // (their seg is a sub)
     __m512i p[R];
     for (int m = 0; m < R; ++m) p[m] = _mm512_set1_epi32(start[s * R + m]);
     for (int64_t i = 0; i < per; i += 2) {
