@@ -44,6 +44,37 @@ def test_the_build_key_follows_sources_headers_and_flags(tmp_path, monkeypatch: 
     assert str(tmp_path) not in str(csrc_ops.build_dir().relative_to(tmp_path / "build"))
 
 
+def test_a_build_removes_this_machines_oldest_builds(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Past KEEP_BUILDS of this machine the oldest go; other machines' builds, and one being built (its
+    flock held), stay."""
+    import fcntl
+
+    monkeypatch.setattr(csrc_ops, "BUILD_ROOT", tmp_path)
+    machine = csrc_ops._machine()
+    builds = []
+    for i in range(7):
+        build = tmp_path / f"build{i}"
+        build.mkdir()
+        (build / csrc_ops.MACHINE_FILE).write_text(machine if i != 1 else "another CPU")
+        (build / f"{csrc_ops.MODULE_NAME}.so").write_bytes(b"x")
+        os.utime(build / csrc_ops.MACHINE_FILE, (1000 + i, 1000 + i))
+        builds.append(build)
+    with open(builds[2] / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        csrc_ops._prune_builds(builds[6])
+    kept = sorted(path.name for path in tmp_path.iterdir())
+    # this machine's newest four (6, 5, 4, 3), the other machine's, the one being built
+    assert kept == ["build1", "build2", "build3", "build4", "build5", "build6"]
+    csrc_ops._prune_builds(builds[6])  # its build done
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "build1",
+        "build3",
+        "build4",
+        "build5",
+        "build6",
+    ]
+
+
 def test_without_a_build_a_worker_builds_first_and_serves_on_torch_only_if_that_fails(
     tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]

@@ -43,7 +43,9 @@ def test_paged_decode_attention_matches_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 1, 64), (5, 1, 128), (4, 1, 256), (9, 3, 64)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 1, 64), (5, 1, 128), (4, 1, 256), (9, 3, 64)]
+)
 def test_paged_decode_rows_have_the_same_bits_alone_and_in_a_batch(
     ops, dtype, threads, num_heads, num_kv_heads, head_dim
 ) -> None:  # type: ignore[no-untyped-def]

@@ -7,8 +7,9 @@ CPU's instruction sets (`-march=native` makes a build for the CPU it ran on). Ev
 sources (the wheel ships csrc/). A worker that finds no build for this CPU builds one before it
 serves, saying so on a progress line (`load_cpu_ops(build=True)`): `pip install -e .` alone, or a
 checkout moved to another kind of CPU, serves on the kernels from its first start. A build runs under
-an flock, so a start killed during it leaves nothing that hangs the next one. Builds for other CPUs or
-sources stay beside it, so a checkout that moves between machines keeps one for each.
+an flock, so a start killed during it leaves nothing that hangs the next one. Builds for other CPUs stay
+beside it, so a checkout that moves between machines keeps one for each; of this machine's, a build
+keeps the newest KEEP_BUILDS (older sources and versions).
 """
 
 from __future__ import annotations
@@ -303,10 +304,13 @@ def build_cpu_ops(verbose: bool = False) -> pathlib.Path:
             verbose=verbose,
         )
         (directory / MACHINE_FILE).write_text(_machine())
-        return library
+    _prune_builds(directory)
+    return library
 
 
 MACHINE_FILE = "machine.txt"
+# Builds of one machine kept: a checkout's last few source versions (one edited back relinks at most).
+KEEP_BUILDS = 4
 
 
 def _machine() -> str:
@@ -332,6 +336,30 @@ def _seed_from_sibling(directory: pathlib.Path) -> None:
     for path in newest.iterdir():
         if path.suffix == ".o" or path.name in (".ninja_deps", ".ninja_log"):
             shutil.copy2(path, directory / path.name)
+
+
+def _prune_builds(directory: pathlib.Path) -> None:
+    """Removes this machine's builds beyond the KEEP_BUILDS newest, never `directory`: every source edit and
+    every upgrade makes one of ~12 MB (a checkout had collected 63, 731 MB). A build whose flock another
+    process holds (building now) stays; one a running process has loaded stays mapped in it."""
+    machine = _machine()
+    builds = []
+    for record in BUILD_ROOT.glob(f"*/{MACHINE_FILE}"):
+        try:
+            if record.read_text() == machine:
+                builds.append((record.stat().st_mtime, record.parent))
+        except OSError:  # removed meanwhile
+            continue
+    builds.sort(reverse=True)
+    for _, old in builds[KEEP_BUILDS:]:
+        if old == directory:
+            continue
+        with open(old / "build.flock", "w") as flock:
+            try:
+                fcntl.flock(flock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def loaded_cpu_ops() -> CpuOps | None:
