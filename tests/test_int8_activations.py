@@ -6,6 +6,8 @@ packed, or on a W8A8 checkpoint, a start error naming why."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from engine_core.engine_core import EngineCore
@@ -76,3 +78,19 @@ def test_asked_for_without_packed_weights_is_refused(smollm2_gguf: str, tmp_path
         int8_activations(w8a8, packed=True)
     with pytest.raises(UnsupportedModelError, match="the choice is int8"):
         int8_activations(WorkerConfig(model=smollm2_gguf, activation_quantization="fp8"), packed=True)
+
+
+def test_a_cpu_without_the_vector_form_is_warned_of_the_portable_loop(
+    smollm2_gguf: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On AVX2 (a Zen 3) the int8 products run their portable loop, far slower than the default: the
+    worker's start says so (it still serves: the loop gives the same bits)."""
+    from worker import csrc_ops
+
+    config = WorkerConfig(model=smollm2_gguf, activation_quantization="int8")
+    for flags, warned in ((["avx2", "avx512f", "avx512_vnni", "avx512vbmi"], False), (["avx2", "fma"], True)):
+        monkeypatch.setattr(csrc_ops, "cpu_isa_flags", lambda flags=flags: flags)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="engine.worker"):
+            assert int8_activations(config, packed=True)
+        assert ("no AVX-512 VNNI and VBMI" in caplog.text) == warned
