@@ -18,7 +18,9 @@ def test_paged_decode_rows_have_the_same_bits_alone_and_in_a_batch(
     ops, dtype, threads, num_heads, num_kv_heads, head_dim
 ) -> None:  # type: ignore[no-untyped-def]
     """A decode row alone (with one kv head: fewer tasks than threads, each group split in halves) gives the
-    bits it gives among others, at any thread count (batch-invariant greedy: docs/batch-invariance.md)."""
+    bits it gives among others, at any thread count (batch-invariant greedy: docs/batch-invariance.md). The
+    register-blocked kernel and its halves run on AVX-512 CPUs (Zen 4, Xeon); an AVX2 build takes the
+    portable loop for every row, where this holds by construction."""
     generator = torch.Generator().manual_seed(num_heads + head_dim)
     block_size, num_seqs = 16, 6
     cache = torch.randn(64, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)

@@ -250,6 +250,12 @@ def cpu_isa_flags() -> list[str]:
     return sorted(flag for flag in line.partition(":")[2].split() if flag.startswith(ISA_FLAG_PREFIXES))
 
 
+def a8_vector_form() -> bool:
+    """Whether this CPU builds the int8 rows' vector form (csrc/quant_a8.h ENGINE_A8_VNNI: AVX-512 VNNI and
+    VBMI); elsewhere `--activation-quantization int8` runs the portable loop."""
+    return {"avx512_vnni", "avx512vbmi"} <= set(cpu_isa_flags())
+
+
 def build_key() -> str:
     """A digest of everything a build depends on. NOTE: torch rebuilds a JIT extension when its sources
     or flags change, not its headers, and keys its cache by the sources' paths: this key has the

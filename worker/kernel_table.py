@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.attention.cpu import CpuAttentionBackend
-from worker.csrc_ops import cpu_isa_flags
+from worker.csrc_ops import a8_vector_form, cpu_isa_flags
 from worker.models.causal_lm import CausalLM
 from worker.models.layers import Linear
 from worker.models.whisper import WhisperModel
@@ -34,8 +34,7 @@ def product_kernel(linear: Linear) -> str:
         if int(linear.quant_parts[0, 0]) == IntType.I8_A8:
             return "csrc linear_w8a8 (int8 rows, every row count)"
         if linear.int8_activations:
-            vnni = {"avx512_vnni", "avx512vbmi"} <= set(cpu_isa_flags())
-            form = "AVX-512 VNNI" if vnni else "the portable loop"
+            form = "AVX-512 VNNI" if a8_vector_form() else "the portable loop"
             return (
                 f"csrc linear_quant_a8 on the packed blocks (int8 rows per 32 dims: {form}; every row count)"
             )

@@ -133,9 +133,9 @@ def int8_activations(config: WorkerConfig, packed: bool) -> bool:
         raise UnsupportedModelError(
             f"--activation-quantization int8: {config.model!r} quantizes its activations itself (W8A8)"
         )
-    from worker.csrc_ops import cpu_isa_flags
+    from worker import csrc_ops
 
-    if not {"avx512_vnni", "avx512vbmi"} <= set(cpu_isa_flags()):
+    if not csrc_ops.a8_vector_form():
         # (the portable loop took 30-170x the default products' time on a Zen 4: 1 and 16 rows, Q5_0, Q4_K)
         logger.warning(
             "--activation-quantization int8: this CPU has no AVX-512 VNNI and VBMI, so the int8 products run "
