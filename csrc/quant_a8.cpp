@@ -1,6 +1,7 @@
 // Products on packed blocks with int8 activations (--activation-quantization int8, docs/quantization.md): as
 // llama.cpp multiplies its quantized files, each row of x is quantized to int8 per block of 32 dims and
-// multiplied by the stored integers in int32 (AVX-512 VNNI's vpdpbusd), then scaled once per segment in float32.
+// multiplied by the stored integers in int32 (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd:
+// csrc/quant_a8_avx2.h), then scaled once per segment in float32.
 // The packing is linear_quant's (csrc/quant_cpu.cpp); a part whose type carries A8_BIT takes this product.
 //
 // linear_a8_parts(x [M, K] float32 or bf16, packed, parts [P, 4] (type | A8_BIT, first column, columns, byte
@@ -19,6 +20,7 @@
 // y = acc + bias, rounded once to x's dtype. A row's steps do not depend on the other rows: batch-invariant.
 #pragma GCC optimize("no-fast-math")
 #include "ops.h"
+#include "quant_a8_avx2.h"
 #include "quant_a8_run.h"
 
 #include <ATen/Parallel.h>
@@ -90,6 +92,11 @@ void run_a8(const std::vector<int32_t>& quads, const A8Rows& a, const uint8_t* w
 #if defined(ENGINE_A8_VNNI)
   if (!reference) {
     run_vnni<T, O>(quads, a, w, t, bias, out, n, ldy);
+    return;
+  }
+#elif defined(ENGINE_A8_AVX2)
+  if (!reference) {
+    run_avx2<T, O>(a, w, t, bias, out, n, ldy);
     return;
   }
 #endif

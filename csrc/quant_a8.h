@@ -38,25 +38,40 @@ constexpr int64_t segment_of(int64_t t) { return t == Q2_K || t == Q6_K ? 16 : 3
 #define ENGINE_A8_VNNI 1
 #endif
 
-// 32 values to int8: returns d; q[i] = round-half-even(x[i] * (127 / max |x|)). reference: one at a time.
+// 32 values to int8: returns d; q[i] = round-half-even(x[i] * (127 / max |x|)). reference: one at a time (the
+// vector forms give the same bytes: the maximum is exact in any order, and vpmovsdb and vpackss saturate as the
+// clamp does).
 inline float quantize_block(const float* x, int8_t* q, bool reference) {
-  float top = 0.0f;
-#if defined(ENGINE_QUANT_AVX512)
-  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-  if (!reference) top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-#endif
-  if (reference)
-    for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(x[i]));
-  const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-#if defined(ENGINE_QUANT_AVX512)
   if (!reference) {
-    const __m512 f = _mm512_set1_ps(inverse);
+#if defined(ENGINE_QUANT_AVX512)
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 f = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, f))));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, f))));
     return top / 127.0f;
-  }
+#elif defined(ENGINE_ROWS_AVX2)
+    __m256 v[4], top8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      top8 = _mm256_max_ps(top8, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+    }
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+    const __m256 f = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], f));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),  // (vpackss interleaves the lanes' dwords)
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return top / 127.0f;
 #endif
+  }
+  float top = 0.0f;
+  for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(x[i]));
+  const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
   for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(x[i] * inverse))));
   return top / 127.0f;
 }

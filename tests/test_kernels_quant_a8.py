@@ -3,8 +3,9 @@ served packed, GGUF's and the integer ones, times each row quantized to int8 per
 product of the `gguf` package's (or the integer formats') dequantized weights and the rows quantized here in
 numpy float32 as the contract says: within float32 rounding. The vector kernel and the portable loop give the
 same bits, and each row the same bits alone and in a batch (batch-invariant), at 1 to 67 rows. The vector
-kernel is built where the CPU has AVX-512 VNNI and VBMI (Zen 4, Sapphire Rapids); elsewhere (Zen 3) both sides of
-that comparison are the portable loop, and the numpy and batch checks still cover it."""
+kernel is AVX-512 VNNI's where the CPU has it and VBMI (Zen 4, Sapphire Rapids), else AVX2's (Zen 3; on a Zen 4, a
+build with -march=znver3 runs it); without AVX2 both sides of that comparison are the portable loop, and the
+numpy and batch checks still cover it."""
 
 from __future__ import annotations
 

@@ -250,10 +250,14 @@ def cpu_isa_flags() -> list[str]:
     return sorted(flag for flag in line.partition(":")[2].split() if flag.startswith(ISA_FLAG_PREFIXES))
 
 
-def a8_vector_form() -> bool:
-    """Whether this CPU builds the int8 rows' vector form (csrc/quant_a8.h ENGINE_A8_VNNI: AVX-512 VNNI and
-    VBMI); elsewhere `--activation-quantization int8` runs the portable loop."""
-    return {"avx512_vnni", "avx512vbmi"} <= set(cpu_isa_flags())
+def a8_vector_form() -> str | None:
+    """The int8 rows' vector form this CPU builds: "AVX-512 VNNI" (csrc/quant_a8_run.h, with VBMI), "AVX2"
+    (csrc/quant_a8_avx2.h, with FMA and F16C), or None, where `--activation-quantization int8` runs the
+    portable loop."""
+    flags = set(cpu_isa_flags())
+    if {"avx512_vnni", "avx512vbmi"} <= flags:
+        return "AVX-512 VNNI"
+    return "AVX2" if {"avx2", "fma", "f16c"} <= flags else None
 
 
 def build_key() -> str:

@@ -34,7 +34,7 @@ def product_kernel(linear: Linear) -> str:
         if int(linear.quant_parts[0, 0]) == IntType.I8_A8:
             return "csrc linear_w8a8 (int8 rows, every row count)"
         if linear.int8_activations:
-            form = "AVX-512 VNNI" if a8_vector_form() else "the portable loop"
+            form = a8_vector_form() or "the portable loop"
             return (
                 f"csrc linear_quant_a8 on the packed blocks (int8 rows per 32 dims: {form}; every row count)"
             )

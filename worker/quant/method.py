@@ -135,10 +135,10 @@ def int8_activations(config: WorkerConfig, packed: bool) -> bool:
         )
     from worker import csrc_ops
 
-    if not csrc_ops.a8_vector_form():
+    if csrc_ops.a8_vector_form() is None:
         # (the portable loop took 30-170x the default products' time on a Zen 4: 1 and 16 rows, Q5_0, Q4_K)
         logger.warning(
-            "--activation-quantization int8: this CPU has no AVX-512 VNNI and VBMI, so the int8 products run "
+            "--activation-quantization int8: this CPU has no AVX2 (nor AVX-512 VNNI), so the int8 products run "
             "their portable loop, many times slower than the default products; serve without the flag"
         )
     return True
