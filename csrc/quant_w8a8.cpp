@@ -13,7 +13,8 @@
 // 1,152-byte record: the rows' weight scales f32 [16] (the same in every block: channel-wise), the block's
 // weight sums per row int32 [16], then int8 [16 quads][16 rows][4]: a row's 4 consecutive dims side by side,
 // as vpdpbusd multiplies them. AVX-512 VNNI adds 4 products a lane an instruction, on unsigned activations
-// (q + 128) whose excess 128 sum(w) the block sums take back; elsewhere a portable loop sums the same ints.
+// (q + 128) whose excess 128 sum(w) the block sums take back; AVX2 (vpmaddubsw, vpmaddwd) sums q w itself; elsewhere
+// a portable loop sums the same ints.
 // On a CPU with AMX, passes of AMX_FROM rows or more take tdpbusd on tiles: a block's record is a B tile as it
 // lies (16 quads x 16 columns x 4 bytes), each pass's activations an A tile. The int32 sums are exact in any
 // order, so both forms give the same bits and a row's result does not depend on which one its pass took.
@@ -106,6 +107,35 @@ void group_sums(const uint8_t* u, int64_t k, const uint8_t* group, int32_t* sums
   }
   const __m512i excess = _mm512_slli_epi32(wsum, 7);  // the activations' + 128, times each row's weights
   for (int m = 0; m < R; ++m) _mm512_storeu_si512(sums + m * COLS, _mm512_sub_epi32(acc[m], excess));
+#elif defined(__AVX2__)
+  if constexpr (R > 4) {  // (passes of 4: 8 int32 registers)
+    group_sums<4>(u, k, group, sums);
+    group_sums<R - 4>(u + 4 * k, k, group, sums + 4 * COLS);
+  } else {
+    // vpmaddubsw on |w| and q signed as w is (vpsignb): no pair saturates int16, as |w| <= 128 and |q| <= 127
+    // (|x / scale| <= 127 up to rounding); vpmaddwd adds the pairs in int32
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i acc[2 * R];
+    for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_si256();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* rec = group + b * RECORD;
+      for (int64_t j = 0; j < BLOCK / 4; ++j) {
+        const __m256i w[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128 + j * 64)),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128 + j * 64 + 32))};
+        const __m256i size[2] = {_mm256_abs_epi8(w[0]), _mm256_abs_epi8(w[1])};
+        for (int m = 0; m < R; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, u + m * k + b * BLOCK + j * 4, 4);
+          const __m256i q = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);  // u - 128
+          for (int h = 0; h < 2; ++h)
+            acc[2 * m + h] = _mm256_add_epi32(
+                acc[2 * m + h], _mm256_madd_epi16(_mm256_maddubs_epi16(size[h], _mm256_sign_epi8(q, w[h])), ones));
+        }
+      }
+    }
+    for (int m = 0; m < R; ++m)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + m * COLS + 8 * h), acc[2 * m + h]);
+  }
 #else
   for (int m = 0; m < R; ++m)
     for (int c = 0; c < COLS; ++c) {
