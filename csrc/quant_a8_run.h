@@ -180,12 +180,13 @@ void run_vnni(const std::vector<int32_t>& quads, const A8Rows& a, const uint8_t*
   const int64_t chunk = std::max(CHUNK / t.block, int64_t{1}) * t.block;
   const PassSegments ps = pass_segments(a, seg, int_offset(T));
   at::parallel_for(0, n / COLS, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> tile(chunk / 4);
-    std::vector<__m512> so(2 * chunk / seg), accs(rows);
+    const bool tiled = rows > FUSED_MAX;  // (the fused passes need no tile: 10 KB less to clear a call)
+    std::vector<__m512i> tile(tiled ? chunk / 4 : 0);
+    std::vector<__m512> so(tiled ? 2 * chunk / seg : 0), accs(rows);
     float* acc = reinterpret_cast<float*>(accs.data());
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * group_bytes;
-      if (rows <= FUSED_MAX)
+      if (!tiled)
         for (int64_t r = 0; r < rows; r += pass_width(rows, r))
           group_fused<T>(pass_at(quads, ps, k, segs, r), pass_width(rows, r), k, group, t, acc + 16 * r);
       else
