@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -74,6 +75,30 @@ inline float quantize_block(const float* x, int8_t* q, bool reference) {
   const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
   for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(x[i] * inverse))));
   return top / 127.0f;
+}
+
+// Per pass of up to `width` rows, row and segment: P's start (c X), d, and d * float(X). The pass of rows r ..
+// r + w - 1 holds row m's at r * (K / seg) + s * w + m (the vector forms' broadcasts at fixed offsets).
+struct PassSegments {
+  std::vector<int32_t> start;
+  std::vector<float> d, dx;
+};
+
+inline PassSegments pass_segments(const A8Rows& a, int64_t seg, int32_t c, int64_t width) {
+  const int64_t segs = a.k / seg, per = seg / 16;
+  PassSegments out{std::vector<int32_t>(a.rows * segs), std::vector<float>(a.rows * segs), std::vector<float>(a.rows * segs)};
+  for (int64_t r = 0; r < a.rows; r += width) {
+    const int64_t w = std::min(width, a.rows - r);
+    for (int64_t m = 0; m < w; ++m)
+      for (int64_t s = 0; s < segs; ++s) {
+        int32_t x_sum = 0;
+        for (int64_t h = 0; h < per; ++h) x_sum += a.sum16[(r + m) * (a.k / 16) + s * per + h];
+        const float d = a.d[(r + m) * (a.k / 32) + s * seg / 32];
+        const int64_t at = r * segs + s * w + m;
+        out.start[at] = c * x_sum, out.d[at] = d, out.dx[at] = d * static_cast<float>(x_sum);
+      }
+  }
+  return out;
 }
 
 #if defined(ENGINE_A8_VNNI)

@@ -88,36 +88,17 @@ inline void widen_quads(const uint8_t* rec, const Traits& t, int64_t d, __m256i 
   }
 }
 
-// Per row and segment: P's start (c X; 0 for the 8-bit types, whose P is sum q_s q), d, and d * float(X).
-struct RowSegments {
-  std::vector<int32_t> start;
-  std::vector<float> d, dx;
-};
-
-inline RowSegments row_segments(const A8Rows& a, int64_t seg, int32_t c) {
-  const int64_t segs = a.k / seg, per = seg / 16;
-  RowSegments out{std::vector<int32_t>(a.rows * segs), std::vector<float>(a.rows * segs), std::vector<float>(a.rows * segs)};
-  for (int64_t m = 0; m < a.rows; ++m)
-    for (int64_t s = 0; s < segs; ++s) {
-      int32_t x_sum = 0;
-      for (int64_t h = 0; h < per; ++h) x_sum += a.sum16[m * (a.k / 16) + s * per + h];
-      const float d = a.d[m * (a.k / 32) + s * seg / 32];
-      out.start[m * segs + s] = c * x_sum, out.d[m * segs + s] = d, out.dx[m * segs + s] = d * static_cast<float>(x_sum);
-    }
-  return out;
-}
-
 constexpr int A8_AVX2_ROWS = 4;  // rows a pass: 2 int32 and 2 float registers each (16 registers)
 
-// R rows (row m's int8 at x + m * k) against one segment of widened quads (w[2i], w[2i + 1]: dims 4i ..),
-// then the float steps of the contract into acc[2m], acc[2m + 1].
+// R rows (row m's int8 at x + m * k, its segment values at start[m], ds[m], dx[m]) against one segment of
+// widened quads (w[2i], w[2i + 1]: dims 4i ..), then the float steps of the contract into acc[2m], acc[2m + 1].
 template <int R, int64_t T>
 inline void a8_segment(const int8_t* x, int64_t k, const int32_t* start, const float* ds, const float* dx,
-                       int64_t segs, const __m256i* w, int64_t quads, const __m256 s[2], const __m256 o[2],
+                       const __m256i* w, int64_t quads, const __m256 s[2], const __m256 o[2],
                        __m256* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i p[2 * R];
-  for (int m = 0; m < R; ++m) p[2 * m] = p[2 * m + 1] = _mm256_set1_epi32(start[m * segs]);
+  for (int m = 0; m < R; ++m) p[2 * m] = p[2 * m + 1] = _mm256_set1_epi32(start[m]);
   for (int64_t i = 0; i < quads; ++i) {
     __m256i u[2] = {w[2 * i], w[2 * i + 1]};
     if constexpr (eight_bit(T)) u[0] = _mm256_abs_epi8(u[0]), u[1] = _mm256_abs_epi8(u[1]);
@@ -133,16 +114,16 @@ inline void a8_segment(const int8_t* x, int64_t k, const int32_t* start, const f
   }
   for (int m = 0; m < R; ++m)
     for (int h = 0; h < 2; ++h) {
-      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2 * m + h]), _mm256_mul_ps(s[h], _mm256_set1_ps(ds[m * segs])),
+      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2 * m + h]), _mm256_mul_ps(s[h], _mm256_set1_ps(ds[m])),
                                  acc[2 * m + h]);
-      if constexpr (free_offset(T)) a = _mm256_fmadd_ps(o[h], _mm256_set1_ps(dx[m * segs]), a);
+      if constexpr (free_offset(T)) a = _mm256_fmadd_ps(o[h], _mm256_set1_ps(dx[m]), a);
       acc[2 * m + h] = a;
     }
 }
 
 // All the rows against one group, a segment at a time: its quads widened once, then every pass of rows.
 template <int64_t T>
-void a8_group_avx2(const A8Rows& a, const RowSegments& rs, const uint8_t* group, const Traits& t, __m256* acc) {
+void a8_group_avx2(const A8Rows& a, const PassSegments& ps, const uint8_t* group, const Traits& t, __m256* acc) {
   constexpr int64_t seg = segment_of(T), quads = seg / 4;
   const int64_t k = a.k, segs = k / seg;
   for (int64_t m = 0; m < 2 * a.rows; ++m) acc[m] = _mm256_setzero_ps();
@@ -156,14 +137,14 @@ void a8_group_avx2(const A8Rows& a, const RowSegments& rs, const uint8_t* group,
     quad_scales<T>(rec, t, within / t.sub, sc, off);
     for (int64_t r = 0; r < a.rows; r += A8_AVX2_ROWS) {
       const int8_t* x = a.q.data() + r * k + first;
-      const int64_t at = r * segs + s;
-      const int32_t* st = rs.start.data() + at;
-      const float *ds = rs.d.data() + at, *dx = rs.dx.data() + at;
-      switch (std::min<int64_t>(A8_AVX2_ROWS, a.rows - r)) {
-        case 1: a8_segment<1, T>(x, k, st, ds, dx, segs, w, quads, sc, off, acc + 2 * r); break;
-        case 2: a8_segment<2, T>(x, k, st, ds, dx, segs, w, quads, sc, off, acc + 2 * r); break;
-        case 3: a8_segment<3, T>(x, k, st, ds, dx, segs, w, quads, sc, off, acc + 2 * r); break;
-        default: a8_segment<A8_AVX2_ROWS, T>(x, k, st, ds, dx, segs, w, quads, sc, off, acc + 2 * r);
+      const int64_t width = std::min<int64_t>(A8_AVX2_ROWS, a.rows - r), at = r * segs + s * width;
+      const int32_t* st = ps.start.data() + at;
+      const float *ds = ps.d.data() + at, *dx = ps.dx.data() + at;
+      switch (width) {
+        case 1: a8_segment<1, T>(x, k, st, ds, dx, w, quads, sc, off, acc + 2 * r); break;
+        case 2: a8_segment<2, T>(x, k, st, ds, dx, w, quads, sc, off, acc + 2 * r); break;
+        case 3: a8_segment<3, T>(x, k, st, ds, dx, w, quads, sc, off, acc + 2 * r); break;
+        default: a8_segment<A8_AVX2_ROWS, T>(x, k, st, ds, dx, w, quads, sc, off, acc + 2 * r);
       }
     }
   }
@@ -173,11 +154,12 @@ void a8_group_avx2(const A8Rows& a, const RowSegments& rs, const uint8_t* group,
 template <int64_t T, typename O>
 void run_avx2(const A8Rows& a, const uint8_t* w, const Traits& t, const float* bias, O* out, int64_t n, int64_t ldy) {
   const int64_t group_bytes = (a.k / t.block) * t.record, rows = a.rows;
-  const RowSegments rs = row_segments(a, segment_of(T), eight_bit(T) ? 0 : int_offset(T));
+  // (the 8-bit types' P is sum q_s q: no start)
+  const PassSegments ps = pass_segments(a, segment_of(T), eight_bit(T) ? 0 : int_offset(T), A8_AVX2_ROWS);
   at::parallel_for(0, n / COLS, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m256> accs(2 * rows);
     for (int64_t g = begin; g < end; ++g) {
-      a8_group_avx2<T>(a, rs, w + g * group_bytes, t, accs.data());
+      a8_group_avx2<T>(a, ps, w + g * group_bytes, t, accs.data());
       const float* acc = reinterpret_cast<const float*>(accs.data());
       const float* b = bias != nullptr ? bias + g * COLS : nullptr;
       for (int64_t m = 0; m < rows; ++m)

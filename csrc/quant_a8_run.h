@@ -30,29 +30,6 @@ inline std::vector<int32_t> pass_quads(const A8Rows& a) {
   return out;
 }
 
-// Per pass, row and segment: P's start (c X), d, and d * float(X).
-struct PassSegments {
-  std::vector<int32_t> start;
-  std::vector<float> d, dx;
-};
-
-inline PassSegments pass_segments(const A8Rows& a, int64_t seg, int32_t c) {
-  const int64_t segs = a.k / seg, per = seg / 16;
-  PassSegments out{std::vector<int32_t>(a.rows * segs), std::vector<float>(a.rows * segs), std::vector<float>(a.rows * segs)};
-  for (int64_t r = 0; r < a.rows; r += pass_width(a.rows, r)) {
-    const int64_t w = pass_width(a.rows, r);
-    for (int64_t m = 0; m < w; ++m)
-      for (int64_t s = 0; s < segs; ++s) {
-        int32_t x_sum = 0;
-        for (int64_t h = 0; h < per; ++h) x_sum += a.sum16[(r + m) * (a.k / 16) + s * per + h];
-        const float d = a.d[(r + m) * (a.k / 32) + s * seg / 32];
-        const int64_t at = r * segs + s * w + m;
-        out.start[at] = c * x_sum, out.d[at] = d, out.dx[at] = d * static_cast<float>(x_sum);
-      }
-  }
-  return out;
-}
-
 // R rows against the widened segments [s0, s1) of one group (tile and so hold them from s0 on): P per segment in
 // int32, then the float steps of the contract into acc (row m's 16 at acc + 16 m, carried from chunk to chunk).
 template <int R, int64_t T>
@@ -178,7 +155,7 @@ void run_vnni(const std::vector<int32_t>& quads, const A8Rows& a, const uint8_t*
   constexpr int64_t seg = segment_of(T);
   const int64_t k = a.k, rows = a.rows, segs = k / seg, group_bytes = (k / t.block) * t.record;
   const int64_t chunk = std::max(CHUNK / t.block, int64_t{1}) * t.block;
-  const PassSegments ps = pass_segments(a, seg, int_offset(T));
+  const PassSegments ps = pass_segments(a, seg, int_offset(T), A8_ROWS);
   at::parallel_for(0, n / COLS, 1, [&](int64_t begin, int64_t end) {
     const bool tiled = rows > FUSED_MAX;  // (the fused passes need no tile: 10 KB less to clear a call)
     std::vector<__m512i> tile(tiled ? chunk / 4 : 0);
