@@ -22,6 +22,7 @@
 #include "ops.h"
 #include "quant_a8_avx2.h"
 #include "quant_a8_run.h"
+#include "quant_parts.h"
 
 #include <ATen/Parallel.h>
 
@@ -111,16 +112,10 @@ void run_a8(const std::vector<int32_t>& quads, const A8Rows& a, const uint8_t* w
 
 torch::Tensor a8_parts(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& parts,
                        const torch::Tensor& bias, int64_t out_features, bool reference) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "linear_a8: x is float32 or bf16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "linear_a8: packed is contiguous uint8");
-  TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 4 && parts.is_contiguous(),
-              "linear_a8: parts is int64 [P, 4]: type, first column, columns, byte offset");
+  const torch::Tensor bias32 = parts_checks::checked_call("linear_a8", x, packed, parts, bias, out_features);
+  const bool has_bias = bias32.defined();
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % 32 == 0, "linear_a8: K = ", k, " is not whole blocks of 32");
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  TORCH_CHECK(!has_bias || bias.numel() == out_features, "linear_a8: bias size");
-  const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
   const torch::Tensor xc = x.contiguous();
   auto y = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
@@ -139,9 +134,7 @@ torch::Tensor a8_parts(const torch::Tensor& x, const torch::Tensor& packed, cons
     const int64_t qtype = type & ~A8_BIT;
     const Traits t = traits_of(qtype);
     TORCH_CHECK(k % t.block == 0, "linear_a8: K = ", k, " is not whole blocks of ", t.block);
-    TORCH_CHECK(width % COLS == 0 && start >= 0 && start + width <= out_features, "linear_a8: part ", i, " columns");
-    TORCH_CHECK(offset >= 0 && offset + width / COLS * (k / t.block) * t.record <= packed.numel(),
-                "linear_a8: part ", i, " lies past the packing");
+    parts_checks::check_part("linear_a8", i, start, width, offset, (k / t.block) * t.record, out_features, packed.numel());
     covered += width;
     const uint8_t* w = packed.data_ptr<uint8_t>() + offset;
     const float* b = has_bias ? bias32.data_ptr<float>() + start : nullptr;
@@ -154,7 +147,7 @@ torch::Tensor a8_parts(const torch::Tensor& x, const torch::Tensor& packed, cons
                                  reference);
     });
   }
-  TORCH_CHECK(covered == out_features, "linear_a8: the parts cover ", covered, " of ", out_features, " columns");
+  parts_checks::check_covered("linear_a8", covered, out_features);
   return y;
 }
 

@@ -34,6 +34,7 @@
 #include "quant_a8.h"
 #include "quant_amx.h"
 #include "quant_bf16_run.h"
+#include "quant_parts.h"
 #include "quant_blocks.h"
 
 #include <ATen/Parallel.h>
@@ -150,9 +151,7 @@ void run_parts(const torch::Tensor& x, const uint8_t* bytes, int64_t num_bytes, 
     const int64_t qtype = parts[4 * p], start = parts[4 * p + 1], width = parts[4 * p + 2], offset = parts[4 * p + 3];
     const Traits t = traits_of(qtype);
     TORCH_CHECK(k % t.block == 0, "quantized products: K = ", k, " is not whole blocks of ", t.block);
-    TORCH_CHECK(width % COLS == 0 && start >= 0 && start + width <= n, "quantized products: part ", p, " columns");
-    TORCH_CHECK(offset >= 0 && offset + width / COLS * (k / t.block) * t.record <= num_bytes,
-                "quantized products: part ", p, " lies past the packing");
+    parts_checks::check_part("linear_quant", p, start, width, offset, (k / t.block) * t.record, n, num_bytes);
     const uint8_t* w = bytes + offset;
     const float* b = bias != nullptr ? bias + start : nullptr;
     dispatch_type(qtype, [&](auto type) {
@@ -183,23 +182,16 @@ namespace {
 
 torch::Tensor quant_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
                           int64_t out_features, bool amx) {
-  TORCH_CHECK(x.dim() == 2, "linear_quant: x [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_quant: float32 or bf16 x");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "linear_quant: packed is contiguous uint8");
-  TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 4 && parts.is_contiguous(),
-              "linear_quant: parts is int64 [P, 4]: GGML type, first column, columns, byte offset");
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  TORCH_CHECK(!has_bias || bias.numel() == out_features, "linear_quant: bias size");
-  const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
-  if (parts.size(0) > 0 && (parts.data_ptr<int64_t>()[0] & A8_BIT))  // int8 activations (csrc/quant_a8.cpp)
-    return linear_a8_parts(x, packed, parts, bias, out_features);
+  if (parts.scalar_type() == at::kLong && parts.numel() && (parts.data_ptr<int64_t>()[0] & A8_BIT))
+    return linear_a8_parts(x, packed, parts, bias, out_features);  // int8 activations (csrc/quant_a8.cpp; its checks)
+  const torch::Tensor bias32 = parts_checks::checked_call("linear_quant", x, packed, parts, bias, out_features);
   auto y = torch::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
   int64_t covered = 0;
   for (int64_t p = 0; p < parts.size(0); ++p) covered += parts.data_ptr<int64_t>()[4 * p + 2];
-  TORCH_CHECK(covered == out_features, "linear_quant: the parts cover ", covered, " of ", out_features, " columns");
+  parts_checks::check_covered("linear_quant", covered, out_features);
   run_parts(x, packed.data_ptr<uint8_t>(), packed.numel(), parts.data_ptr<int64_t>(), parts.size(0),
-            has_bias ? bias32.data_ptr<float>() : nullptr, y, amx);
+            bias32.defined() ? bias32.data_ptr<float>() : nullptr, y, amx);
   return y;
 }
 

@@ -21,6 +21,7 @@
 #pragma GCC optimize("no-fast-math")
 #include "ops.h"
 #include "amx.h"
+#include "quant_parts.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -210,16 +211,10 @@ void run(const T* x, int64_t rows, int64_t k, const uint8_t* bytes, int64_t star
 
 torch::Tensor linear_w8a8_parts(torch::Tensor x, torch::Tensor packed, torch::Tensor parts, torch::Tensor bias,
                                 int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "linear_w8a8: x is float32 or bf16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "linear_w8a8: packed is contiguous uint8");
-  TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 4 && parts.is_contiguous(),
-              "linear_w8a8: parts is int64 [P, 4]: type, first column, columns, byte offset");
+  const torch::Tensor bias32 = parts_checks::checked_call("linear_w8a8", x, packed, parts, bias, out_features);
+  const bool has_bias = bias32.defined();
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % BLOCK == 0, "linear_w8a8: K = ", k, " is not whole blocks of ", BLOCK);
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  TORCH_CHECK(!has_bias || bias.numel() == out_features, "linear_w8a8: bias size");
-  const torch::Tensor bias32 = has_bias ? bias.to(at::kFloat).contiguous() : torch::Tensor();
   const torch::Tensor xc = x.contiguous();
   auto y = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
@@ -234,9 +229,7 @@ torch::Tensor linear_w8a8_parts(torch::Tensor x, torch::Tensor packed, torch::Te
   for (int64_t i = 0; i < parts.size(0); ++i) {
     const int64_t type = p[4 * i], start = p[4 * i + 1], width = p[4 * i + 2], offset = p[4 * i + 3];
     TORCH_CHECK(type == I8_A8, "linear_w8a8: part ", i, " is type ", type, ", not int8 weights for int8 rows");
-    TORCH_CHECK(width % COLS == 0 && start >= 0 && start + width <= out_features, "linear_w8a8: part ", i, " columns");
-    TORCH_CHECK(offset >= 0 && offset + width / COLS * (k / BLOCK) * RECORD <= packed.numel(),
-                "linear_w8a8: part ", i, " lies past the packing");
+    parts_checks::check_part("linear_w8a8", i, start, width, offset, (k / BLOCK) * RECORD, out_features, packed.numel());
     covered += width;
     const float* b = has_bias ? bias32.data_ptr<float>() : nullptr;
     if (x.scalar_type() == at::kFloat)
@@ -246,6 +239,6 @@ torch::Tensor linear_w8a8_parts(torch::Tensor x, torch::Tensor packed, torch::Te
       run(xc.data_ptr<c10::BFloat16>(), rows, k, packed.data_ptr<uint8_t>(), start, width, offset, b,
           y.data_ptr<c10::BFloat16>(), out_features, u.data(), scale.data());
   }
-  TORCH_CHECK(covered == out_features, "linear_w8a8: the parts cover ", covered, " of ", out_features, " columns");
+  parts_checks::check_covered("linear_w8a8", covered, out_features);
   return y;
 }

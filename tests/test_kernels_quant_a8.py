@@ -91,3 +91,33 @@ def test_the_parts_take_int8_rows_by_their_types_bit(ops) -> None:  # type: igno
     mixed[1, 0] = int(Q.Q6_K)
     with pytest.raises(RuntimeError, match="not one for int8 activations"):
         ops.linear_quant_parts(x, flat, mixed, torch.empty(0), 48)
+
+
+@pytest.mark.parametrize("kind", ["default", "int8 rows", "W8A8"])
+def test_the_parts_products_refuse_parts_that_do_not_fit(ops, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """linear_quant_parts (the default, and with A8_BIT: int8 rows) and linear_w8a8_parts check their parts alike
+    (csrc/quant_parts.h): a part past the packing or past N, parts short of N and a bias of another size are
+    errors naming the product, never a read out of bounds."""
+    from worker.models.layers import A8_BIT
+    from worker.quant.gguf_pack import Q
+
+    k = 128
+    q8_0 = (k // 32) * 16 * 34  # a group of 16 columns: K / 32 blocks of 34 bytes each
+    qtype, name, group_bytes, product = {
+        "default": (int(Q.Q8_0), "linear_quant", q8_0, ops.linear_quant_parts),
+        "int8 rows": (int(Q.Q8_0) | A8_BIT, "linear_a8", q8_0, ops.linear_quant_parts),
+        "W8A8": (104, "linear_w8a8", (k // 64) * (128 + 16 * 64), ops.linear_w8a8_parts),
+    }[kind]
+    packed = torch.zeros(2 * group_bytes, dtype=torch.uint8)
+    x = torch.randn(2, k).bfloat16()
+    none = torch.empty(0)
+    assert product(x, packed, torch.tensor([[qtype, 0, 32, 0]]), none, 32).shape == (2, 32)
+    cases = [
+        (torch.tensor([[qtype, 0, 32, group_bytes]]), none, 32, "part 0 lies past the packing"),
+        (torch.tensor([[qtype, 16, 32, 0]]), none, 32, "part 0 columns"),
+        (torch.tensor([[qtype, 0, 16, 0]]), none, 32, "the parts cover 16 of 32 columns"),
+        (torch.tensor([[qtype, 0, 32, 0]]), torch.zeros(16), 32, "bias size"),
+    ]
+    for parts, bias, n, message in cases:
+        with pytest.raises(RuntimeError, match=f"{name}: {message}"):
+            product(x, packed, parts, bias, n)
