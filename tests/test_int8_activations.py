@@ -100,3 +100,40 @@ def test_a_cpu_without_the_vector_form_is_warned_of_the_portable_loop(
         with caplog.at_level(logging.WARNING, logger="engine.worker"):
             assert int8_activations(config, packed=True)
         assert ("no AVX2" in caplog.text) == warned
+
+
+@pytest.mark.slow
+def test_engine_serve_takes_the_flag(smollm2_gguf: str) -> None:
+    """`engine serve --activation-quantization int8` on the bundled SmolLM2, the openai SDK's completions: the
+    tokens and logprobs the LLM API gives with int8 rows (float32: bit for bit through the JSON), which are
+    not the default's."""
+    import openai
+
+    from tests.serve_helpers import serving
+
+    expected = {}
+    for mode in (None, "int8"):
+        with LLM(smollm2_gguf, dtype="float32", max_model_len=256, num_kv_blocks=32,
+                 activation_quantization=mode) as llm:  # fmt: skip
+            outputs = [out.outputs[0] for out in llm.generate(PROMPTS, GREEDY)]
+        expected[mode] = [
+            (
+                list(o.token_ids),
+                [step[t].logprob for step, t in zip(o.logprobs or [], o.token_ids, strict=True)],
+            )
+            for o in outputs
+        ]
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "32"]
+    with serving(smollm2_gguf, *flags, "--activation-quantization", "int8") as served:
+        client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none")
+        answers = []
+        for prompt in PROMPTS:
+            done = client.completions.create(model=smollm2_gguf, prompt=prompt, max_tokens=GREEDY.max_tokens,
+                                             temperature=0.0, logprobs=1,
+                                             extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+            logprobs = done.choices[0].logprobs
+            assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
+            tokens = [int(token.removeprefix("token_id:")) for token in logprobs.tokens]
+            answers.append((tokens, [float(p) for p in logprobs.token_logprobs]))
+    assert answers == expected["int8"]
+    assert answers != expected[None]
