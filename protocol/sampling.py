@@ -74,6 +74,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every token is the argmax of the model's logits, and nothing else of them is asked for: greedy,
+        no logprobs, nothing that changes the logits at any step (penalties, bias, min_tokens' and bad
+        words' bans, begin_suppress, allowed tokens, timestamp rules, a grammar)."""
+        return (
+            self.is_greedy
+            and self.logprobs is None
+            and self.logprob_token_ids is None
+            and not (self.presence_penalty or self.frequency_penalty)
+            and self.repetition_penalty == 1.0
+            and not self.logit_bias
+            and self.min_tokens == 0
+            and not self.bad_words_token_ids
+            and not self.begin_suppress_token_ids
+            and self.allowed_token_ids is None
+            and self.timestamp_rules is None
+            and self.structured_outputs is None
+        )
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidParameterError naming the first bad field."""
         _check(1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}.")

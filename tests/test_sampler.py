@@ -95,3 +95,46 @@ def test_temperature_zero_rows_stay_greedy_in_a_mixed_batch() -> None:
     b = batch(3, temperature=torch.tensor([0.0, 1.0, 0.0]))
     out = sample(logits, b).token_ids
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_argmax_only_is_the_samplers_plain_greedy_at_every_step() -> None:
+    """SamplingParams.argmax_only (the model runner's argmax without a SamplingBatch) holds exactly where the
+    batch sampling_batch builds is plain greedy at every step (here the first output token and the third)
+    and no grammar masks it: each setting that changes the logits or asks for their values turns it off."""
+    from protocol.sampling import SamplingParams, TimestampRules
+    from protocol.structured_outputs import StructuredOutputsParams
+    from protocol.worker_messages import NewRequestData
+    from worker.input_batch import InputBatch
+    from worker.sampling_batch import sampling_batch
+
+    greedy = {"temperature": 0.0}
+    variants = [
+        {},
+        {"temperature": 0.7},
+        {"logprobs": 0},
+        {"logprob_token_ids": [3]},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": -0.5},
+        {"repetition_penalty": 1.1},
+        {"logit_bias": {3: 1.0}},
+        {"min_tokens": 1},
+        {"min_tokens": 5, "max_tokens": 8},
+        {"bad_words_token_ids": [[5]]},
+        {"begin_suppress_token_ids": [2]},
+        {"allowed_token_ids": [1, 2]},
+        {"timestamp_rules": TimestampRules(timestamp_begin=20, no_timestamps=19, eos=18)},
+        {"structured_outputs": StructuredOutputsParams(regex="a+")},
+        {"seed": 7, "stop_token_ids": [9], "top_k": 5, "prompt_logprobs": 2},  # greedy all the same
+    ]
+    for variant in variants:
+        params = SamplingParams(**{**greedy, **variant})
+        plain = []  # the batch's plain_greedy at each step
+        for outputs in ([], [4, 6]):
+            batch_state = InputBatch(max_num_seqs=2, max_model_len=64, block_size=16)
+            batch_state.add(NewRequestData("r", [1, 2, 3], outputs, params, [0], 3 + len(outputs)))
+            state = batch_state.requests["r"]
+            sampling = sampling_batch(batch_state, [state], 32, [0], torch.Generator(), None)
+            plain.append(sampling.plain_greedy)
+        structured = params.structured_outputs is not None  # (its mask is the grammar's, apart)
+        assert state.argmax_only == (all(plain) and not structured), variant
+        assert state.argmax_only == (variant in ({}, variants[-1])), variant

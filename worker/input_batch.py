@@ -28,6 +28,7 @@ class RequestState:
     sampling_params: SamplingParams
     pooling_params: PoolingParams | None = None
     lora: LoraRequest | None = None  # the adapter its products add
+    argmax_only: bool = False  # sampling_params.argmax_only, taken once
 
 
 class InputBatch:
@@ -74,6 +75,7 @@ class InputBatch:
             data.sampling_params,
             data.pooling_params,
             data.lora,
+            data.sampling_params.argmax_only,
         )
 
     def update(self, data: CachedRequestData) -> None:

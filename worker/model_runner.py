@@ -47,7 +47,7 @@ from worker.parallel.sharding import Shard, ShardingError, check_shardable, shar
 from worker.pooling import resolve_pooling
 from worker.pooling_runner import PoolingStep
 from worker.quant.method import int8_activations, packed_blocks
-from worker.sampler import gather_logprobs, sample, sampled_logprobs
+from worker.sampler import SamplerOutput, argmax, gather_logprobs, sample, sampled_logprobs
 from worker.sampling_batch import sampling_batch
 
 logger = logging.getLogger("engine.worker")
@@ -388,17 +388,16 @@ class ModelRunner:
             states = [self.batch.requests[request_id] for request_id in sampling_ids]
             grammar_mask, grammar_errors = self.grammar.apply(bitmask)
             output.errors.update(grammar_errors)
-            ops = self.ops
-            sampling = sampling_batch(
-                self.batch,
-                states,
-                self.model_config.vocab_size,
-                self.eos_token_ids,
-                self.generator,
-                ops,
-                grammar_mask,
-            )
-            sampled = sample(logits[: len(sample_pos)], sampling)
+            sampled_rows = logits[: len(sample_pos)]
+            if grammar_mask is None and all(state.argmax_only for state in states):
+                # what sample() gives such rows, without their SamplingBatch (~0.1-0.2 ms of Python a step)
+                sampled = SamplerOutput(argmax(sampled_rows, self.ops))
+            else:
+                vocab_size = self.model_config.vocab_size
+                sampling = sampling_batch(
+                    self.batch, states, vocab_size, self.eos_token_ids, self.generator, self.ops, grammar_mask
+                )
+                sampled = sample(sampled_rows, sampling)
             if self.tp is not None:
                 self.tp.broadcast_token_ids(sampled.token_ids)
             token_ids = sampled.token_ids.tolist()

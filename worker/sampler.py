@@ -51,9 +51,7 @@ class SamplingBatch:
     ops: CpuOps | None = None  # the csrc kernels (a vectorized argmax), or None for torch's
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None and logits.dtype in (torch.float32, torch.bfloat16):
-            return self.ops.argmax_rows(logits)
-        return logits.argmax(dim=-1)
+        return argmax(logits, self.ops)
 
     @property
     def all_greedy(self) -> bool:
@@ -83,6 +81,13 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B, 1 + k]
     ranks: torch.Tensor | None = None  # [B] rank of the sampled token
     label_logprobs: torch.Tensor | None = None  # [B, L] the logprobs of SamplingBatch.label_ids
+
+
+def argmax(logits: torch.Tensor, ops: CpuOps | None) -> torch.Tensor:
+    """[B, vocab] -> [B] long: each row's first greatest logit (the csrc kernel, vectorized, where given)."""
+    if ops is not None and logits.dtype in (torch.float32, torch.bfloat16):
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
