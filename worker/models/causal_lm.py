@@ -70,7 +70,8 @@ class CausalLM(nn.Module):
         self.rotaries: dict[str, RotaryEmbedding] = {}
         # The layers' weights for the csrc stack (csrc/decoder_cpu.cpp), set by finalize() when it is built.
         self.native_layers: list[list[torch.Tensor]] | None = None
-        self.native_config: tuple[list[int], dict[bool, list[int]]] = ([], {})  # native_shape, layer_kinds
+        # native_shape, layer_kinds, the stack's scalars (eps, scale, soft-cap, residual multiplier)
+        self.native_config: tuple[list[int], dict[bool, list[int]], list[float]] = ([], {}, [])
         self.batch_invariant = False  # finalize() says
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
@@ -129,13 +130,10 @@ class CausalLM(nn.Module):
                 assert self.ops is not None  # finalize() builds native_layers only with the kernels
                 rope_tables = [t for kind in ("global", "local") if kind in ropes
                                for t in (ropes[kind].cos, ropes[kind].sin, ropes[kind].positions)]  # fmt: skip
-                first = cast(DecoderLayer, self.layers[0])
-                shape, kinds = self.native_config
+                shape, kinds, scalars = self.native_config
                 x, residual = self.ops.decoder_layers(
                     x, self.native_layers, rope_tables, kv_caches, pools, shape, kinds[window_group is not None],
-                    [self.config.rms_norm_eps, first.self_attn.scale, self.config.attn_softcap,
-                     self.config.residual_multiplier],
-                    out_rows, *(lora.native() if lora is not None else (None, None)),
+                    scalars, out_rows, *(lora.native() if lora is not None else (None, None)),
                 )  # fmt: skip
                 return x + residual
         stream: torch.Tensor | None = None  # the residual stream before the last layer's output
@@ -260,9 +258,16 @@ class CausalLM(nn.Module):
                 self.native_layers = [native_weights(cast(DecoderLayer, layer)) for layer in self.layers]
                 # (fixed once finalized: read per step, they took ~0.1 ms of a 4.4 ms SmolLM2 step)
                 first = cast(DecoderLayer, self.layers[0])
+                config = self.config
                 self.native_config = (
-                    native_shape(first, self.config),
+                    native_shape(first, config),
                     {pool: layer_kinds(self.layers, pool) for pool in (False, True)},
+                    [
+                        config.rms_norm_eps,
+                        first.self_attn.scale,
+                        config.attn_softcap,
+                        config.residual_multiplier,
+                    ],
                 )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], packed: bool = False) -> None:
