@@ -111,10 +111,13 @@ class InputBatch:
         rows = np.array([self.requests[r].row for r in request_ids], dtype=np.int64)
         counts = np.array([scheduled[r] for r in request_ids], dtype=np.int64)
         starts = self.num_computed_tokens[rows]
-        total = int(counts.sum())
-        first = np.cumsum(counts) - counts
-        positions = np.repeat(starts, counts) + np.arange(total) - np.repeat(first, counts)  # [T]
-        row_per_token = np.repeat(rows, counts)  # [T]
+        total = sum(scheduled.values())
+        if total == len(rows):  # a decode step: one token a request, at its next position
+            first, positions, row_per_token = np.arange(total), starts.copy(), rows
+        else:
+            first = np.cumsum(counts) - counts
+            positions = np.repeat(starts, counts) + np.arange(total) - np.repeat(first, counts)  # [T]
+            row_per_token = np.repeat(rows, counts)  # [T]
         input_ids = self.token_ids[row_per_token, positions]
         flat = (rows, counts, starts, first, positions, row_per_token)
         metadata = self._metadata(self.block_table, *flat)
