@@ -73,6 +73,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     attention_backend: str = "auto"  # "auto", "torch" or "cpu"
     seed: int = 0  # seeds the generator of unseeded requests
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # decode steps of up to 8 rows: "auto" runs each batch size on every core or one fewer, whichever measures
+    # faster while serving (worker/step_threads.py); "all": every core
+    decode_threads: str = "auto"
     log_level: str = "info"
     log_format: str = "text"  # or "json"
     structured_outputs_backend: str = "auto"  # grammar engine: "auto" or "guidance" (llguidance)

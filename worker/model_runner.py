@@ -8,7 +8,6 @@ prompt positions whose logprobs were asked for), sample, and append the sampled 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import numpy as np
@@ -49,6 +48,7 @@ from worker.pooling_runner import PoolingStep
 from worker.quant.method import int8_activations, packed_blocks
 from worker.sampler import SamplerOutput, argmax, gather_logprobs, sample, sampled_logprobs
 from worker.sampling_batch import sampling_batch
+from worker.step_threads import fix_threads, step_threads_for
 
 logger = logging.getLogger("engine.worker")
 
@@ -63,16 +63,14 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig, phases: StartupPhases | None = None) -> None:
         phases = phases or StartupPhases("worker")
         parallel = config.parallel
-        if config.num_threads or parallel.workers_per_node > 1:
-            # workers sharing a machine (ranks, data-parallel engines) share its cores
-            cores = len(os.sched_getaffinity(0))
-            torch.set_num_threads(config.num_threads or max(1, cores // parallel.workers_per_node))
+        fix_threads(config)
         self.config = config
         self.packed = packed_blocks(config)  # a GGUF file's quantized weights served as its blocks
         self.int8_activations = int8_activations(config, self.packed)  # --activation-quantization int8
         self.model_config, weights = load_model_files(config.model, config.cache_dir, self.packed)
         self.pooling = resolve_pooling(config, self.model_config)  # None: the model generates
         self.device = worker_device(config, self.pooling is not None)  # worker/gpu/device.py
+        self.step_threads = step_threads_for(config, self.device.type)  # --decode-threads
         self.dtype = (
             resolve_dtype(config.dtype, self.model_config)
             if self.device.type == "cpu"
@@ -318,6 +316,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with self.step_threads.step(scheduler_output):
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})

@@ -97,6 +97,8 @@ class EngineArgs:
     )
     seed: int = option(0, "seed of unseeded sampling")
     num_threads: int | None = option(None, "the worker's torch intra-op threads (default: one per core)")
+    decode_threads: str = option("auto", "decode steps of up to 8 requests on every core, or on one fewer "
+                                 "where the worker measures that faster (auto)", choices=["auto", "all"])  # fmt: skip
     batch_invariant: bool | None = option(
         None,
         "the same greedy tokens for a prompt whatever else is in the batch: one product and one attention "
@@ -410,14 +412,11 @@ class EngineArgs:
             raise ValueError(f"{error} (its keys: {keys})") from None
 
     def kv_transfer(self) -> KVTransferConfig | None:
-        return (
-            parse_kv_transfer_config(self.kv_transfer_config) if self.kv_transfer_config is not None else None
-        )
+        return None if self.kv_transfer_config is None else parse_kv_transfer_config(self.kv_transfer_config)
 
     def weight_transfer(self) -> WeightTransferConfig | None:
-        if self.weight_transfer_config is None:
-            return None
-        return parse_weight_transfer_config(self.weight_transfer_config)
+        config = self.weight_transfer_config
+        return None if config is None else parse_weight_transfer_config(config)
 
     def lora_config(self) -> LoraConfig | None:
         if not self.enable_lora:
@@ -462,6 +461,7 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             seed=self.seed,
             num_threads=self.num_threads,
+            decode_threads=self.decode_threads,
             log_level=self.log_level,
             log_format=self.log_format,
             structured_outputs_backend=self.structured_outputs_config.get("backend", "auto"),
