@@ -24,7 +24,8 @@ class FakeMachine:
     """A clock that a step on each thread count advances by that count's step time."""
 
     def __init__(self, seconds: dict[int, float]) -> None:
-        self.seconds, self.now, self.threads, self.calls = seconds, 0.0, 4, []
+        self.seconds, self.now, self.threads = seconds, 0.0, 4
+        self.calls: list[int] = []
 
     def clock(self) -> float:
         return self.now
@@ -101,9 +102,10 @@ def test_the_tokens_do_not_depend_on_the_count(smollm2_gguf: str, activations: s
         with LLM(smollm2_gguf, dtype="bfloat16", max_model_len=256, num_kv_blocks=32, decode_threads=mode,
                  activation_quantization=activations) as llm:  # fmt: skip
             # one prompt at a time: one row a step, so its steps measure (and alternate) from the first
-            runs[mode] = [llm.generate([prompt], params)[0].outputs[0] for prompt in prompts]
+            runs[mode] = [llm.generate(prompt, params)[0].outputs[0] for prompt in prompts]
     for auto, every in zip(runs["auto"], runs["all"], strict=True):
         assert auto.token_ids == every.token_ids
+        assert auto.logprobs is not None and every.logprobs is not None
         assert [{k: v.logprob for k, v in step.items()} for step in auto.logprobs] == [
             {k: v.logprob for k, v in step.items()} for step in every.logprobs
         ]
