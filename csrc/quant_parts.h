@@ -8,9 +8,11 @@
 
 #include <cstdint>
 
+#include "gemm_rows.h"
+
 namespace parts_checks {
 
-constexpr int64_t GROUP_COLS = 16;  // a part's columns come in groups of 16
+using rows_kernel::COLS;  // a part's columns come in groups of 16 (the packings' group)
 
 // The call's x, packed, parts and bias; returns the bias in float32, or an undefined tensor where there is none.
 inline torch::Tensor checked_call(const char* op, const torch::Tensor& x, const torch::Tensor& packed,
@@ -29,8 +31,8 @@ inline torch::Tensor checked_call(const char* op, const torch::Tensor& x, const 
 // within the N outputs and the packing's `packed_bytes`.
 inline void check_part(const char* op, int64_t i, int64_t start, int64_t width, int64_t offset, int64_t group_bytes,
                        int64_t out_features, int64_t packed_bytes) {
-  TORCH_CHECK(width % GROUP_COLS == 0 && start >= 0 && start + width <= out_features, op, ": part ", i, " columns");
-  TORCH_CHECK(offset >= 0 && offset + width / GROUP_COLS * group_bytes <= packed_bytes, op, ": part ", i,
+  TORCH_CHECK(width % COLS == 0 && start >= 0 && start + width <= out_features, op, ": part ", i, " columns");
+  TORCH_CHECK(offset >= 0 && offset + width / COLS * group_bytes <= packed_bytes, op, ": part ", i,
               " lies past the packing");
 }
 

@@ -21,6 +21,7 @@
 #pragma GCC optimize("no-fast-math")
 #include "ops.h"
 #include "amx.h"
+#include "gemm_rows.h"
 #include "quant_parts.h"
 
 #include <ATen/Parallel.h>
@@ -34,7 +35,8 @@
 
 namespace {
 
-constexpr int64_t I8_A8 = 104, BLOCK = 64, RECORD = 128 + 16 * BLOCK, COLS = 16, ROWS = 8;
+using rows_kernel::COLS;  // a group's columns, the other packings' too
+constexpr int64_t I8_A8 = 104, BLOCK = 64, RECORD = 128 + 16 * BLOCK, ROWS = 8;
 #if defined(ENGINE_AMX) && defined(__AMX_INT8__)
 #define ENGINE_W8A8_AMX 1
 constexpr int64_t AMX_ROWS = 16, AMX_FROM = 4;  // rows a tile pass; passes of fewer rows take vpdpbusd
