@@ -74,8 +74,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     seed: int = 0  # seeds the generator of unseeded requests
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     # decode steps of up to 8 rows: "auto" runs each batch size on every core or one fewer, whichever measures
-    # faster while serving (worker/step_threads.py); "all": every core
-    decode_threads: str = "auto"
+    # faster while serving (worker/step_threads.py); "all": every core; None: auto where the threads are the
+    # worker's to choose (no --num-threads, one worker on the machine, the CPU)
+    decode_threads: str | None = None
     log_level: str = "info"
     log_format: str = "text"  # or "json"
     structured_outputs_backend: str = "auto"  # grammar engine: "auto" or "guidance" (llguidance)

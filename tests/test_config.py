@@ -130,6 +130,12 @@ def test_bad_values_are_refused_once_at_construction() -> None:
         EngineArgs(block_size=7)
     with pytest.raises(ValueError, match="--max-num-seqs"):
         EngineArgs(max_num_seqs=0)
+    # a flag's choices hold for the Python API's keyword arguments as for the command line
+    for field, value in (("dtype", "half"), ("attention_backend", "gpu"), ("scheduling_policy", "lifo")):
+        with pytest.raises(
+            ConfigError, match=f"--{field.replace('_', '-')}: must be one of .*, got '{value}'"
+        ):
+            EngineArgs(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
         EngineArgs().dtype = "float32"  # type: ignore[misc]
 

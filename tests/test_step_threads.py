@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from frontend.cli.main import build_parser
+from frontend.config.engine_args import EngineArgs
+from frontend.config.flags import ConfigError
 from frontend.offline.llm import LLM
 from protocol.config import WorkerConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import SchedulerOutput
+from worker.model_config import UnsupportedModelError
 from worker.step_threads import BLOCK, HOLD, MAX_ROWS, ROUNDS, FixedThreads, StepThreads, step_threads_for
 
 MEASURING = 2 * BLOCK * ROUNDS  # steps of one batch size before it chooses
@@ -75,15 +78,26 @@ def test_a_choice_is_measured_again_after_hold_steps() -> None:
 
 
 def test_fixed_where_the_user_or_the_machine_fixes_the_threads(smollm2_gguf: str) -> None:
-    base = WorkerConfig(model=smollm2_gguf)
-    for fixed in (
-        WorkerConfig(model=smollm2_gguf, decode_threads="all"),
-        WorkerConfig(model=smollm2_gguf, num_threads=2),
-    ):
+    def config(**fields: object) -> WorkerConfig:
+        return WorkerConfig(model=smollm2_gguf, **fields)  # type: ignore[arg-type]
+
+    for fixed in (config(decode_threads="all"), config(num_threads=2)):  # --num-threads fixes the default
         assert isinstance(step_threads_for(fixed, "cpu"), FixedThreads)
-    assert isinstance(step_threads_for(base, "cuda"), FixedThreads)
-    chooser = step_threads_for(base, "cpu")
+    assert isinstance(step_threads_for(config(), "cuda"), FixedThreads)
+    chooser = step_threads_for(config(), "cpu")
     assert isinstance(chooser, FixedThreads if torch.get_num_threads() < 2 else StepThreads)
+
+
+def test_auto_asked_for_where_it_cannot_choose_is_a_start_error(smollm2_gguf: str) -> None:
+    auto = {"model": smollm2_gguf, "decode_threads": "auto"}
+    with pytest.raises(UnsupportedModelError, match="fixed here by --num-threads"):
+        step_threads_for(WorkerConfig(**auto, num_threads=2), "cpu")  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedModelError, match="fixed here by a cuda worker"):
+        step_threads_for(WorkerConfig(**auto), "cuda")  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedModelError, match="the choices are auto and all"):
+        step_threads_for(WorkerConfig(model=smollm2_gguf, decode_threads="half"), "cpu")
+    with pytest.raises(ConfigError, match="--decode-threads: must be one of auto, all, got 'half'"):
+        EngineArgs(model=smollm2_gguf, decode_threads="half")  # the LLM API's keyword arguments
     with pytest.raises(SystemExit) as exit_:  # argparse's choices
         build_parser().parse_args(["serve", "--decode-threads", "half"])
     assert exit_.value.code == 2

@@ -27,6 +27,7 @@ import torch
 
 from protocol.config import WorkerConfig
 from protocol.worker_messages import SchedulerOutput
+from worker.model_config import UnsupportedModelError
 
 logger = logging.getLogger("engine.worker")
 
@@ -130,8 +131,22 @@ def fix_threads(config: WorkerConfig) -> None:
 
 
 def step_threads_for(config: WorkerConfig, device_type: str) -> StepThreads | FixedThreads:
+    """--decode-threads: auto (the default where nothing fixes the threads) or all. auto asked for where
+    the threads are fixed is a start error naming what fixes them."""
+    if config.decode_threads not in (None, "auto", "all"):
+        raise UnsupportedModelError(
+            f"--decode-threads {config.decode_threads!r}: the choices are auto and all"
+        )
+    fixed_by = [why for why, holds in (
+        ("--num-threads", bool(config.num_threads)),
+        ("several workers on this machine (their cores are shared out)", config.parallel.workers_per_node > 1),
+        (f"a {device_type} worker (the choice is of CPU threads)", device_type != "cpu"),
+    ) if holds]  # fmt: skip
+    if config.decode_threads == "auto" and fixed_by:
+        raise UnsupportedModelError(
+            f"--decode-threads auto chooses the worker's threads, fixed here by {fixed_by[0]}"
+        )
     cores = torch.get_num_threads()
-    fixed = config.num_threads or config.parallel.workers_per_node > 1 or device_type != "cpu"
-    if config.decode_threads == "all" or fixed or cores < 2:
+    if config.decode_threads == "all" or fixed_by or cores < 2:
         return FixedThreads()
     return StepThreads(cores, torch.set_num_threads)

@@ -18,7 +18,7 @@ from frontend.config.engine_values import (
     kv_cache_space_from_env,
     lora_module,
 )
-from frontend.config.flags import ConfigError, human_bytes, naming, option
+from frontend.config.flags import ConfigError, check_choices, human_bytes, naming, option
 from frontend.model_files import DEFAULT_MODEL_NAME, default_cache_dir, resolve_model
 from protocol.config import DEFAULT_BLOCK_SIZE, EngineConfig, ParallelConfig, WorkerConfig
 from protocol.kv_transfer import KVTransferConfig, parse_kv_transfer_config
@@ -97,8 +97,8 @@ class EngineArgs:
     )
     seed: int = option(0, "seed of unseeded sampling")
     num_threads: int | None = option(None, "the worker's torch intra-op threads (default: one per core)")
-    decode_threads: str = option("auto", "decode steps of up to 8 requests on every core, or on one fewer "
-                                 "where the worker measures that faster (auto)", choices=["auto", "all"])  # fmt: skip
+    decode_threads: str | None = option(None, "decode steps of up to 8 requests on every core, or one fewer where "
+        "measured faster (auto: the default where the worker's CPU threads are its own)", choices=["auto", "all"])  # fmt: skip
     batch_invariant: bool | None = option(
         None,
         "the same greedy tokens for a prompt whatever else is in the batch: one product and one attention "
@@ -248,12 +248,7 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
-        if self.block_size not in BLOCK_SIZES:
-            raise ConfigError("--block-size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ConfigError(
-                "--scheduling-policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
-            )
+        check_choices(self)  # --block-size, --scheduling-policy, --dtype, ... as argparse would
         for flag, value in (
             ("--max-num-seqs", self.max_num_seqs),
             ("--max-num-batched-tokens", self.max_num_batched_tokens),

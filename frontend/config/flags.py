@@ -69,6 +69,17 @@ def option(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def check_choices(config: Any) -> None:
+    """What argparse's choices refuse on the command line, refused where the config is built in Python too
+    (the LLM API's keyword arguments): a value outside a field's choices is a ConfigError naming its flag."""
+    for field in dataclasses.fields(config):
+        choices, value = field.metadata.get("choices"), getattr(config, field.name)
+        if choices is not None and value is not None and value not in choices:
+            raise ConfigError(
+                flag_name(field), f"must be one of {', '.join(map(str, choices))}, got {value!r}"
+            )
+
+
 def flag_name(field: dataclasses.Field[Any]) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
